@@ -1,0 +1,69 @@
+"""The ``vllm-disagg`` command. ``main(argv) -> int`` so every subcommand is testable in-process.
+
+Each subcommand lives in its own module exposing ``add_arguments(parser)`` (or
+``add_arguments_for(name, parser)`` when one module serves several subcommands) and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from vllm_disagg import __version__
+from vllm_disagg.errors import ConfigError
+
+# (subcommand, module, help). Nested commands use a space: "bench gateway".
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("up", "vllm_disagg.up", "start a whole local cluster (orchestrator, agents, engines)"),
+    ("orchestrator", "vllm_disagg.orchestrator.main", "run the orchestrator (gateway, registry, admin)"),
+    ("agent", "vllm_disagg.agent.main", "run an agent that launches or attaches to one engine"),
+    ("sim-engine", "vllm_disagg.sim.cli", "run one simulated vLLM engine"),
+    ("status", "vllm_disagg.orchestrator.admin_cli", "show the cluster's instances"),
+    ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
+    ("bench gateway", "vllm_disagg.bench.gateway", "gateway overhead vs talking to engines directly"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser; subcommand modules add their own flags."""
+    parser = argparse.ArgumentParser(prog="vllm-disagg", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"vllm-disagg {__version__}")
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction[argparse.ArgumentParser]] = {}
+    for name, module_name, help_text in COMMANDS:
+        words = name.split()
+        target = subparsers
+        if len(words) == 2:
+            if words[0] not in groups:
+                group = subparsers.add_parser(words[0], help=f"{words[0]} commands")
+                groups[words[0]] = group.add_subparsers(dest="subcommand", required=True, metavar="KIND")
+            target = groups[words[0]]
+        sub = target.add_parser(words[-1], help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name, _name=name)
+        module = importlib.import_module(module_name)
+        if hasattr(module, "add_arguments_for"):
+            module.add_arguments_for(name, sub)
+        else:
+            module.add_arguments(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the subcommand; returns the process exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.run(args))
+    except ConfigError as exc:
+        print(f"vllm-disagg {args._name}: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def entrypoint() -> None:
+    """Console-script entry point."""
+    sys.exit(main())

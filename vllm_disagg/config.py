@@ -1,0 +1,159 @@
+"""One typed, frozen configuration tree, validated before anything starts.
+
+Each part of the product takes its own section; ``__post_init__`` refuses values that cannot work
+with a ``ConfigError`` naming the field, so a bad flag fails at start-up rather than at request time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.protocol.messages import ROLES, Role
+
+
+def _positive(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if not value > 0:
+            raise ConfigError(f"{owner}.{name} must be > 0, got {value}")
+
+
+def _non_negative(owner: str, **values: float) -> None:
+    for name, value in values.items():
+        if value < 0:
+            raise ConfigError(f"{owner}.{name} must be >= 0, got {value}")
+
+
+def _port(owner: str, name: str, value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise ConfigError(f"{owner}.{name} must be a TCP port (0..65535), got {value}")
+
+
+@dataclass(frozen=True)
+class SimTiming:
+    """The simulated engine's timing model; all zero means an engine that answers at once."""
+
+    prefill_s_per_token: float = 0.0  # compute per uncached prompt token
+    decode_step_s: float = 0.0  # fixed cost of one decode step (one token for every running request)
+    decode_step_s_per_seq: float = 0.0  # added per running request in the step
+    kv_transfer_s_per_token: float = 0.0  # pulling remote KV, per transferred prompt token
+    max_num_seqs: int = 8  # the batch: more requests wait in the queue
+    num_blocks: int = 4096  # KV cache capacity in blocks
+    block_size: int = 16  # tokens per KV block
+
+    def __post_init__(self) -> None:
+        _non_negative(
+            "sim",
+            prefill_s_per_token=self.prefill_s_per_token,
+            decode_step_s=self.decode_step_s,
+            decode_step_s_per_seq=self.decode_step_s_per_seq,
+            kv_transfer_s_per_token=self.kv_transfer_s_per_token,
+        )
+        _positive("sim", max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks, block_size=self.block_size)
+
+    @property
+    def zero_delay(self) -> bool:
+        """True when the engine never waits: no step loop is needed."""
+        return (
+            self.prefill_s_per_token == 0
+            and self.decode_step_s == 0
+            and self.decode_step_s_per_seq == 0
+            and self.kv_transfer_s_per_token == 0
+        )
+
+
+@dataclass(frozen=True)
+class SimEngineConfig:
+    """A simulated vLLM server."""
+
+    model: str = "sim-model"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    engine_id: str = ""  # shown in kv_transfer_params; defaults to host:port
+    max_model_len: int = 4096
+    default_max_tokens: int = 16  # vLLM's default for /v1/completions
+    timing: SimTiming = field(default_factory=SimTiming)
+
+    def __post_init__(self) -> None:
+        _port("sim", "port", self.port)
+        _positive("sim", max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens)
+        if not self.model:
+            raise ConfigError("sim.model must not be empty")
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """The orchestrator: gateway, registry, agent endpoint."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    zmq_endpoint: str = "tcp://127.0.0.1:5555"
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.0  # no heartbeat for this long: the instance is dead
+    max_body_bytes: int = 16 << 20
+    connect_timeout_s: float = 2.0  # to an engine
+    upstream_timeout_s: float = 600.0  # whole engine leg, so a stuck engine cannot hang a client
+    max_frame_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        _port("orchestrator", "port", self.port)
+        _positive(
+            "orchestrator",
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            max_body_bytes=self.max_body_bytes,
+            connect_timeout_s=self.connect_timeout_s,
+            upstream_timeout_s=self.upstream_timeout_s,
+            max_frame_bytes=self.max_frame_bytes,
+        )
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                "orchestrator.heartbeat_timeout_s must exceed heartbeat_interval_s "
+                f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
+            )
+        if not self.zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(f"orchestrator.zmq_endpoint must be a ZeroMQ endpoint, got {self.zmq_endpoint!r}")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """One agent and the engine it launches or attaches to."""
+
+    agent_id: str
+    role: Role
+    orchestrator: str = "tcp://127.0.0.1:5555"
+    engine: str = "sim"  # "sim" or "vllm"
+    model: str = "sim-model"
+    engine_host: str = "127.0.0.1"
+    engine_port: int = 8100
+    attach_url: str = ""  # follow an engine someone else started instead of launching one
+    scrape_interval_s: float = 0.25
+    metrics_window_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    restart_backoff_s: float = 1.0
+    restart_backoff_max_s: float = 30.0
+    stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL to the engine's process group after this
+    sim: SimTiming = field(default_factory=SimTiming)
+
+    def __post_init__(self) -> None:
+        if not self.agent_id:
+            raise ConfigError("agent.agent_id must not be empty")
+        if self.role not in ROLES:
+            raise ConfigError(f"agent.role must be one of {list(ROLES)}, got {self.role!r}")
+        if self.engine not in ("sim", "vllm"):
+            raise ConfigError(f"agent.engine must be 'sim' or 'vllm', got {self.engine!r}")
+        _port("agent", "engine_port", self.engine_port)
+        _positive(
+            "agent",
+            scrape_interval_s=self.scrape_interval_s,
+            metrics_window_s=self.metrics_window_s,
+            startup_timeout_s=self.startup_timeout_s,
+            restart_backoff_s=self.restart_backoff_s,
+            restart_backoff_max_s=self.restart_backoff_max_s,
+        )
+        _non_negative("agent", stop_grace_s=self.stop_grace_s)
+
+    @property
+    def engine_url(self) -> str:
+        """The base URL of the engine this agent follows."""
+        return self.attach_url.rstrip("/") or f"http://{self.engine_host}:{self.engine_port}"

@@ -1,0 +1,142 @@
+"""Every error vllm-disagg raises on purpose, and the one map from error to HTTP status.
+
+Hierarchy::
+
+    DisaggError
+    ├── ConfigError                 invalid configuration, found before anything starts
+    ├── ProtocolError               orchestrator <-> agent messages
+    │   ├── CodecError              a frame that cannot become a message
+    │   │   ├── FrameTooLarge       over the size limit, refused before decoding
+    │   │   ├── MalformedFrame      not msgpack, or not the [tag, fields] envelope
+    │   │   ├── UnknownMessageType  a tag no message class carries
+    │   │   └── FieldTypeError      a missing, unknown or wrongly typed field
+    │   └── VersionMismatch         an agent speaking another PROTOCOL_VERSION
+    └── RequestError                one client request; carries an HTTP status
+        ├── BadRequest          400 malformed JSON, missing prompt/messages, bad field
+        ├── ModelNotFound       404 no instance serves the model
+        ├── PayloadTooLarge     413 body over the gateway limit
+        ├── NoCapacity          503 no ready instance can take the request
+        ├── UpstreamError       502 an engine failed or answered garbage
+        └── UpstreamTimeout     504 an engine did not answer in time
+
+Errors leave the gateway as OpenAI-style JSON: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+
+class DisaggError(Exception):
+    """Base of every error vllm-disagg raises on purpose."""
+
+
+class ConfigError(DisaggError):
+    """Configuration that cannot work; raised before anything starts."""
+
+
+class ProtocolError(DisaggError):
+    """A problem with an orchestrator <-> agent message."""
+
+    code = "protocol_error"
+
+
+class CodecError(ProtocolError):
+    """A frame that cannot be decoded into a message (or a message that cannot be encoded)."""
+
+    code = "codec_error"
+
+
+class FrameTooLarge(CodecError):
+    """A frame over the configured size limit; refused before any decoding."""
+
+    code = "frame_too_large"
+
+
+class MalformedFrame(CodecError):
+    """Bytes that are not msgpack, or not the ``[tag, fields]`` envelope."""
+
+    code = "malformed_frame"
+
+
+class UnknownMessageType(CodecError):
+    """A type tag that no message class carries."""
+
+    code = "unknown_message_type"
+
+
+class FieldTypeError(CodecError):
+    """A field that is missing, unknown, or of the wrong type."""
+
+    code = "field_type_error"
+
+
+class VersionMismatch(ProtocolError):
+    """An agent speaking a protocol version the orchestrator does not."""
+
+    code = "version_mismatch"
+
+
+class RequestError(DisaggError):
+    """A client request that cannot be served; ``status`` is its HTTP status."""
+
+    status = 500
+    type = "InternalServerError"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_json(self) -> dict[str, object]:
+        """The OpenAI-style error object."""
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
+
+
+class BadRequest(RequestError):
+    """Malformed JSON, a missing ``prompt``/``messages``, or a field of the wrong type."""
+
+    status = 400
+    type = "BadRequestError"
+
+
+class ModelNotFound(RequestError):
+    """No registered instance serves the requested model."""
+
+    status = 404
+    type = "NotFoundError"
+
+
+class PayloadTooLarge(RequestError):
+    """A request body over the gateway's limit."""
+
+    status = 413
+    type = "PayloadTooLargeError"
+
+
+class NoCapacity(RequestError):
+    """No ready instance can take the request now."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+
+
+class UpstreamError(RequestError):
+    """An engine failed, refused, or answered something the gateway cannot use."""
+
+    status = 502
+    type = "BadGatewayError"
+
+
+class UpstreamTimeout(RequestError):
+    """An engine did not answer within the configured time."""
+
+    status = 504
+    type = "GatewayTimeoutError"
+
+
+def http_status(error: BaseException) -> int:
+    """The one map from an error to the HTTP status a client sees."""
+    if isinstance(error, RequestError):
+        return error.status
+    return 500

@@ -1,0 +1,1 @@
+"""Typed, versioned messages between orchestrator and agents, their codec and transport."""

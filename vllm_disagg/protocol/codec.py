@@ -1,0 +1,164 @@
+"""The one msgpack codec for protocol messages.
+
+A frame is ``msgpack([tag, {field: value, ...}])``. Decoding checks the size first, then the
+envelope, the tag, and every field against the dataclass's annotations; any failure is a typed
+``CodecError`` with a reason, never a crash. Unknown fields are refused (a newer peer must bump the
+protocol version to add meaning; appended fields with defaults may be omitted by older peers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, Literal, Union
+
+import msgpack
+
+from vllm_disagg.errors import FieldTypeError, FrameTooLarge, MalformedFrame, UnknownMessageType
+from vllm_disagg.protocol.messages import MESSAGE_TYPES, Message
+
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+
+Check = Callable[[Any, str], Any]  # (value, path) -> converted value, or raises FieldTypeError
+
+
+def _fail(path: str, expected: str, value: object) -> typing.NoReturn:
+    raise FieldTypeError(f"field {path!r}: expected {expected}, got {type(value).__name__}")
+
+
+def _checker(tp: Any) -> Check:
+    """Compile a validator for one annotation (done once per message class)."""
+    origin = typing.get_origin(tp)
+    if tp is bool:
+        return lambda v, p: v if isinstance(v, bool) else _fail(p, "bool", v)
+    if tp is int:
+        return lambda v, p: v if isinstance(v, int) and not isinstance(v, bool) else _fail(p, "int", v)
+    if tp is float:
+
+        def check_float(v: Any, p: str) -> float:
+            if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
+                return float(v)
+            _fail(p, "float", v)
+
+        return check_float
+    if tp is str:
+        return lambda v, p: v if isinstance(v, str) else _fail(p, "str", v)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+
+        def check_literal(v: Any, p: str) -> Any:
+            if v in allowed and type(v) in {type(a) for a in allowed}:
+                return v
+            raise FieldTypeError(f"field {p!r}: expected one of {list(allowed)}, got {v!r}")
+
+        return check_literal
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        inner = [_checker(a) for a in args if a is not type(None)]
+        nullable = type(None) in args
+
+        def check_union(v: Any, p: str) -> Any:
+            if v is None and nullable:
+                return None
+            for c in inner:
+                try:
+                    return c(v, p)
+                except FieldTypeError:
+                    continue
+            _fail(p, " | ".join(getattr(a, "__name__", str(a)) for a in args), v)
+
+        return check_union
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        item = _checker(item_tp)
+
+        def check_list(v: Any, p: str) -> list[Any]:
+            if not isinstance(v, list):
+                _fail(p, "list", v)
+            return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
+
+        return check_list
+    if origin is dict:
+        key_tp, val_tp = typing.get_args(tp)
+        key, val = _checker(key_tp), _checker(val_tp)
+
+        def check_dict(v: Any, p: str) -> dict[Any, Any]:
+            if not isinstance(v, dict):
+                _fail(p, "map", v)
+            return {key(k, f"{p}.<key>"): val(x, f"{p}.{k}") for k, x in v.items()}
+
+        return check_dict
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _StructCodec(tp).decode_fields
+    raise TypeError(f"the codec cannot carry annotation {tp!r}")
+
+
+class _StructCodec:
+    """Field validators for one dataclass, compiled once."""
+
+    def __init__(self, cls: type[Any]) -> None:
+        self.cls = cls
+        hints = typing.get_type_hints(cls)
+        self.fields = [f for f in dataclasses.fields(cls) if f.init]
+        self.names = frozenset(f.name for f in self.fields)
+        self.required = frozenset(
+            f.name
+            for f in self.fields
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        )
+        self.checks = {f.name: _checker(hints[f.name]) for f in self.fields}
+        self.nested = {
+            f.name: _StructCodec(hints[f.name]) for f in self.fields if dataclasses.is_dataclass(hints[f.name])
+        }
+
+    def decode_fields(self, raw: Any, path: str = "") -> Any:
+        if not isinstance(raw, dict):
+            _fail(path or self.cls.__name__, "map of fields", raw)
+        unknown = raw.keys() - self.names
+        if unknown:
+            raise FieldTypeError(f"{self.cls.__name__}: unknown field(s) {sorted(map(str, unknown))}")
+        missing = self.required - raw.keys()
+        if missing:
+            raise FieldTypeError(f"{self.cls.__name__}: missing field(s) {sorted(missing)}")
+        prefix = f"{path}." if path else ""
+        kwargs = {name: self.checks[name](value, prefix + name) for name, value in raw.items()}
+        return self.cls(**kwargs)
+
+    def encode_fields(self, obj: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in self.fields:
+            value = getattr(obj, f.name)
+            if f.name in self.nested:
+                value = self.nested[f.name].encode_fields(value)
+            out[f.name] = value
+        return out
+
+
+_BY_TAG: dict[str, _StructCodec] = {cls.TAG: _StructCodec(cls) for cls in MESSAGE_TYPES}
+
+
+def encode(message: Message) -> bytes:
+    """One message as a frame."""
+    codec = _BY_TAG.get(getattr(message, "TAG", ""))
+    if codec is None or codec.cls is not type(message):
+        raise UnknownMessageType(f"not a protocol message: {type(message).__name__}")
+    return typing.cast(bytes, msgpack.packb([message.TAG, codec.encode_fields(message)], use_bin_type=True))
+
+
+def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """One frame as a message, or a ``CodecError`` that says what is wrong with it."""
+    if len(frame) > max_bytes:
+        raise FrameTooLarge(f"frame of {len(frame)} bytes is over the limit of {max_bytes}")
+    try:
+        envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+        raise MalformedFrame(f"not a msgpack frame ({type(exc).__name__}: {exc})") from None
+    if not (isinstance(envelope, list) and len(envelope) == 2 and isinstance(envelope[0], str)):
+        raise MalformedFrame("a frame must be [tag, fields]")
+    tag, raw = envelope
+    codec = _BY_TAG.get(tag)
+    if codec is None:
+        raise UnknownMessageType(f"unknown message type {tag!r}")
+    return typing.cast(Message, codec.decode_fields(raw))

@@ -1,0 +1,127 @@
+"""Typed, versioned messages between the orchestrator and its agents.
+
+Every message is a frozen dataclass with a ``TAG``. New fields are appended with defaults, so an
+older peer's frame still decodes; anything that changes meaning bumps ``PROTOCOL_VERSION``.
+
+A session: agent -> ``Hello``; orchestrator -> ``Welcome`` or ``Refuse``; then agent -> ``Heartbeat``
+every ``Welcome.heartbeat_interval_s``; orchestrator -> ``Command``, agent -> ``Ack``; either side
+-> ``Goodbye`` when it leaves. See docs/protocol.md for an example of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+PROTOCOL_VERSION = 1
+
+Role = Literal["prefill", "decode", "both"]
+EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
+CommandKind = Literal["drain", "undrain", "shutdown"]
+ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
+ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unhealthy", "restarting", "stopped")
+COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown")
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceInfo:
+    """What an agent tells the orchestrator about its engine when it says Hello."""
+
+    url: str  # base URL of the engine's OpenAI server, e.g. http://127.0.0.1:8101
+    role: Role
+    model: str  # served model name clients ask for
+    engine: str = "vllm"  # "vllm" or "sim"
+    revision: str = ""
+    block_size: int = 16
+    kv_connector: str = ""  # e.g. NixlConnector; P and D must match to exchange KV
+    max_model_len: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSnapshot:
+    """The engine's state as the agent scraped it; windowed values are over the last ``window_s``."""
+
+    scraped_at: float = 0.0  # agent's wall clock
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    ttft_s: float | None = None  # mean time to first token over the window; None without samples
+    tpot_s: float | None = None  # mean time per output token over the window
+    prefix_cache_hit_rate: float | None = None  # hit tokens / queried tokens over the window
+    window_s: float = 0.0
+    requests_finished: int = 0  # engine's lifetime count of finished requests
+    prompt_tokens: int = 0  # engine's lifetime counters
+    generation_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """Agent -> orchestrator, first message of a session."""
+
+    TAG: ClassVar[str] = "hello"
+    protocol_version: int
+    agent_id: str
+    instance: InstanceInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Orchestrator -> agent: the session is accepted; heartbeat at this interval."""
+
+    TAG: ClassVar[str] = "welcome"
+    protocol_version: int
+    agent_id: str
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """Either side: this frame or session is refused, and why. ``code`` is machine-readable."""
+
+    TAG: ClassVar[str] = "refuse"
+    code: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Agent -> orchestrator at a fixed interval: liveness, engine state and a metrics snapshot."""
+
+    TAG: ClassVar[str] = "heartbeat"
+    seq: int
+    engine_state: EngineState
+    draining: bool = False
+    metrics: MetricsSnapshot = field(default_factory=MetricsSnapshot)
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """Orchestrator -> agent: do something; answered by an ``Ack`` with the same id."""
+
+    TAG: ClassVar[str] = "command"
+    id: int
+    kind: CommandKind
+    args: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """Agent -> orchestrator: the outcome of ``Command`` ``id``."""
+
+    TAG: ClassVar[str] = "ack"
+    id: int
+    ok: bool
+    error: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Goodbye:
+    """Either side is leaving on purpose (shutdown), so the other need not wait for a timeout."""
+
+    TAG: ClassVar[str] = "goodbye"
+    reason: str = ""
+
+
+Message = Hello | Welcome | Refuse | Heartbeat | Command | Ack | Goodbye
+MESSAGE_TYPES: tuple[type[Message], ...] = (Hello, Welcome, Refuse, Heartbeat, Command, Ack, Goodbye)

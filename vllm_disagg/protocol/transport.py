@@ -1,0 +1,127 @@
+"""ZeroMQ transport: ROUTER on the orchestrator, DEALER on each agent, on ``zmq.asyncio``.
+
+Each socket has exactly one reader: its owner's loop calling ``recv()``. ``recv`` never raises for
+bad bytes; it returns the ``CodecError`` in place of a message so the owner can refuse the frame
+with a reason and keep serving. Sends never block: a peer that is gone or slow loses the message
+(heartbeats are periodic, commands are retried by their issuer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from vllm_disagg.errors import CodecError, MalformedFrame
+from vllm_disagg.protocol.codec import DEFAULT_MAX_FRAME_BYTES, decode, encode
+from vllm_disagg.protocol.messages import Message
+
+# Messages queued per peer before sends are dropped; a heartbeat stream must never grow memory.
+_SEND_HWM = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Incoming:
+    """One frame from a peer: the decoded message, or why it could not be decoded."""
+
+    peer: bytes
+    message: Message | None
+    error: CodecError | None
+
+
+class RouterTransport:
+    """The orchestrator's socket: many agents, addressed by their routing id (the agent id)."""
+
+    def __init__(self, endpoint: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not silence
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent takes its id back
+        self._sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        # Refuse oversized frames in libzmq itself, with headroom for the identity frame.
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * 2)
+        self._max = max_frame_bytes
+        self._sock.bind(endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    async def recv(self) -> Incoming:
+        """The next frame from any agent."""
+        parts = await self._sock.recv_multipart(copy=True)
+        peer = parts[0]
+        if len(parts) != 2:
+            return Incoming(peer, None, MalformedFrame(f"expected 1 frame part, got {len(parts) - 1}"))
+        try:
+            return Incoming(peer, decode(parts[1], max_bytes=self._max), None)
+        except CodecError as exc:
+            return Incoming(peer, None, exc)
+
+    def send(self, peer: bytes, message: Message) -> bool:
+        """Send to one agent; False when it is not connected or its queue is full."""
+        try:
+            self._sock.send_multipart([peer, encode(message)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
+                return False
+            raise
+        return True
+
+    def close(self) -> None:
+        """Close the socket and its context."""
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+class DealerTransport:
+    """An agent's socket to the orchestrator. libzmq reconnects by itself, with backoff."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        identity: str,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        reconnect_ivl_ms: int = 100,
+        reconnect_ivl_max_ms: int = 2000,
+    ) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while the orchestrator is away
+        self._sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        self._sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
+        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max_ms)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        self._max = max_frame_bytes
+        self._sock.connect(endpoint)
+
+    async def recv(self) -> Incoming:
+        """The next frame from the orchestrator."""
+        parts = await self._sock.recv_multipart(copy=True)
+        if len(parts) != 1:
+            return Incoming(b"", None, MalformedFrame(f"expected 1 frame part, got {len(parts)}"))
+        try:
+            return Incoming(b"", decode(parts[0], max_bytes=self._max), None)
+        except CodecError as exc:
+            return Incoming(b"", None, exc)
+
+    def send(self, message: Message) -> bool:
+        """Send to the orchestrator; False when it is not connected (the message is dropped)."""
+        return self.send_raw(encode(message))
+
+    def send_raw(self, frame: bytes) -> bool:
+        """Send bytes as they are (tests use this to send garbage)."""
+        try:
+            self._sock.send(frame, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.EAGAIN:
+                return False
+            raise
+        return True
+
+    def close(self) -> None:
+        """Close the socket and its context."""
+        self._sock.close(linger=0)
+        self._ctx.term()

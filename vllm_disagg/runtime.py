@@ -1,0 +1,54 @@
+"""Process plumbing shared by every long-running subcommand: the event loop and stop signals."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+_PR_SET_PDEATHSIG = 1
+
+
+def run_service(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
+    """Run ``main(stop)`` on uvloop (when installed); SIGINT/SIGTERM set ``stop`` instead of killing.
+
+    ``main`` should return soon after ``stop`` is set, having cleaned up what it started.
+    """
+
+    async def wrapper() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            return await main(stop)
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+
+    return asyncio_run(wrapper())
+
+
+def asyncio_run(coro: Awaitable[int]) -> int:
+    """``asyncio.run`` on uvloop when it is available."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(coro)  # type: ignore[arg-type]
+    return int(uvloop.run(coro))
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """``preexec_fn`` for children: the kernel sends ``sig`` when the parent dies, even by SIGKILL.
+
+    This is what guarantees that no engine outlives its agent, and no agent outlives ``up``.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    with contextlib.suppress(Exception):
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
