@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import socket
+import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -39,8 +44,72 @@ async def eventually(
                 result = await result
             if result:
                 return result  # type: ignore[return-value]
-        except Exception as exc:  # noqa: BLE001 - a probe of a starting server may fail any way
+        except Exception as exc:  # a probe of a starting server may fail any way
             last_error = exc
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}; last error: {last_error!r}")
         await asyncio.sleep(interval)
+
+
+def eventually_sync(
+    probe: Callable[[], T | None], *, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"
+) -> T:
+    """``eventually`` for synchronous fixtures."""
+    deadline = time.monotonic() + timeout
+    last_error: BaseException | None = None
+    while True:
+        try:
+            result = probe()
+            if result:
+                return result
+        except Exception as exc:  # a probe of a starting server may fail any way
+            last_error = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last error: {last_error!r}")
+        time.sleep(interval)
+
+
+def http_json(
+    url: str, *, method: str = "GET", body: bytes | None = None, timeout: float = 5.0
+) -> tuple[int, Any]:
+    """A blocking HTTP call for fixtures: (status, parsed JSON or raw text)."""
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        status, raw = err.code, err.read()
+    try:
+        return status, json.loads(raw)
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def cli_argv(*args: str) -> list[str]:
+    """The ``vllm-disagg`` command line as a child process of this interpreter."""
+    return [sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())", *args]
+
+
+def parse_prometheus(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Samples of a Prometheus exposition: {(name, labels): value}."""
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^([^{\s]+)(?:\{(.*)\})?\s+(\S+)", line)
+        if not match:
+            continue
+        name, raw_labels, value = match.groups()
+        labels = frozenset(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', raw_labels or ""))
+        samples[(name, labels)] = float(value)
+    return samples
+
+
+def metric_sum(
+    samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    """Sum of a metric's samples whose labels include ``labels``."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)

@@ -49,7 +49,9 @@ class SimTiming:
             decode_step_s_per_seq=self.decode_step_s_per_seq,
             kv_transfer_s_per_token=self.kv_transfer_s_per_token,
         )
-        _positive("sim", max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks, block_size=self.block_size)
+        _positive(
+            "sim", max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks, block_size=self.block_size
+        )
 
     @property
     def zero_delay(self) -> bool:
@@ -112,7 +114,9 @@ class OrchestratorConfig:
                 f"({self.heartbeat_timeout_s} <= {self.heartbeat_interval_s})"
             )
         if not self.zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(f"orchestrator.zmq_endpoint must be a ZeroMQ endpoint, got {self.zmq_endpoint!r}")
+            raise ConfigError(
+                f"orchestrator.zmq_endpoint must be a ZeroMQ endpoint, got {self.zmq_endpoint!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,10 @@ import ctypes
 import ctypes.util
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
 
@@ -33,13 +36,14 @@ def run_service(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
     return asyncio_run(wrapper())
 
 
-def asyncio_run(coro: Awaitable[int]) -> int:
+def asyncio_run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop when it is available."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        return asyncio.run(coro)  # type: ignore[arg-type]
-    return int(uvloop.run(coro))
+        return asyncio.run(coro)
+    result: T = uvloop.run(coro)
+    return result
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:

@@ -110,7 +110,9 @@ class _StructCodec:
         )
         self.checks = {f.name: _checker(hints[f.name]) for f in self.fields}
         self.nested = {
-            f.name: _StructCodec(hints[f.name]) for f in self.fields if dataclasses.is_dataclass(hints[f.name])
+            f.name: _StructCodec(hints[f.name])
+            for f in self.fields
+            if dataclasses.is_dataclass(hints[f.name])
         }
 
     def decode_fields(self, raw: Any, path: str = "") -> Any:
@@ -144,7 +146,8 @@ def encode(message: Message) -> bytes:
     codec = _BY_TAG.get(getattr(message, "TAG", ""))
     if codec is None or codec.cls is not type(message):
         raise UnknownMessageType(f"not a protocol message: {type(message).__name__}")
-    return typing.cast(bytes, msgpack.packb([message.TAG, codec.encode_fields(message)], use_bin_type=True))
+    frame: bytes = msgpack.packb([message.TAG, codec.encode_fields(message)], use_bin_type=True)
+    return frame
 
 
 def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
@@ -154,7 +157,9 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message
     try:
         envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
-        raise MalformedFrame(f"not a msgpack frame ({type(exc).__name__}: {exc})") from None
+        # Some msgpack errors carry no message; the class name alone is still a reason.
+        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        raise MalformedFrame(f"not a msgpack frame ({detail})") from None
     if not (isinstance(envelope, list) and len(envelope) == 2 and isinstance(envelope[0], str)):
         raise MalformedFrame("a frame must be [tag, fields]")
     tag, raw = envelope

@@ -67,9 +67,9 @@ class RouterTransport:
             raise
         return True
 
-    def close(self) -> None:
-        """Close the socket and its context."""
-        self._sock.close(linger=0)
+    def close(self, *, linger_ms: int = 0) -> None:
+        """Close the socket and its context; ``linger_ms`` > 0 first flushes queued messages (a Goodbye)."""
+        self._sock.close(linger=linger_ms)
         self._ctx.term()
 
 
@@ -121,7 +121,7 @@ class DealerTransport:
             raise
         return True
 
-    def close(self) -> None:
-        """Close the socket and its context."""
-        self._sock.close(linger=0)
+    def close(self, *, linger_ms: int = 0) -> None:
+        """Close the socket and its context; ``linger_ms`` > 0 first flushes queued messages (a Goodbye)."""
+        self._sock.close(linger=linger_ms)
         self._ctx.term()

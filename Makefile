@@ -1,0 +1,43 @@
+# The two commands of the README. Each creates its own virtualenv (.venv) and is idempotent:
+# a second run reinstalls only when pyproject.toml changed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+UP_ARGS ?= --engine sim --prefill 1 --decode 1
+
+.PHONY: up test lint typecheck unit setup setup-test bench clean
+
+## up: set up, then run a local cluster serving on http://127.0.0.1:8000 (Ctrl-C stops it)
+up: setup
+	$(BIN)/vllm-disagg up $(UP_ARGS)
+
+## test: set up, then ruff, mypy strict and every test
+test: setup-test lint typecheck
+	$(BIN)/python -m pytest -q
+
+lint: setup-test
+	$(BIN)/ruff check vllm_disagg tests
+	$(BIN)/ruff format --check vllm_disagg tests
+
+typecheck: setup-test
+	$(BIN)/mypy
+
+bench: setup
+	$(BIN)/vllm-disagg bench gateway
+
+setup: $(VENV)/.installed
+setup-test: $(VENV)/.installed-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

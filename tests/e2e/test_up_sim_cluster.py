@@ -1,0 +1,273 @@
+"""A 2P2D cluster of simulated engines started through ``vllm-disagg up``: the spine end to end.
+
+Everything is a real process on loopback: ``up``, the orchestrator, four agents, four engines.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import (
+    cli_argv,
+    eventually,
+    eventually_sync,
+    free_port,
+    http_json,
+    metric_sum,
+    parse_prometheus,
+)
+from vllm_disagg import jsonutil
+from vllm_disagg.sim.textgen import expected_chat_text, expected_text
+
+MODEL = "sim-model"
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog, again and again, until the dog finally wakes up.",
+    "In a disaggregated deployment the prefill instance computes the prompt's KV cache once.",
+    "Decode instances pull the KV blocks and generate tokens, one step at a time, for every request.",
+    "A router that knows queue depth, KV usage and prefix caches can place requests much better.",
+]
+
+
+@dataclass
+class Cluster:
+    """A running ``up`` process and where it listens."""
+
+    proc: subprocess.Popen[bytes]
+    base: str
+    engine_ports: list[int]
+    log: Path
+
+    def instances(self) -> list[dict[str, Any]]:
+        status, body = http_json(f"{self.base}/admin/v1/instances")
+        assert status == 200, body
+        items = body["instances"] if isinstance(body, dict) else body
+        assert isinstance(items, list)
+        return items
+
+
+def _engine_pids(ports: list[int]) -> list[int]:
+    """Pids of every process whose command line names one of these engine ports."""
+    needles = {f"--port\x00{p}\x00" for p in ports} | {f"--engine-port\x00{p}\x00" for p in ports}
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_text(errors="replace")
+        except OSError:
+            continue
+        if any(n in cmdline + "\x00" for n in needles):
+            pids.append(int(entry))
+    return pids
+
+
+def _start_up(tmp_path: Path, prefill: int, decode: int) -> Cluster:
+    port, zmq_port, base_port = free_port(), free_port(), free_port()
+    # Engine ports follow base_port; make sure the whole range is free right now.
+    while not all(_port_free(base_port + i) for i in range(prefill + decode)):
+        base_port = free_port()
+    log = tmp_path / "up.log"
+    argv = cli_argv(
+        "up", "--engine", "sim", "--prefill", str(prefill), "--decode", str(decode),
+        "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(base_port),
+        "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0", "--stop-grace-s", "5",
+    )  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    cluster = Cluster(proc, f"http://127.0.0.1:{port}", [base_port + i for i in range(prefill + decode)], log)
+    try:
+        eventually_sync(
+            lambda: "instances ready" in log.read_text(), timeout=120, what=f"up ready (log: {log})"
+        )
+    except AssertionError:
+        _stop(cluster)
+        raise AssertionError(log.read_text()) from None
+    return cluster
+
+
+def _port_free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _stop(cluster: Cluster) -> int:
+    if cluster.proc.poll() is None:
+        cluster.proc.send_signal(signal.SIGTERM)
+    try:
+        return cluster.proc.wait(timeout=60)
+    finally:
+        if cluster.proc.poll() is None:
+            os.killpg(cluster.proc.pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    running = _start_up(tmp_path_factory.mktemp("up2p2d"), prefill=2, decode=2)
+    yield running
+    _stop(running)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, bytes, Any]:
+    async with session.post(url, data=jsonutil.dumps(body)) as resp:
+        return resp.status, await resp.read(), resp.headers
+
+
+def _stream_text(raw: bytes, chat: bool) -> str:
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    text = []
+    for event in events[:-1]:
+        for choice in jsonutil.loads(event)["choices"]:
+            text.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
+    return "".join(text)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+async def test_2p2d_serves_every_request_with_the_exact_expected_text(
+    cluster: Cluster, chat: bool, stream: bool
+) -> None:
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    async with aiohttp.ClientSession() as session:
+        for prompt in PROMPTS:
+            messages = [{"role": "user", "content": prompt}]
+            body: dict[str, Any] = {"model": MODEL, "max_tokens": 12, "stream": stream}
+            body.update({"messages": messages} if chat else {"prompt": prompt})
+            status, raw, headers = await _post(session, cluster.base + route, body)
+            assert status == 200, raw
+            want = expected_chat_text(messages, 12) if chat else expected_text(prompt, 12)
+            if stream:
+                got = _stream_text(raw, chat)
+            else:
+                choice = jsonutil.loads(raw)["choices"][0]
+                got = choice["message"]["content"] if chat else choice["text"]
+            assert got == want
+            assert headers["X-Disagg-Mode"] == "disaggregated"
+            assert headers["X-Disagg-Prefill"].startswith("prefill-")
+            assert headers["X-Disagg-Decode"].startswith("decode-")
+
+
+async def test_engine_counters_show_prefill_legs_on_p_and_decode_legs_on_d(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as session:
+
+        async def engine_samples() -> dict[str, dict[tuple[str, frozenset[tuple[str, str]]], float]]:
+            out = {}
+            for item in cluster.instances():
+                async with session.get(f"{item['url']}/metrics") as resp:
+                    out[item["agent_id"]] = parse_prometheus(await resp.text())
+            return out
+
+        before = await engine_samples()
+        n = 8
+        for i in range(n):
+            prompt = f"request {i}: " + PROMPTS[i % len(PROMPTS)]
+            status, raw, _ = await _post(
+                session, cluster.base + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 5}
+            )
+            assert status == 200, raw
+        after = await engine_samples()
+
+    def grew(agent: str, name: str, **labels: str) -> float:
+        return metric_sum(after[agent], name, **labels) - metric_sum(before[agent], name, **labels)
+
+    prefills = [a for a in after if a.startswith("prefill-")]
+    decodes = [a for a in after if a.startswith("decode-")]
+    # Every request ran once on some P with max_tokens=1, and once on some D with its real max_tokens.
+    p_legs = sum(grew(a, "vllm:request_params_max_tokens_count") for a in prefills)
+    p_legs_of_one = sum(grew(a, "vllm:request_params_max_tokens_bucket", le="1.0") for a in prefills)
+    d_legs = sum(grew(a, "vllm:request_params_max_tokens_count") for a in decodes)
+    d_legs_of_one = sum(grew(a, "vllm:request_params_max_tokens_bucket", le="1.0") for a in decodes)
+    assert p_legs == n and p_legs_of_one == n
+    assert d_legs == n and d_legs_of_one == 0
+    # The decode side received the prompts' KV instead of computing it.
+    external = sum(
+        grew(a, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") for a in decodes
+    )
+    assert external > 0
+    assert sum(grew(a, "vllm:generation_tokens_total") for a in decodes) == n * 5
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "reason"),
+    [
+        (b"{not json", 400, "json"),
+        (jsonutil.dumps({"model": "no-such-model", "prompt": "hi"}), 404, "no-such-model"),
+        (jsonutil.dumps({"model": MODEL}), 400, "prompt"),
+    ],
+    ids=["malformed-json-is-400", "unknown-model-is-404", "missing-prompt-is-400"],
+)
+async def test_bad_requests_get_a_clear_error_and_the_gateway_keeps_serving(
+    cluster: Cluster, body: bytes, status: int, reason: str
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(cluster.base + "/v1/completions", data=body) as resp:
+            assert resp.status == status
+            error = jsonutil.loads(await resp.read())["error"]
+            assert reason in error["message"].lower()
+        ok, raw, _ = await _post(
+            session, cluster.base + "/v1/completions", {"model": MODEL, "prompt": "still here", "max_tokens": 3}
+        )
+        assert ok == 200 and jsonutil.loads(raw)["choices"][0]["text"] == expected_text("still here", 3)
+
+
+async def test_missing_messages_on_chat_is_400(cluster: Cluster) -> None:
+    async with aiohttp.ClientSession() as session:
+        status, raw, _ = await _post(session, cluster.base + "/v1/chat/completions", {"model": MODEL})
+    assert status == 400
+    assert "messages" in jsonutil.loads(raw)["error"]["message"]
+
+
+async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp_path: Path) -> None:
+    running = _start_up(tmp_path, prefill=1, decode=2)
+    try:
+        victim = next(i for i in running.instances() if i["agent_id"] == "decode-0")
+        agent_pid = next(
+            pid for pid in _engine_pids([int(victim["url"].rsplit(":", 1)[1])]) if _is_agent(pid)
+        )
+        os.kill(agent_pid, signal.SIGKILL)
+
+        def victim_dead() -> bool:
+            return any(i["agent_id"] == "decode-0" and i["state"] == "dead" for i in running.instances())
+
+        # Heartbeat timeout is 1 s; allow a wide margin for a loaded 2-core machine.
+        await eventually(victim_dead, timeout=15, what="decode-0 marked dead")
+        async with aiohttp.ClientSession() as session:
+            for i in range(10):
+                prompt = f"after the kill {i}"
+                status, raw, headers = await _post(
+                    session, running.base + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+                )
+                assert status == 200, raw
+                assert headers["X-Disagg-Decode"] == "decode-1"
+                assert jsonutil.loads(raw)["choices"][0]["text"] == expected_text(prompt, 4)
+    finally:
+        assert _stop(running) == 0
+    # Nothing outlives ``up``: no agent, no engine.
+    await eventually(lambda: not _engine_pids(running.engine_ports), timeout=15, what="no orphan processes")
+
+
+def _is_agent(pid: int) -> bool:
+    return "\x00agent\x00" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+
+
+def test_up_stops_everything_on_sigterm(cluster: Cluster) -> None:
+    ports = cluster.engine_ports
+    assert len(_engine_pids(ports)) >= 2 * len(ports)  # an agent and an engine per instance
+    assert _stop(cluster) == 0
+    eventually_sync(lambda: not _engine_pids(ports), timeout=15, what="no orphan processes")
+    assert "stopped" in cluster.log.read_text()

@@ -1,0 +1,307 @@
+"""The codec: every message survives a round trip, and every bad frame is refused with a typed reason."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_disagg.errors import (
+    CodecError,
+    FieldTypeError,
+    FrameTooLarge,
+    MalformedFrame,
+    UnknownMessageType,
+)
+from vllm_disagg.protocol.codec import DEFAULT_MAX_FRAME_BYTES, decode, encode
+from vllm_disagg.protocol.messages import (
+    ENGINE_STATES,
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    InstanceInfo,
+    Message,
+    MetricsSnapshot,
+    Refuse,
+    Welcome,
+)
+
+INSTANCE = InstanceInfo(
+    url="http://127.0.0.1:8101",
+    role="prefill",
+    model="tiny",
+    engine="sim",
+    revision="r1",
+    block_size=128,
+    kv_connector="NixlConnector",
+    max_model_len=512,
+)
+METRICS = MetricsSnapshot(
+    scraped_at=1.7e9 + 0.5,
+    num_running=3,
+    num_waiting=2,
+    kv_cache_usage=0.25,
+    ttft_s=0.125,
+    tpot_s=None,
+    prefix_cache_hit_rate=0.5,
+    window_s=9.75,
+    requests_finished=42,
+    prompt_tokens=1000,
+    generation_tokens=2000,
+)
+
+# One example of every message, each with non-default values, including nested structs and None.
+EXAMPLES: list[Message] = [
+    Hello(protocol_version=PROTOCOL_VERSION, agent_id="agent-p0", instance=INSTANCE),
+    Welcome(
+        protocol_version=PROTOCOL_VERSION,
+        agent_id="agent-p0",
+        heartbeat_interval_s=0.5,
+        heartbeat_timeout_s=2,
+    ),
+    Refuse(code="version_mismatch", reason="orchestrator speaks protocol 1, agent speaks 2"),
+    Heartbeat(seq=7, engine_state="unhealthy", draining=True, metrics=METRICS),
+    Heartbeat(seq=1, engine_state="starting"),
+    Command(id=9, kind="shutdown", args={"reason": "scale-in", "grace_s": "5"}),
+    Ack(id=9, ok=False, error="engine did not stop"),
+    Goodbye(reason="shutdown command"),
+]
+
+
+def frame(tag: Any, fields: Any) -> bytes:
+    """A hand-built frame, for shapes the encoder would never produce."""
+    return bytes(msgpack.packb([tag, fields], use_bin_type=True))
+
+
+def hello_fields(**changes: Any) -> dict[str, Any]:
+    """A valid Hello's fields with some changed (a value of ``...`` removes the field)."""
+    fields: dict[str, Any] = {
+        "protocol_version": 1,
+        "agent_id": "a",
+        "instance": {"url": "http://x", "role": "decode", "model": "m"},
+    }
+    fields.update(changes)
+    return {k: v for k, v in fields.items() if v is not ...}
+
+
+def test_examples_cover_every_message_type() -> None:
+    assert {type(m) for m in EXAMPLES} == set(MESSAGE_TYPES)
+
+
+@pytest.mark.parametrize("message", EXAMPLES, ids=lambda m: f"{m.TAG}")
+def test_every_message_round_trips_unchanged(message: Message) -> None:
+    data = encode(message)
+    assert decode(data) == message
+    assert msgpack.unpackb(data)[0] == message.TAG  # the envelope is [tag, fields]
+
+
+def test_a_float_field_sent_as_an_int_decodes_as_a_float() -> None:
+    decoded = decode(encode(Welcome(1, "a", heartbeat_interval_s=1, heartbeat_timeout_s=3)))
+    assert isinstance(decoded, Welcome)
+    assert isinstance(decoded.heartbeat_interval_s, float)
+    assert decoded.heartbeat_interval_s == 1.0
+
+
+def test_fields_appended_with_defaults_may_be_omitted_by_an_older_peer() -> None:
+    decoded = decode(frame("heartbeat", {"seq": 3, "engine_state": "ready"}))
+    assert decoded == Heartbeat(seq=3, engine_state="ready", draining=False, metrics=MetricsSnapshot())
+
+
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+counts = st.integers(min_value=0, max_value=2**63 - 1)
+
+
+@given(
+    seq=counts,
+    state=st.sampled_from(ENGINE_STATES),
+    draining=st.booleans(),
+    metrics=st.builds(
+        MetricsSnapshot,
+        scraped_at=finite,
+        num_running=counts,
+        num_waiting=counts,
+        kv_cache_usage=finite,
+        ttft_s=st.none() | finite,
+        tpot_s=st.none() | finite,
+        prefix_cache_hit_rate=st.none() | finite,
+        window_s=finite,
+        requests_finished=counts,
+        prompt_tokens=counts,
+        generation_tokens=counts,
+    ),
+)
+def test_any_heartbeat_round_trips(seq: int, state: Any, draining: bool, metrics: MetricsSnapshot) -> None:
+    message = Heartbeat(seq=seq, engine_state=state, draining=draining, metrics=metrics)
+    assert decode(encode(message)) == message
+
+
+def test_nan_metrics_survive_a_round_trip() -> None:
+    decoded = decode(encode(Heartbeat(1, "ready", metrics=MetricsSnapshot(kv_cache_usage=math.nan))))
+    assert isinstance(decoded, Heartbeat)
+    assert math.isnan(decoded.metrics.kv_cache_usage)
+
+
+GOOD = encode(EXAMPLES[3])
+
+REFUSALS: list[tuple[str, bytes, type[CodecError], str]] = [
+    ("garbage bytes are malformed", b"\xc1\xc1\xc1", MalformedFrame, "not a msgpack frame"),
+    ("an empty frame is malformed", b"", MalformedFrame, "not a msgpack frame"),
+    ("a truncated frame is malformed", GOOD[:-5], MalformedFrame, "incomplete"),
+    ("trailing bytes after the envelope are malformed", GOOD + b"\x00", MalformedFrame, "not a msgpack"),
+    ("a bare map is not an envelope", msgpack.packb({"seq": 1}), MalformedFrame, "[tag, fields]"),
+    ("an envelope of one element is malformed", msgpack.packb(["ack"]), MalformedFrame, "[tag, fields]"),
+    ("a tag that is not a string is malformed", frame(7, {}), MalformedFrame, "[tag, fields]"),
+    ("integer map keys are malformed", frame("ack", {1: 2}), MalformedFrame, "map key"),
+    ("deeply nested garbage is malformed", b"\x91" * 100_000, MalformedFrame, "StackError"),
+    ("an unknown tag is refused", frame("teleport", {}), UnknownMessageType, "'teleport'"),
+    ("fields that are not a map", frame("ack", [1, True]), FieldTypeError, "map of fields"),
+    ("a missing field", frame("ack", {"ok": True}), FieldTypeError, "missing field(s) ['id']"),
+    (
+        "an unknown field",
+        frame("ack", {"id": 1, "ok": True, "x": 0}),
+        FieldTypeError,
+        "unknown field(s) ['x']",
+    ),
+    (
+        "a string where an int belongs",
+        frame("ack", {"id": "1", "ok": True}),
+        FieldTypeError,
+        "'id': expected int",
+    ),
+    (
+        "a bool where an int belongs",
+        frame("ack", {"id": True, "ok": True}),
+        FieldTypeError,
+        "expected int, got bool",
+    ),
+    (
+        "an int where a bool belongs",
+        frame("ack", {"id": 1, "ok": 1}),
+        FieldTypeError,
+        "expected bool, got int",
+    ),
+    ("a float where an int belongs", frame("ack", {"id": 1.0, "ok": True}), FieldTypeError, "expected int"),
+    (
+        "a bool where a float belongs",
+        frame(
+            "welcome",
+            {
+                "protocol_version": 1,
+                "agent_id": "a",
+                "heartbeat_interval_s": True,
+                "heartbeat_timeout_s": 1.0,
+            },
+        ),
+        FieldTypeError,
+        "'heartbeat_interval_s': expected float, got bool",
+    ),
+    (
+        "bytes where a str belongs",
+        frame("goodbye", {"reason": b"bye"}),
+        FieldTypeError,
+        "expected str, got bytes",
+    ),
+    ("a None where None is not allowed", frame("goodbye", {"reason": None}), FieldTypeError, "expected str"),
+    (
+        "a wrong literal value",
+        frame("heartbeat", {"seq": 1, "engine_state": "asleep"}),
+        FieldTypeError,
+        "'engine_state': expected one of",
+    ),
+    ("a wrong command kind", frame("command", {"id": 1, "kind": "explode"}), FieldTypeError, "'kind'"),
+    (
+        "a wrong nested field type",
+        frame("heartbeat", {"seq": 1, "engine_state": "ready", "metrics": {"ttft_s": "fast"}}),
+        FieldTypeError,
+        "'metrics.ttft_s'",
+    ),
+    (
+        "an unknown nested field",
+        frame("heartbeat", {"seq": 1, "engine_state": "ready", "metrics": {"gpu": 1}}),
+        FieldTypeError,
+        "unknown field(s) ['gpu']",
+    ),
+    (
+        "a nested struct that is not a map",
+        frame("hello", hello_fields(instance="http://x")),
+        FieldTypeError,
+        "'instance': expected map of fields",
+    ),
+    (
+        "a missing nested field",
+        frame("hello", hello_fields(instance={"url": "u", "role": "both"})),
+        FieldTypeError,
+        "missing field(s) ['model']",
+    ),
+    (
+        "a wrong nested literal",
+        frame("hello", hello_fields(instance={"url": "u", "role": "x", "model": "m"})),
+        FieldTypeError,
+        "'instance.role'",
+    ),
+    (
+        "a missing top-level struct",
+        frame("hello", hello_fields(instance=...)),
+        FieldTypeError,
+        "['instance']",
+    ),
+    (
+        "a map value of the wrong type",
+        frame("command", {"id": 1, "kind": "drain", "args": {"a": 1}}),
+        FieldTypeError,
+        "'args.a': expected str",
+    ),
+]
+
+
+@pytest.mark.parametrize(("data", "error", "reason"), [r[1:] for r in REFUSALS], ids=[r[0] for r in REFUSALS])
+def test_bad_frames_are_refused_with_a_typed_error_and_a_reason(
+    data: bytes, error: type[CodecError], reason: str
+) -> None:
+    with pytest.raises(error) as caught:
+        decode(data)
+    assert reason in str(caught.value)
+    assert caught.value.code  # every refusal carries a machine-readable code for Refuse
+
+
+def test_a_frame_over_the_limit_is_refused_before_decoding() -> None:
+    # Garbage that would be malformed if decoded: FrameTooLarge proves the size check comes first.
+    with pytest.raises(FrameTooLarge, match="over the limit of 100"):
+        decode(b"\xc1" * 101, max_bytes=100)
+
+
+def test_a_frame_at_the_limit_is_decoded() -> None:
+    data = encode(Goodbye(reason="x" * 50))
+    assert decode(data, max_bytes=len(data)) == Goodbye(reason="x" * 50)
+
+
+def test_the_default_limit_refuses_a_huge_heartbeat() -> None:
+    data = encode(Goodbye(reason="x" * DEFAULT_MAX_FRAME_BYTES))
+    with pytest.raises(FrameTooLarge):
+        decode(data)
+
+
+def test_encoding_something_that_is_not_a_message_is_refused() -> None:
+    with pytest.raises(UnknownMessageType, match="MetricsSnapshot"):
+        encode(METRICS)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (FrameTooLarge, "frame_too_large"),
+        (MalformedFrame, "malformed_frame"),
+        (UnknownMessageType, "unknown_message_type"),
+        (FieldTypeError, "field_type_error"),
+    ],
+)
+def test_refusal_codes_are_stable(error: type[CodecError], code: str) -> None:
+    assert error.code == code

@@ -1,0 +1,1 @@
+"""Benchmarks: each a `vllm-disagg bench` subcommand printing a table of medians."""

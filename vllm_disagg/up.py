@@ -1,0 +1,303 @@
+"""``vllm-disagg up``: a whole local cluster in one command.
+
+Starts the orchestrator, then one agent per instance (each agent launches its engine), prints the
+endpoints and each instance as it becomes ready, and on Ctrl-C/SIGTERM stops everything. Every child
+runs in its own process group and is told by the kernel to die with its parent, so neither a clean
+stop nor a SIGKILL of ``up`` leaves an orphan behind. ``LocalCluster`` is the same machinery for the
+benchmarks and end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from vllm_disagg import jsonutil
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.runtime import die_with_parent, run_service
+
+SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
+SIM_TIMING_FLAGS = (
+    "prefill_s_per_token",
+    "decode_step_s",
+    "decode_step_s_per_seq",
+    "kv_transfer_s_per_token",
+    "max_num_seqs",
+    "num_blocks",
+    "block_size",
+)
+_INT_FLAGS = frozenset({"max_num_seqs", "num_blocks", "block_size"})
+
+
+@dataclass(frozen=True)
+class InstancePlan:
+    """One instance to start: its agent id, role and engine port."""
+
+    agent_id: str
+    role: str
+    engine_port: int
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """The shape of a local cluster and the ports it uses."""
+
+    engine: str = "sim"
+    prefill: int = 1
+    decode: int = 1
+    model: str = "sim-model"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    zmq_port: int = 5555
+    engine_base_port: int = 8100
+    heartbeat_interval_s: float = 0.25
+    heartbeat_timeout_s: float = 1.0
+    stop_grace_s: float = 10.0
+    sim_timing: tuple[tuple[str, str], ...] = ()  # (flag name, value) passed to every sim agent
+    extra_orchestrator_args: tuple[str, ...] = field(default=())
+
+    @property
+    def base_url(self) -> str:
+        """The gateway's base URL."""
+        return f"http://{self.host}:{self.port}"
+
+    def plans(self) -> list[InstancePlan]:
+        """Agent ids and engine ports (prefill first, then decode)."""
+        if self.prefill < 0 or self.decode < 1:
+            raise ConfigError(f"need --decode >= 1 and --prefill >= 0, got {self.prefill}P{self.decode}D")
+        base = self.engine_base_port
+        plans = [InstancePlan(f"prefill-{i}", "prefill", base + i) for i in range(self.prefill)]
+        plans += [InstancePlan(f"decode-{i}", "decode", base + self.prefill + i) for i in range(self.decode)]
+        if plans[-1].engine_port > 65535:
+            raise ConfigError(f"--engine-base-port {base} leaves no room for {len(plans)} engines")
+        return plans
+
+    def orchestrator_argv(self) -> list[str]:
+        """The orchestrator child's command line."""
+        return [
+            *SELF_ARGV,
+            "orchestrator",
+            "--host", self.host,
+            "--port", str(self.port),
+            "--zmq-endpoint", f"tcp://127.0.0.1:{self.zmq_port}",
+            "--heartbeat-interval-s", str(self.heartbeat_interval_s),
+            "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+            *self.extra_orchestrator_args,
+        ]  # fmt: skip
+
+    def agent_argv(self, plan: InstancePlan) -> list[str]:
+        """One agent child's command line."""
+        argv = [
+            *SELF_ARGV,
+            "agent",
+            "--engine", self.engine,
+            "--role", plan.role,
+            "--agent-id", plan.agent_id,
+            "--orchestrator", f"tcp://127.0.0.1:{self.zmq_port}",
+            "--model", self.model,
+            "--engine-port", str(plan.engine_port),
+        ]  # fmt: skip
+        for name, value in self.sim_timing:
+            argv += ["--" + name.replace("_", "-"), value]
+        return argv
+
+
+class LocalCluster:
+    """Orchestrator and agents as child processes; ``stop()`` leaves nothing running."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.plans = spec.plans()
+        self.orchestrator: asyncio.subprocess.Process | None = None
+        self.agents: dict[str, asyncio.subprocess.Process] = {}
+
+    @property
+    def children(self) -> list[asyncio.subprocess.Process]:
+        """Every child process, orchestrator first."""
+        return ([self.orchestrator] if self.orchestrator else []) + list(self.agents.values())
+
+    async def start(self) -> None:
+        """Spawn the orchestrator, then every agent (agents retry until the orchestrator listens)."""
+        self.orchestrator = await spawn(self.spec.orchestrator_argv())
+        for plan in self.plans:
+            self.agents[plan.agent_id] = await spawn(self.spec.agent_argv(plan))
+
+    async def wait_ready(
+        self, timeout_s: float, on_ready: Callable[[dict[str, object]], None] | None = None
+    ) -> bool:
+        """Poll the admin API until every instance is ready (True) or ``timeout_s`` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        waiting = {p.agent_id for p in self.plans}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while waiting:
+                for item in await fetch_instances(session, self.spec.base_url) or []:
+                    agent_id = str(item.get("agent_id", ""))
+                    if agent_id in waiting and item.get("state") == "ready":
+                        waiting.discard(agent_id)
+                        if on_ready:
+                            on_ready(item)
+                if not waiting:
+                    break
+                if time.monotonic() > deadline or any(c.returncode is not None for c in self.children):
+                    return False
+                await asyncio.sleep(0.05)
+        return True
+
+    async def first_exit(self) -> asyncio.subprocess.Process:
+        """The first child to exit (a cluster that loses a child on its own has failed)."""
+        waits = {asyncio.ensure_future(c.wait()): c for c in self.children}
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            return waits[next(iter(done))]
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def stop(self) -> None:
+        """Agents first, so they say Goodbye and stop their engines; then the orchestrator."""
+        await stop_processes(list(self.agents.values()), self.spec.stop_grace_s)
+        if self.orchestrator:
+            await stop_processes([self.orchestrator], self.spec.stop_grace_s)
+
+
+async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
+    """A child in its own process group that dies with this process."""
+    return await asyncio.create_subprocess_exec(
+        *argv, start_new_session=True, preexec_fn=die_with_parent, stdin=asyncio.subprocess.DEVNULL
+    )
+
+
+async def stop_processes(children: list[asyncio.subprocess.Process], grace_s: float) -> None:
+    """SIGTERM each child's process group, then SIGKILL whatever is left after ``grace_s``."""
+    for proc in children:
+        signal_group(proc.pid, signal.SIGTERM)
+    waits = [asyncio.ensure_future(p.wait()) for p in children]
+    if waits:
+        await asyncio.wait(waits, timeout=grace_s)
+    for proc in children:
+        # Even a child that exited may have left grandchildren in its group.
+        signal_group(proc.pid, signal.SIGKILL)
+    if waits:
+        await asyncio.wait(waits, timeout=grace_s)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a process group that may already be gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+async def fetch_instances(session: aiohttp.ClientSession, base: str) -> list[dict[str, object]] | None:
+    """The admin API's instance list, or None while the orchestrator is not answering."""
+    try:
+        async with session.get(f"{base}/admin/v1/instances") as resp:
+            if resp.status != 200:
+                return None
+            body = jsonutil.loads(await resp.read())
+    except (aiohttp.ClientError, ValueError):
+        return None
+    items = body.get("instances") if isinstance(body, dict) else body
+    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``vllm-disagg up``."""
+    d = ClusterSpec()
+    parser.add_argument("--engine", choices=("sim",), default=d.engine, help="engine behind the agents")
+    parser.add_argument("--prefill", type=int, default=d.prefill, help="number of prefill instances")
+    parser.add_argument("--decode", type=int, default=d.decode, help="number of decode instances")
+    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument("--host", default=d.host, help="gateway host")
+    parser.add_argument("--port", type=int, default=d.port, help="gateway port")
+    parser.add_argument("--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents")
+    parser.add_argument("--engine-base-port", type=int, default=d.engine_base_port, help="first engine port")
+    parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
+    parser.add_argument("--ready-timeout-s", type=float, default=120.0, help="give up if not ready by then")
+    parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
+    sim = parser.add_argument_group("simulated engine timing (--engine sim)")
+    for name in SIM_TIMING_FLAGS:
+        sim.add_argument("--" + name.replace("_", "-"), type=int if name in _INT_FLAGS else float)
+
+
+def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
+    """The cluster the flags describe (validated)."""
+    spec = ClusterSpec(
+        engine=args.engine,
+        prefill=args.prefill,
+        decode=args.decode,
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        zmq_port=args.zmq_port,
+        engine_base_port=args.engine_base_port,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        stop_grace_s=args.stop_grace_s,
+        sim_timing=tuple(
+            (name, str(getattr(args, name))) for name in SIM_TIMING_FLAGS if getattr(args, name) is not None
+        ),
+    )
+    spec.plans()
+    return spec
+
+
+async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) -> int:
+    cluster = LocalCluster(spec)
+    started = time.monotonic()
+
+    def announce(item: dict[str, object]) -> None:
+        print(
+            f"ready: {item.get('agent_id')} ({item.get('role')}) engine {item.get('url')} "
+            f"after {time.monotonic() - started:.1f}s",
+            flush=True,
+        )
+
+    try:
+        await cluster.start()
+        base = spec.base_url
+        print(f"vllm-disagg up: {spec.prefill}P{spec.decode}D, engine '{spec.engine}', model '{spec.model}'")
+        print(f"  gateway: {base}/v1/completions  {base}/v1/chat/completions")
+        print(f"  admin:   {base}/admin/v1/instances   metrics: {base}/metrics")
+        print(f"  agents:  tcp://127.0.0.1:{spec.zmq_port}", flush=True)
+        exited = asyncio.ensure_future(cluster.first_exit())
+        stopped = asyncio.ensure_future(stop.wait())
+        ready = asyncio.ensure_future(cluster.wait_ready(ready_timeout_s, announce))
+        try:
+            await asyncio.wait([ready, exited, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if ready.done() and not ready.result() and not stop.is_set():
+                print(f"up: not all instances ready within {ready_timeout_s}s; stopping", file=sys.stderr)
+                return 1
+            if ready.done():
+                print(f"vllm-disagg up: all {len(cluster.plans)} instances ready; Ctrl-C stops", flush=True)
+                await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
+            if exited.done() and not stop.is_set():
+                proc = exited.result()
+                print(
+                    f"up: a child exited on its own (pid {proc.pid}, code {proc.returncode}); stopping",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 1
+            return 0
+        finally:
+            for task in (ready, exited, stopped):
+                task.cancel()
+    finally:
+        await cluster.stop()
+        print("vllm-disagg up: stopped", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``vllm-disagg up`` until SIGINT/SIGTERM."""
+    spec = spec_from_args(args)  # refuse bad shapes before starting anything
+    return run_service(lambda stop: _up(spec, args.ready_timeout_s, stop))
