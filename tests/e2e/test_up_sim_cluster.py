@@ -219,9 +219,8 @@ async def test_bad_requests_get_a_clear_error_and_the_gateway_keeps_serving(
             assert resp.status == status
             error = jsonutil.loads(await resp.read())["error"]
             assert reason in error["message"].lower()
-        ok, raw, _ = await _post(
-            session, cluster.base + "/v1/completions", {"model": MODEL, "prompt": "still here", "max_tokens": 3}
-        )
+        body = {"model": MODEL, "prompt": "still here", "max_tokens": 3}
+        ok, raw, _ = await _post(session, cluster.base + "/v1/completions", body)
         assert ok == 200 and jsonutil.loads(raw)["choices"][0]["text"] == expected_text("still here", 3)
 
 
@@ -249,9 +248,8 @@ async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp
         async with aiohttp.ClientSession() as session:
             for i in range(10):
                 prompt = f"after the kill {i}"
-                status, raw, headers = await _post(
-                    session, running.base + "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}
-                )
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+                status, raw, headers = await _post(session, running.base + "/v1/completions", body)
                 assert status == 200, raw
                 assert headers["X-Disagg-Decode"] == "decode-1"
                 assert jsonutil.loads(raw)["choices"][0]["text"] == expected_text(prompt, 4)
