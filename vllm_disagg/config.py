@@ -75,10 +75,16 @@ class SimEngineConfig:
     max_model_len: int = 4096
     default_max_tokens: int = 16  # vLLM's default for /v1/completions
     timing: SimTiming = field(default_factory=SimTiming)
+    kv_lease_s: float = 30.0  # blocks held for a decoder are freed after this if never pulled
 
     def __post_init__(self) -> None:
         _port("sim", "port", self.port)
-        _positive("sim", max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens)
+        _positive(
+            "sim",
+            max_model_len=self.max_model_len,
+            default_max_tokens=self.default_max_tokens,
+            kv_lease_s=self.kv_lease_s,
+        )
         if not self.model:
             raise ConfigError("sim.model must not be empty")
 
@@ -96,6 +102,7 @@ class OrchestratorConfig:
     connect_timeout_s: float = 2.0  # to an engine
     upstream_timeout_s: float = 600.0  # whole engine leg, so a stuck engine cannot hang a client
     max_frame_bytes: int = 1 << 20
+    command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
 
     def __post_init__(self) -> None:
         _port("orchestrator", "port", self.port)
@@ -107,6 +114,7 @@ class OrchestratorConfig:
             connect_timeout_s=self.connect_timeout_s,
             upstream_timeout_s=self.upstream_timeout_s,
             max_frame_bytes=self.max_frame_bytes,
+            command_timeout_s=self.command_timeout_s,
         )
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(

@@ -152,15 +152,14 @@ class LocalCluster:
                 await asyncio.sleep(0.05)
         return True
 
-    async def first_exit(self) -> asyncio.subprocess.Process:
-        """The first child to exit (a cluster that loses a child on its own has failed)."""
-        waits = {asyncio.ensure_future(c.wait()): c for c in self.children}
-        try:
-            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            return waits[next(iter(done))]
-        finally:
-            for w in waits:
-                w.cancel()
+    async def report_agent_exits(self) -> None:
+        """Say when an agent dies; its instance leaves routing and the rest keep serving."""
+
+        async def watch(agent_id: str, proc: asyncio.subprocess.Process) -> None:
+            code = await proc.wait()
+            print(f"up: agent {agent_id} exited (code {code}); its instance leaves routing", flush=True)
+
+        await asyncio.gather(*(watch(a, p) for a, p in self.agents.items()))
 
     async def stop(self) -> None:
         """Agents first, so they say Goodbye and stop their engines; then the orchestrator."""
@@ -269,28 +268,26 @@ async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) ->
         print(f"  gateway: {base}/v1/completions  {base}/v1/chat/completions")
         print(f"  admin:   {base}/admin/v1/instances   metrics: {base}/metrics")
         print(f"  agents:  tcp://127.0.0.1:{spec.zmq_port}", flush=True)
-        exited = asyncio.ensure_future(cluster.first_exit())
+        assert cluster.orchestrator is not None
+        # Without the orchestrator nothing is served: its exit ends ``up``. A dead agent does not.
+        exited = asyncio.ensure_future(cluster.orchestrator.wait())
         stopped = asyncio.ensure_future(stop.wait())
         ready = asyncio.ensure_future(cluster.wait_ready(ready_timeout_s, announce))
+        watch = asyncio.ensure_future(cluster.report_agent_exits())
         try:
             await asyncio.wait([ready, exited, stopped], return_when=asyncio.FIRST_COMPLETED)
             if ready.done() and not ready.result() and not stop.is_set():
-                print(f"up: not all instances ready within {ready_timeout_s}s; stopping", file=sys.stderr)
+                print("up: not all instances became ready; stopping", file=sys.stderr, flush=True)
                 return 1
             if ready.done():
                 print(f"vllm-disagg up: all {len(cluster.plans)} instances ready; Ctrl-C stops", flush=True)
                 await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
             if exited.done() and not stop.is_set():
-                proc = exited.result()
-                print(
-                    f"up: a child exited on its own (pid {proc.pid}, code {proc.returncode}); stopping",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"up: the orchestrator exited (code {exited.result()}); stopping", file=sys.stderr)
                 return 1
             return 0
         finally:
-            for task in (ready, exited, stopped):
+            for task in (ready, exited, stopped, watch):
                 task.cancel()
     finally:
         await cluster.stop()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -10,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from vllm_disagg import jsonutil
 from vllm_disagg.errors import (
     CodecError,
     FieldTypeError,
@@ -305,3 +308,10 @@ def test_encoding_something_that_is_not_a_message_is_refused() -> None:
 )
 def test_refusal_codes_are_stable(error: type[CodecError], code: str) -> None:
     assert error.code == code
+
+
+def test_every_example_in_the_protocol_doc_decodes_and_every_message_has_one() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "protocol.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)```", doc, flags=re.DOTALL)
+    decoded = [decode(bytes(msgpack.packb(jsonutil.loads(block), use_bin_type=True))) for block in blocks]
+    assert {type(m) for m in decoded} == set(MESSAGE_TYPES)

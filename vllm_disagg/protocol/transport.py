@@ -8,7 +8,9 @@ with a reason and keep serving. Sends never block: a peer that is gone or slow l
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -19,6 +21,21 @@ from vllm_disagg.protocol.messages import Message
 
 # Messages queued per peer before sends are dropped; a heartbeat stream must never grow memory.
 _SEND_HWM = 1000
+
+
+def _send_now(sock: zmq.asyncio.Socket, parts: list[bytes]) -> None:
+    """Send without blocking; raise the ``ZMQError`` if it cannot go now.
+
+    ``zmq.asyncio`` reports a non-blocking send's failure in the returned future instead of raising,
+    and that future is already resolved (no send ever waits here), so the error is read from it.
+    """
+    future = cast("asyncio.Future[object]", sock.send_multipart(parts, flags=zmq.NOBLOCK))
+    if not future.done():  # pragma: no cover - only if someone awaited a blocking send on this socket
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())
+        return
+    error = future.exception()
+    if error is not None:
+        raise error
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,8 +76,12 @@ class RouterTransport:
 
     def send(self, peer: bytes, message: Message) -> bool:
         """Send to one agent; False when it is not connected or its queue is full."""
+        return self.send_raw(peer, encode(message))
+
+    def send_raw(self, peer: bytes, frame: bytes) -> bool:
+        """Send bytes as they are (tests use this to send garbage)."""
         try:
-            self._sock.send_multipart([peer, encode(message)], flags=zmq.NOBLOCK)
+            _send_now(self._sock, [peer, frame])
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 return False
@@ -114,7 +135,7 @@ class DealerTransport:
     def send_raw(self, frame: bytes) -> bool:
         """Send bytes as they are (tests use this to send garbage)."""
         try:
-            self._sock.send(frame, flags=zmq.NOBLOCK)
+            _send_now(self._sock, [frame])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EAGAIN:
                 return False

@@ -1,0 +1,223 @@
+"""Support for the orchestrator's integration tests: a scripted agent on a real DEALER socket,
+small misbehaving engines on real ports, and Prometheus text parsing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    EngineState,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    InstanceInfo,
+    Refuse,
+    Role,
+    Welcome,
+)
+from vllm_disagg.protocol.transport import DealerTransport
+
+MODEL = "sim-model"
+
+
+def orch_config(**overrides: Any) -> OrchestratorConfig:
+    """A test orchestrator: any free ports, fast heartbeats, generous timeouts for a busy 2-core box."""
+    values: dict[str, Any] = {
+        "port": 0,
+        "zmq_endpoint": "tcp://127.0.0.1:*",
+        "heartbeat_interval_s": 0.1,
+        "heartbeat_timeout_s": 1.5,
+        "connect_timeout_s": 2.0,
+        "upstream_timeout_s": 20.0,
+        "command_timeout_s": 5.0,
+    }
+    values.update(overrides)
+    return OrchestratorConfig(**values)
+
+
+class FakeAgent:
+    """Plays the agent's side of the protocol: Hello until answered, heartbeats, Acks commands."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        agent_id: str,
+        url: str,
+        role: Role,
+        *,
+        model: str = MODEL,
+        interval_s: float = 0.1,
+        protocol_version: int = PROTOCOL_VERSION,
+        auto_ack: bool = True,
+    ) -> None:
+        self.agent_id = agent_id
+        self.info = InstanceInfo(url=url, role=role, model=model, engine="sim")
+        self.interval_s = interval_s
+        self.protocol_version = protocol_version
+        self.auto_ack = auto_ack
+        self.engine_state: EngineState = "ready"
+        self.draining = False
+        self.transport = DealerTransport(endpoint, agent_id)
+        self.inbox: asyncio.Queue[Welcome | Refuse] = asyncio.Queue()
+        self.commands: list[Command] = []
+        self.refusals: list[Refuse] = []
+        self._seq = 0
+        self._reader = asyncio.create_task(self._read())
+        self._heartbeats: asyncio.Task[None] | None = None
+
+    async def _read(self) -> None:
+        while True:
+            incoming = await self.transport.recv()
+            msg = incoming.message
+            if isinstance(msg, Command):
+                self.commands.append(msg)
+                if msg.kind == "drain":
+                    self.draining = True
+                elif msg.kind == "undrain":
+                    self.draining = False
+                if self.auto_ack:
+                    self.transport.send(Ack(id=msg.id, ok=True))
+            elif isinstance(msg, Refuse):
+                self.refusals.append(msg)
+                await self.inbox.put(msg)
+            elif isinstance(msg, Welcome):
+                await self.inbox.put(msg)
+
+    async def hello(self, timeout: float = 20.0) -> Welcome | Refuse:
+        """Say Hello until the orchestrator answers (the DEALER drops sends until it is connected)."""
+        hello = Hello(protocol_version=self.protocol_version, agent_id=self.agent_id, instance=self.info)
+        async with asyncio.timeout(timeout):
+            while True:
+                self.transport.send(hello)
+                with contextlib.suppress(TimeoutError):
+                    return await asyncio.wait_for(self.inbox.get(), 0.2)
+
+    async def join(self) -> Welcome:
+        """Hello, then heartbeat in the background."""
+        answer = await self.hello()
+        assert isinstance(answer, Welcome), answer
+        self.start_heartbeats()
+        return answer
+
+    def heartbeat_now(self) -> None:
+        """Send one heartbeat."""
+        self._seq += 1
+        self.transport.send(Heartbeat(seq=self._seq, engine_state=self.engine_state, draining=self.draining))
+
+    def start_heartbeats(self) -> None:
+        """Heartbeat every ``interval_s`` until stopped."""
+
+        async def beat() -> None:
+            while True:
+                self.heartbeat_now()
+                await asyncio.sleep(self.interval_s)
+
+        self.stop_heartbeats()
+        self._heartbeats = asyncio.create_task(beat())
+
+    def stop_heartbeats(self) -> None:
+        """Go silent, as a crashed agent would."""
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+            self._heartbeats = None
+
+    async def next_refusal(self, timeout: float = 10.0) -> Refuse:
+        """The next Refuse the orchestrator sends."""
+        async with asyncio.timeout(timeout):
+            while True:
+                msg = await self.inbox.get()
+                if isinstance(msg, Refuse):
+                    return msg
+
+    async def close(self, goodbye: bool = False) -> None:
+        """Stop tasks and close the socket (optionally saying Goodbye first)."""
+        if goodbye:
+            self.transport.send(Goodbye(reason="test over"))
+        self.stop_heartbeats()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reader
+        self.transport.close()
+
+
+class FakeEngine:
+    """A tiny HTTP server on a real port whose handlers a test writes (for failures the sim never has)."""
+
+    def __init__(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
+        self._handler = handler
+        self.requests: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
+        self.disconnected = asyncio.Event()
+        self.release = asyncio.Event()  # handlers that hang wait on this; close() sets it
+        self.url = ""
+        self._runner: web.AppRunner | None = None
+
+    async def _record(self, request: web.Request) -> web.StreamResponse:
+        self.requests.append(await request.json())
+        self.headers.append(dict(request.headers))
+        try:
+            return await self._handler(request)
+        except (asyncio.CancelledError, ConnectionError):
+            self.disconnected.set()
+            raise
+
+    async def start(self) -> FakeEngine:
+        """Serve on a free loopback port."""
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._record)
+        app.router.add_post("/v1/chat/completions", self._record)
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def close(self) -> None:
+        """Release hanging handlers and stop."""
+        self.release.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def fake_engine(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[FakeEngine]:
+    """A started ``FakeEngine``, closed on exit."""
+    engine = await FakeEngine(handler).start()
+    try:
+        yield engine
+    finally:
+        await engine.close()
+
+
+async def scrape(
+    session: aiohttp.ClientSession, url: str
+) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    """Every sample at ``url/metrics`` as {(name, labels): value}."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels`` (0 when none)."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)

@@ -1,0 +1,210 @@
+"""The registry: the instance state machine, expiry to the exact timeout, in-flight counts, snapshots."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from vllm_disagg.clock import FakeClock
+from vllm_disagg.orchestrator.registry import InstanceState, Registry
+from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
+
+TIMEOUT = 1.0
+
+
+def info(role: Role = "decode", model: str = "m", url: str = "http://127.0.0.1:9000") -> InstanceInfo:
+    return InstanceInfo(url=url, role=role, model=model)
+
+
+def hb(
+    engine_state: EngineState = "ready", draining: bool = False, seq: int = 1, running: int = 0
+) -> Heartbeat:
+    return Heartbeat(
+        seq=seq, engine_state=engine_state, draining=draining, metrics=MetricsSnapshot(num_running=running)
+    )
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def reg(clock: FakeClock) -> Registry:
+    return Registry(heartbeat_timeout_s=TIMEOUT)
+
+
+Step = Callable[[Registry, float], object]
+
+HELLO: Step = lambda r, now: r.hello("a", info(), now)  # noqa: E731
+READY: Step = lambda r, now: r.heartbeat("a", hb("ready"), now)  # noqa: E731
+STARTING: Step = lambda r, now: r.heartbeat("a", hb("starting"), now)  # noqa: E731
+UNHEALTHY: Step = lambda r, now: r.heartbeat("a", hb("unhealthy"), now)  # noqa: E731
+STOPPED: Step = lambda r, now: r.heartbeat("a", hb("stopped"), now)  # noqa: E731
+AGENT_DRAIN: Step = lambda r, now: r.heartbeat("a", hb("ready", draining=True), now)  # noqa: E731
+ADMIN_DRAIN: Step = lambda r, now: r.set_admin_drain("a", True)  # noqa: E731
+ADMIN_UNDRAIN: Step = lambda r, now: r.set_admin_drain("a", False)  # noqa: E731
+GOODBYE: Step = lambda r, now: r.goodbye("a", "bye")  # noqa: E731
+EXPIRE_LATER: Step = lambda r, now: r.expire(now + TIMEOUT)  # noqa: E731
+
+
+@pytest.mark.parametrize(
+    ("steps", "expected"),
+    [
+        pytest.param([HELLO], "joining", id="hello-alone-is-joining"),
+        pytest.param([HELLO, STARTING], "joining", id="engine-starting-stays-joining"),
+        pytest.param([HELLO, READY], "ready", id="engine-ready-heartbeat-makes-ready"),
+        pytest.param([HELLO, READY, UNHEALTHY], "joining", id="engine-unhealthy-leaves-ready"),
+        pytest.param([HELLO, READY, UNHEALTHY, READY], "ready", id="engine-recovers-to-ready"),
+        pytest.param([HELLO, READY, STOPPED], "dead", id="engine-stopped-is-dead"),
+        pytest.param([HELLO, READY, AGENT_DRAIN], "draining", id="agent-drain-is-draining"),
+        pytest.param([HELLO, READY, AGENT_DRAIN, READY], "ready", id="agent-undrain-is-ready-again"),
+        pytest.param([HELLO, READY, ADMIN_DRAIN], "draining", id="admin-drain-is-draining-at-once"),
+        pytest.param([HELLO, READY, ADMIN_DRAIN, READY], "draining", id="admin-drain-survives-heartbeats"),
+        pytest.param([HELLO, READY, ADMIN_DRAIN, ADMIN_UNDRAIN], "ready", id="admin-undrain-is-ready"),
+        pytest.param([HELLO, STARTING, ADMIN_DRAIN], "draining", id="draining-wins-over-joining"),
+        pytest.param([HELLO, READY, GOODBYE], "dead", id="goodbye-is-dead"),
+        pytest.param([HELLO, READY, EXPIRE_LATER], "dead", id="silence-for-timeout-is-dead"),
+        pytest.param([HELLO, READY, GOODBYE, READY], "dead", id="heartbeat-does-not-revive-the-dead"),
+        pytest.param([HELLO, READY, GOODBYE, HELLO], "joining", id="hello-after-death-is-a-new-session"),
+        pytest.param([HELLO, READY, GOODBYE, HELLO, READY], "ready", id="the-dead-come-back-through-hello"),
+        pytest.param(
+            [HELLO, READY, ADMIN_DRAIN, HELLO, READY], "ready", id="a-new-session-clears-admin-drain"
+        ),
+        pytest.param(
+            [HELLO, READY, GOODBYE, ADMIN_DRAIN], "dead", id="draining-a-dead-instance-keeps-it-dead"
+        ),
+    ],
+)
+def test_state_transitions(
+    reg: Registry, clock: FakeClock, steps: list[Step], expected: InstanceState
+) -> None:
+    for step in steps:
+        step(reg, clock.monotonic())
+        clock.advance(0.1)
+    view = reg.get("a")
+    assert view is not None
+    assert view.state == expected
+
+
+def test_heartbeat_from_an_unknown_agent_is_rejected(reg: Registry, clock: FakeClock) -> None:
+    assert reg.heartbeat("nobody", hb(), clock.monotonic()) is None
+    assert reg.get("nobody") is None
+
+
+def test_heartbeat_from_a_dead_session_is_rejected_so_the_agent_says_hello_again(
+    reg: Registry, clock: FakeClock
+) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    reg.goodbye("a")
+    assert reg.heartbeat("a", hb(), clock.monotonic()) is None
+
+
+def test_expiry_happens_exactly_at_the_timeout_and_not_before(reg: Registry, clock: FakeClock) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    reg.heartbeat("a", hb(), clock.monotonic())
+    last = clock.monotonic()
+    assert reg.expire(last + TIMEOUT - 1e-6) == []
+    assert reg.get("a").state == "ready"  # type: ignore[union-attr]
+    assert reg.expire(last + TIMEOUT) == ["a"]
+    view = reg.get("a")
+    assert view is not None
+    assert view.state == "dead"
+    assert "no heartbeat" in view.dead_reason
+    assert reg.expire(last + 10 * TIMEOUT) == [], "an instance dies once"
+
+
+def test_each_heartbeat_restarts_the_timeout(reg: Registry, clock: FakeClock) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    for _ in range(5):
+        clock.advance(TIMEOUT * 0.9)
+        reg.heartbeat("a", hb(), clock.monotonic())
+        assert reg.expire(clock.monotonic()) == []
+    assert reg.get("a").state == "ready"  # type: ignore[union-attr]
+
+
+def test_a_joining_instance_that_never_heartbeats_expires_from_its_hello(
+    reg: Registry, clock: FakeClock
+) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    assert reg.expire(clock.monotonic() + TIMEOUT) == ["a"]
+
+
+def test_only_silent_instances_expire(reg: Registry, clock: FakeClock) -> None:
+    reg.hello("quiet", info(), clock.monotonic())
+    reg.hello("chatty", info(), clock.monotonic())
+    clock.advance(TIMEOUT / 2)
+    reg.heartbeat("chatty", hb(), clock.monotonic())
+    clock.advance(TIMEOUT / 2)
+    assert reg.expire(clock.monotonic()) == ["quiet"]
+
+
+def test_hello_again_starts_a_new_session_with_the_new_info(reg: Registry, clock: FakeClock) -> None:
+    first = reg.hello("a", info(url="http://old"), clock.monotonic())
+    reg.goodbye("a")
+    second = reg.hello("a", info(url="http://new"), clock.monotonic())
+    assert (first.session, second.session) == (1, 2)
+    assert second.info.url == "http://new"
+    assert second.dead_reason == ""
+
+
+def test_in_flight_counts_follow_acquire_and_release(reg: Registry, clock: FakeClock) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    reg.acquire("a")
+    reg.acquire("a")
+    assert reg.snapshot().in_flight_of("a") == 2
+    reg.release("a")
+    assert reg.snapshot().in_flight_of("a") == 1
+    reg.release("a")
+    reg.release("a")  # an extra release never goes below zero
+    assert reg.snapshot().in_flight_of("a") == 0
+    assert reg.requests_total("a") == 2
+
+
+def test_snapshot_is_cached_until_something_changes(reg: Registry, clock: FakeClock) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    first = reg.snapshot()
+    assert reg.snapshot() is first, "no change: the same object"
+    reg.acquire("a")
+    counted = reg.snapshot()
+    assert counted is not first
+    assert counted.instances is first.instances, "an in-flight change does not rebuild instance views"
+    reg.heartbeat("a", hb(), clock.monotonic())
+    rebuilt = reg.snapshot()
+    assert rebuilt.version > first.version
+    assert rebuilt.by_id["a"].state == "ready"
+    assert first.by_id["a"].state == "joining", "an old snapshot never changes"
+
+
+def test_snapshot_indexes_only_ready_instances_by_role_and_model(reg: Registry, clock: FakeClock) -> None:
+    now = clock.monotonic()
+    for agent_id, role, model in [
+        ("p", "prefill", "m"),
+        ("d", "decode", "m"),
+        ("b", "both", "m"),
+        ("other", "decode", "x"),
+        ("starting", "decode", "m"),
+    ]:
+        reg.hello(agent_id, info(role=role, model=model), now)  # type: ignore[arg-type]
+        if agent_id != "starting":
+            reg.heartbeat(agent_id, hb(), now)
+    reg.hello("gone", info(model="y"), now)
+    reg.goodbye("gone")
+    snap = reg.snapshot()
+    assert sorted(v.agent_id for v in snap.ready_prefill["m"]) == ["b", "p"]
+    assert sorted(v.agent_id for v in snap.ready_decode["m"]) == ["b", "d"]
+    assert [v.agent_id for v in snap.ready_decode["x"]] == ["other"]
+    assert snap.known_models == {"m", "x", "y"}, "dead instances still make their model known"
+    assert snap.ready_models() == ["m", "x"]
+
+
+def test_metrics_from_the_last_heartbeat_are_kept(reg: Registry, clock: FakeClock) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    reg.heartbeat("a", hb(running=7), clock.monotonic())
+    assert reg.snapshot().by_id["a"].metrics.num_running == 7
+
+
+def test_admin_drain_of_an_unknown_instance_raises_key_error(reg: Registry) -> None:
+    with pytest.raises(KeyError):
+        reg.set_admin_drain("nobody", True)

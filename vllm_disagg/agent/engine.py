@@ -1,0 +1,306 @@
+"""Engine supervision: launch (or attach to) one engine, follow its health, restart it when it dies.
+
+States (``EngineState``)::
+
+    starting ──/health 200──▶ ready ──/health fails──▶ unhealthy ──/health 200──▶ ready
+       │  ▲                     │                          │
+       │  └──── respawned ──────┼──── process exited ──────┴──▶ restarting (backoff, then respawn)
+       └── stuck past startup_timeout_s: killed ───────────────▶ restarting
+    any ── stop() ──▶ stopped
+
+The decisions are pure functions (``decide``, ``restart_delay``); ``EngineSupervisor`` does the I/O.
+An engine kind is an ``EngineCommand`` (how to start it); ``sim`` is here, ``vllm`` joins it later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+import aiohttp
+
+from vllm_disagg.clock import Clock
+from vllm_disagg.config import AgentConfig, SimEngineConfig
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.protocol.messages import EngineState, InstanceInfo
+from vllm_disagg.runtime import die_with_parent
+
+log = logging.getLogger(__name__)
+
+SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
+HEALTH_TIMEOUT_S = 2.0
+
+Action = Literal["none", "restart", "kill"]
+
+
+# --- engine kinds -------------------------------------------------------------------------------
+
+
+class EngineCommand(ABC):
+    """How to launch one kind of engine and what to tell the orchestrator about it."""
+
+    kind: ClassVar[str]
+
+    @abstractmethod
+    def argv(self, cfg: AgentConfig) -> list[str]:
+        """The engine's command line."""
+
+    def env(self, cfg: AgentConfig) -> Mapping[str, str]:
+        """Variables added to the agent's environment for the engine."""
+        return {}
+
+    def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
+        """The ``InstanceInfo`` the agent says Hello with."""
+        return InstanceInfo(
+            url=cfg.engine_url,
+            role=cfg.role,
+            model=cfg.model,
+            engine=cfg.engine,
+            block_size=cfg.sim.block_size,
+        )
+
+
+class SimEngineCommand(EngineCommand):
+    """The simulated engine, run as ``vllm-disagg sim-engine`` by this interpreter."""
+
+    kind = "sim"
+
+    @staticmethod
+    def engine_config(cfg: AgentConfig) -> SimEngineConfig:
+        """The simulated engine's config for this agent."""
+        return SimEngineConfig(model=cfg.model, host=cfg.engine_host, port=cfg.engine_port, timing=cfg.sim)
+
+    def argv(self, cfg: AgentConfig) -> list[str]:
+        """``vllm-disagg sim-engine`` with the agent's model, port and timing."""
+        from vllm_disagg.sim.cli import sim_engine_argv  # the sim is only imported when launched
+
+        return [*SELF_ARGV, "sim-engine", *sim_engine_argv(self.engine_config(cfg))]
+
+    def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
+        """Block size and context length as the simulated engine will use them."""
+        sim = self.engine_config(cfg)
+        return InstanceInfo(
+            url=cfg.engine_url,
+            role=cfg.role,
+            model=cfg.model,
+            engine="sim",
+            block_size=sim.timing.block_size,
+            max_model_len=sim.max_model_len,
+        )
+
+
+ENGINE_COMMANDS: Mapping[str, Callable[[], EngineCommand]] = {SimEngineCommand.kind: SimEngineCommand}
+
+
+def engine_command(cfg: AgentConfig) -> EngineCommand | None:
+    """The launcher for ``cfg.engine``; None in attach mode. ``ConfigError`` if it cannot be launched."""
+    if cfg.attach_url:
+        return None
+    factory = ENGINE_COMMANDS.get(cfg.engine)
+    if factory is None:
+        raise ConfigError(
+            f"agent.engine {cfg.engine!r} cannot be launched by the agent yet "
+            f"(launchable: {sorted(ENGINE_COMMANDS)}); start it yourself and pass --attach URL"
+        )
+    return factory()
+
+
+def instance_info(cfg: AgentConfig) -> InstanceInfo:
+    """What the agent tells the orchestrator about its engine."""
+    command = engine_command(cfg)
+    if command is not None:
+        return command.instance_info(cfg)
+    return InstanceInfo(
+        url=cfg.engine_url, role=cfg.role, model=cfg.model, engine=cfg.engine, block_size=cfg.sim.block_size
+    )
+
+
+# --- decisions (pure) ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """What one supervision tick saw."""
+
+    state: EngineState
+    attached: bool  # following someone else's engine: no process to watch or restart
+    alive: bool  # our engine process is running (always True when attached)
+    healthy: bool  # GET /health answered 200
+    starting_for_s: float = 0.0  # since the process was (re)started
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The state to report and what to do about the process."""
+
+    state: EngineState
+    action: Action = "none"
+
+
+def decide(obs: Observation, *, startup_timeout_s: float) -> Decision:
+    """The next state, and whether to restart (process gone) or kill (stuck starting) the engine."""
+    if obs.state == "stopped":
+        return Decision("stopped")
+    if not obs.attached and not obs.alive:
+        return Decision("restarting", "restart")
+    if obs.healthy:
+        return Decision("ready")
+    if not obs.attached and obs.state in ("starting", "restarting"):
+        if obs.starting_for_s > startup_timeout_s:
+            return Decision("restarting", "kill")
+        return Decision("starting")
+    return Decision("unhealthy")
+
+
+def restart_delay(failures: int, base_s: float, max_s: float) -> float:
+    """Seconds to wait before restart number ``failures`` (1, 2, ...): base doubling, capped at max."""
+    if failures < 1:
+        return 0.0
+    return float(min(max_s, base_s * 2.0 ** min(failures - 1, 62)))
+
+
+# --- the adapter --------------------------------------------------------------------------------
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+class EngineSupervisor:
+    """Launches or attaches to the engine and keeps ``state`` current until ``stop()``."""
+
+    def __init__(
+        self,
+        cfg: AgentConfig,
+        http: aiohttp.ClientSession,
+        clock: Clock,
+        *,
+        interval_s: float | None = None,
+        command: EngineCommand | None = None,
+    ) -> None:
+        self._cfg = cfg
+        self._http = http
+        self._clock = clock
+        # ``command`` replaces the launcher chosen by ``cfg.engine`` (tests launch stand-ins).
+        self._command = command if command is not None and not cfg.attach_url else engine_command(cfg)
+        self._interval_s = interval_s if interval_s is not None else cfg.scrape_interval_s
+        self._health_url = f"{cfg.engine_url}/health"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started_at = clock.monotonic()
+        self._failures = 0  # consecutive restarts without reaching ready
+        self.state: EngineState = "starting"
+        self.restarts = 0
+
+    @property
+    def attached(self) -> bool:
+        """True when following an engine the agent did not start."""
+        return self._command is None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid while one is running."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    def _set_state(self, state: EngineState) -> None:
+        if state != self.state:
+            log.info("engine %s -> %s", self.state, state)
+            self.state = state
+
+    def _spawn(self) -> None:
+        assert self._command is not None
+        argv = self._command.argv(self._cfg)
+        # Own session: stop() signals the whole group. die_with_parent: the kernel stops the engine
+        # even when the agent is SIGKILLed and gets no chance to clean up.
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self._command.env(self._cfg)},
+            start_new_session=True,
+            preexec_fn=die_with_parent,
+        )
+        self._started_at = self._clock.monotonic()
+        log.info("engine started: pid %d: %s", self._proc.pid, " ".join(argv[3:]))
+
+    async def _healthy(self) -> bool:
+        try:
+            async with self._http.get(
+                self._health_url, timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def tick(self) -> Decision:
+        """Observe the engine once, update ``state``, and return the decision."""
+        alive = self.attached or (self._proc is not None and self._proc.poll() is None)
+        healthy = alive and await self._healthy()
+        obs = Observation(
+            state=self.state,
+            attached=self.attached,
+            alive=alive,
+            healthy=healthy,
+            starting_for_s=self._clock.monotonic() - self._started_at,
+        )
+        decision = decide(obs, startup_timeout_s=self._cfg.startup_timeout_s)
+        self._set_state(decision.state)
+        if decision.state == "ready":
+            self._failures = 0
+        return decision
+
+    async def run(self) -> None:
+        """Launch the engine (unless attached) and supervise it until cancelled."""
+        if self.state == "stopped":
+            return
+        if not self.attached:
+            self._spawn()
+        while True:
+            decision = await self.tick()
+            if decision.action == "none":
+                await asyncio.sleep(self._interval_s)
+                continue
+            if decision.action == "kill":
+                log.warning("engine not ready after %.0f s; killing it", self._cfg.startup_timeout_s)
+            else:
+                code = self._proc.returncode if self._proc is not None else None
+                log.warning("engine exited unexpectedly (code %s)", code)
+            await self._terminate()  # also whatever the engine left behind in its group
+            self._failures += 1
+            delay = restart_delay(
+                self._failures, self._cfg.restart_backoff_s, self._cfg.restart_backoff_max_s
+            )
+            log.info("restarting the engine in %.1f s (restart %d)", delay, self.restarts + 1)
+            await asyncio.sleep(delay)
+            self._spawn()
+            self.restarts += 1
+            self._set_state("starting")
+
+    async def _terminate(self) -> None:
+        """SIGTERM the engine's process group, SIGKILL it after ``stop_grace_s``; nothing survives."""
+        proc = self._proc
+        if proc is None:
+            return
+        pgid = proc.pid  # start_new_session: the engine leads its own group
+        if proc.poll() is None:
+            _signal_group(pgid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(proc.wait, self._cfg.stop_grace_s)
+        # Always: the engine's own children may outlive it and still hold its ports.
+        _signal_group(pgid, signal.SIGKILL)
+        if proc.poll() is None:
+            await asyncio.to_thread(proc.wait)
+        self._proc = None
+
+    async def stop(self) -> None:
+        """Stop supervising and stop the engine (if the agent launched it)."""
+        self._set_state("stopped")
+        await self._terminate()

@@ -1,0 +1,135 @@
+"""``vllm-disagg agent``: one agent per engine: supervise it, scrape it, report it to the orchestrator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import aiohttp
+
+from vllm_disagg.agent.engine import EngineSupervisor, instance_info
+from vllm_disagg.agent.scraper import MetricsScraper
+from vllm_disagg.agent.session import AgentSession, SessionEnd
+from vllm_disagg.clock import Clock, SystemClock
+from vllm_disagg.config import AgentConfig, SimTiming
+from vllm_disagg.protocol.messages import ROLES
+from vllm_disagg.protocol.transport import DealerTransport
+from vllm_disagg.runtime import run_service
+
+log = logging.getLogger(__name__)
+
+GOODBYE_LINGER_MS = 1000  # how long closing may wait to deliver the last Ack/Goodbye
+
+_DEFAULT = AgentConfig(agent_id="-", role="both")
+_TIMING = SimTiming()
+# (flag, AgentConfig field, type, help)
+_AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--orchestrator", "orchestrator", str, "the orchestrator's ZeroMQ endpoint"),
+    ("--model", "model", str, "served model name"),
+    ("--engine-host", "engine_host", str, "host the launched engine listens on"),
+    ("--engine-port", "engine_port", int, "port the launched engine listens on"),
+    ("--attach", "attach_url", str, "follow this already running engine instead of launching one"),
+    ("--scrape-interval-s", "scrape_interval_s", float, "how often /health and /metrics are read"),
+    ("--metrics-window-s", "metrics_window_s", float, "window of TTFT, TPOT and hit-rate averages"),
+    ("--startup-timeout-s", "startup_timeout_s", float, "a launched engine not ready by then is restarted"),
+    ("--restart-backoff-s", "restart_backoff_s", float, "first restart delay, doubled per failed restart"),
+    ("--restart-backoff-max-s", "restart_backoff_max_s", float, "longest restart delay"),
+    ("--stop-grace-s", "stop_grace_s", float, "SIGTERM to the engine, then SIGKILL after this"),
+)
+# The simulated engine's timing; names match ``vllm-disagg sim-engine`` and ``up``.
+_SIM_FLAGS: tuple[tuple[str, str, type], ...] = (
+    ("--prefill-s-per-token", "prefill_s_per_token", float),
+    ("--decode-step-s", "decode_step_s", float),
+    ("--decode-step-s-per-seq", "decode_step_s_per_seq", float),
+    ("--kv-transfer-s-per-token", "kv_transfer_s_per_token", float),
+    ("--max-num-seqs", "max_num_seqs", int),
+    ("--num-blocks", "num_blocks", int),
+    ("--block-size", "block_size", int),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``agent`` flags; defaults are ``AgentConfig``'s."""
+    parser.add_argument("--agent-id", required=True, help="unique id; also the ZeroMQ routing id")
+    parser.add_argument("--role", required=True, choices=ROLES, help="what the orchestrator may use it for")
+    parser.add_argument("--engine", choices=("sim", "vllm"), default=_DEFAULT.engine, help="engine kind")
+    for flag, name, kind, help_text in _AGENT_FLAGS:
+        parser.add_argument(flag, dest=name, type=kind, default=getattr(_DEFAULT, name), help=help_text)
+    sim = parser.add_argument_group("simulated engine (--engine sim)")
+    for flag, name, kind in _SIM_FLAGS:
+        sim.add_argument(flag, dest=name, type=kind, default=getattr(_TIMING, name))
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def config_from_args(args: argparse.Namespace) -> AgentConfig:
+    """The validated config the flags describe (``ConfigError`` on values that cannot work)."""
+    timing = SimTiming(**{name: getattr(args, name) for _, name, _ in _SIM_FLAGS})
+    return AgentConfig(
+        agent_id=args.agent_id,
+        role=args.role,
+        engine=args.engine,
+        sim=timing,
+        **{name: getattr(args, name) for _, name, _, _ in _AGENT_FLAGS},
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the agent until SIGTERM/SIGINT, a shutdown command, or a final refusal."""
+    cfg = config_from_args(args)
+    instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format=f"%(asctime)s agent {cfg.agent_id} %(levelname)s %(name)s: %(message)s",
+    )
+    return run_service(lambda stop: serve(cfg, stop))
+
+
+async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = None) -> int:
+    """The agent: engine supervision, scraping and the session, until one of them ends it."""
+    clock = clock or SystemClock()
+    # force_close: a restarted engine must not be probed over a dead pooled connection.
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http:
+        engine = EngineSupervisor(cfg, http, clock)
+        scraper = MetricsScraper(
+            cfg.engine_url, http, clock, interval_s=cfg.scrape_interval_s, window_s=cfg.metrics_window_s
+        )
+        transport = DealerTransport(cfg.orchestrator, cfg.agent_id)
+        session = AgentSession(
+            transport,
+            cfg.agent_id,
+            instance_info(cfg),
+            engine_state=lambda: engine.state,
+            metrics=scraper.latest,
+        )
+        try:
+            end = await _until_done(engine, scraper, session, stop)
+            if end is None:  # a signal: tell the orchestrator first so it stops routing to us
+                session.goodbye("agent stopping")
+                await engine.stop()
+                return 0
+            await engine.stop()
+            if end.exit_code != 0:
+                print(f"vllm-disagg agent {cfg.agent_id}: refused: {end.reason}", file=sys.stderr, flush=True)
+            else:
+                session.goodbye(end.reason)
+            return end.exit_code
+        finally:
+            await engine.stop()
+            transport.close(linger_ms=GOODBYE_LINGER_MS)
+
+
+async def _until_done(
+    engine: EngineSupervisor, scraper: MetricsScraper, session: AgentSession, stop: asyncio.Event
+) -> SessionEnd | None:
+    """Run every loop until the session ends (its ``SessionEnd``) or ``stop`` is set (None)."""
+    async with asyncio.TaskGroup() as tg:
+        loops = [tg.create_task(engine.run(), name="engine"), tg.create_task(scraper.run(), name="scraper")]
+        talk = tg.create_task(session.run(), name="session")
+        stopped = tg.create_task(stop.wait(), name="stop")
+        await asyncio.wait({talk, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (*loops, talk, stopped):
+            task.cancel()
+    return talk.result() if talk.done() and not talk.cancelled() else None

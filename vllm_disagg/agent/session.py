@@ -1,0 +1,186 @@
+"""The agent's side of the protocol session: Hello until Welcome, then heartbeats, commands and Acks.
+
+One reader task owns the socket's receiving side; one talker task sends Hello (with backoff) or
+heartbeats (at the interval the orchestrator chose). The session ends with a ``SessionEnd`` when the
+orchestrator says ``shutdown`` or refuses our protocol version; the caller stops the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_disagg.errors import VersionMismatch
+from vllm_disagg.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    EngineState,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    InstanceInfo,
+    Message,
+    MetricsSnapshot,
+    Refuse,
+    Welcome,
+)
+from vllm_disagg.protocol.transport import DealerTransport
+
+log = logging.getLogger(__name__)
+
+HELLO_BACKOFF_START_S = 0.1
+HELLO_BACKOFF_MAX_S = 2.0
+# Refusals that mean "I do not know you": the orchestrator restarted or dropped us. Say Hello again.
+REHELLO_CODES = frozenset({"unknown_agent", "not_registered"})
+EXIT_OK = 0
+EXIT_REFUSED = 3  # the orchestrator will never accept this agent (protocol version)
+
+
+def hello_delay(attempt: int, jitter: float) -> float:
+    """Seconds before Hello number ``attempt + 1``: 0.1 s doubling to 2 s, times a jitter in [0.5, 1].
+
+    ``jitter`` is a uniform random number in [0, 1); spreading retries keeps a restarted
+    orchestrator from being hit by every agent at the same instant.
+    """
+    base = min(HELLO_BACKOFF_MAX_S, HELLO_BACKOFF_START_S * 2.0 ** min(attempt, 32))
+    return base * (0.5 + 0.5 * jitter)
+
+
+@dataclass(frozen=True, slots=True)
+class SessionEnd:
+    """Why the session ended and the agent's exit code."""
+
+    exit_code: int
+    reason: str
+    command_id: int | None = None  # the shutdown command, when one ended it
+
+
+class AgentSession:
+    """Registers with the orchestrator and keeps it informed until told to stop."""
+
+    def __init__(
+        self,
+        transport: DealerTransport,
+        agent_id: str,
+        instance: InstanceInfo,
+        *,
+        engine_state: Callable[[], EngineState],
+        metrics: Callable[[], MetricsSnapshot],
+        rng: random.Random | None = None,
+        heartbeat_interval_s: float = 0.25,
+    ) -> None:
+        self._transport = transport
+        self._hello = Hello(protocol_version=PROTOCOL_VERSION, agent_id=agent_id, instance=instance)
+        self._engine_state = engine_state
+        self._metrics = metrics
+        self._rng = rng or random.Random()
+        self._wake = asyncio.Event()
+        self._end: asyncio.Future[SessionEnd] | None = None
+        self.interval_s = heartbeat_interval_s
+        self.registered = False
+        self.draining = False
+        self.seq = 0  # of the last heartbeat sent; grows for the agent's whole life
+        self.hellos_sent = 0
+
+    @property
+    def agent_id(self) -> str:
+        """This agent's id (also its ZeroMQ routing id)."""
+        return self._hello.agent_id
+
+    async def run(self) -> SessionEnd:
+        """Talk to the orchestrator until a shutdown command or a final refusal."""
+        self._end = asyncio.get_running_loop().create_future()
+        async with asyncio.TaskGroup() as tg:
+            reader = tg.create_task(self._read_loop(), name="agent-reader")
+            talker = tg.create_task(self._talk_loop(), name="agent-talker")
+            end = await self._end
+            reader.cancel()
+            talker.cancel()
+        return end
+
+    def goodbye(self, reason: str) -> None:
+        """Tell the orchestrator we are leaving on purpose."""
+        self._transport.send(Goodbye(reason=reason))
+
+    def _finish(self, end: SessionEnd) -> None:
+        if self._end is not None and not self._end.done():
+            self._end.set_result(end)
+
+    def _poke(self) -> None:
+        self._wake.set()
+
+    async def _read_loop(self) -> None:
+        while True:
+            incoming = await self._transport.recv()
+            if incoming.error is not None:
+                log.warning("ignoring a bad frame from the orchestrator: %s", incoming.error)
+                continue
+            if incoming.message is not None:
+                self.handle(incoming.message)
+
+    def handle(self, message: Message) -> None:
+        """React to one message from the orchestrator."""
+        match message:
+            case Welcome():
+                if not self.registered:
+                    log.info("registered; heartbeat every %.3g s", message.heartbeat_interval_s)
+                self.registered = True
+                if message.heartbeat_interval_s > 0:
+                    self.interval_s = message.heartbeat_interval_s
+                self._poke()
+            case Refuse(code=VersionMismatch.code):
+                log.error("refused by the orchestrator (%s): %s", message.code, message.reason)
+                self._finish(SessionEnd(EXIT_REFUSED, f"{message.code}: {message.reason}"))
+            case Refuse() if message.code in REHELLO_CODES:
+                log.info("orchestrator does not know us (%s); saying Hello again", message.code)
+                self.registered = False
+                self._poke()
+            case Refuse():
+                log.warning("orchestrator refused (%s): %s", message.code, message.reason)
+            case Command():
+                self._command(message)
+            case Goodbye():
+                # The orchestrator is going away; it will not know us when it comes back.
+                log.info("orchestrator said goodbye (%s)", message.reason or "no reason")
+                self.registered = False
+                self._poke()
+            case _:
+                log.warning("ignoring an unexpected %s from the orchestrator", message.TAG)
+
+    def _command(self, command: Command) -> None:
+        log.info("command %d: %s %s", command.id, command.kind, command.args or "")
+        if command.kind == "shutdown":
+            self._transport.send(Ack(id=command.id, ok=True))
+            self._finish(SessionEnd(EXIT_OK, "shutdown command", command.id))
+            return
+        self.draining = command.kind == "drain"
+        self._transport.send(Ack(id=command.id, ok=True))
+        self._poke()  # let the orchestrator see the new draining flag at once
+
+    async def _talk_loop(self) -> None:
+        attempt = 0
+        while True:
+            if self.registered:
+                attempt = 0
+                self.seq += 1
+                beat = Heartbeat(
+                    seq=self.seq,
+                    engine_state=self._engine_state(),
+                    draining=self.draining,
+                    metrics=self._metrics(),
+                )
+                self._transport.send(beat)
+                delay = self.interval_s
+            else:
+                self._transport.send(self._hello)  # dropped while not connected; retried below
+                self.hellos_sent += 1
+                delay = hello_delay(attempt, self._rng.random())
+                attempt += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+            self._wake.clear()

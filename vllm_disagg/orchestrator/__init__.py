@@ -1,0 +1,1 @@
+"""The orchestrator: OpenAI gateway, instance registry, scheduler, agent control plane, admin API."""

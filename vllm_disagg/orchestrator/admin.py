@@ -1,0 +1,181 @@
+"""``/health``, ``/metrics`` and the admin REST API under ``/admin/v1/``.
+
+``GET instances`` lists every instance (dead ones included); ``POST instances/{id}/drain``,
+``/undrain`` and ``/shutdown`` send the command to the agent and return its ``Ack`` (404 unknown id,
+502 agent not connected, 504 no ack). Drain and undrain change the registry at once, so routing
+follows the operator even if the agent is slow to answer. ``GET requests`` and
+``GET requests/{id}`` show the gateway's recent per-request records.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from aiohttp import web
+
+from vllm_disagg import jsonutil
+from vllm_disagg.clock import Clock
+from vllm_disagg.orchestrator.control import CommandError, ControlPlane
+from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
+from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
+from vllm_disagg.orchestrator.registry import DECODE_ROLES, InstanceView, Registry
+from vllm_disagg.protocol.messages import CommandKind
+
+_DEFAULT_REQUESTS_LIMIT = 100
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=jsonutil.dumps(body), content_type="application/json")
+
+
+def _error(status: int, message: str, type_: str) -> web.Response:
+    return _json({"error": {"message": message, "type": type_, "param": None, "code": status}}, status)
+
+
+def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: float) -> dict[str, Any]:
+    """One instance as the admin API shows it."""
+    info = view.info
+    return {
+        "agent_id": view.agent_id,
+        "state": view.state,
+        "role": info.role,
+        "url": info.url,
+        "model": info.model,
+        "engine": info.engine,
+        "revision": info.revision,
+        "block_size": info.block_size,
+        "kv_connector": info.kv_connector,
+        "max_model_len": info.max_model_len,
+        "session": view.session,
+        "engine_state": view.engine_state,
+        "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
+        "in_flight": in_flight,
+        "requests_total": requests_total,
+        "heartbeats": view.heartbeats,
+        "seconds_since_heartbeat": round(max(0.0, now - view.last_heartbeat), 3),
+        "dead_reason": view.dead_reason,
+        "metrics": dataclasses.asdict(view.metrics),
+    }
+
+
+def record_json(record: RequestRecord) -> dict[str, Any]:
+    """One request record as JSON."""
+    out = dataclasses.asdict(record)
+    out["explanation"] = dict(record.explanation)
+    return out
+
+
+class Admin:
+    """Handlers for health, metrics and the admin API."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        control: ControlPlane,
+        metrics: OrchestratorMetrics,
+        request_log: RequestLog,
+        clock: Clock,
+    ) -> None:
+        self._registry = registry
+        self._control = control
+        self._metrics = metrics
+        self._request_log = request_log
+        self._clock = clock
+
+    async def health(self, request: web.Request) -> web.Response:
+        """200 when at least one decode-capable instance is ready, else 503 with the reason."""
+        snap = self._registry.snapshot()
+        ready = [v for v in snap.instances if v.state == "ready"]
+        decode = sum(1 for v in ready if v.info.role in DECODE_ROLES)
+        prefill = sum(1 for v in ready if v.info.role in ("prefill", "both"))
+        body: dict[str, Any] = {
+            "ready": {"decode": decode, "prefill": prefill},
+            "instances": len(snap.instances),
+        }
+        if decode:
+            return _json({"status": "ok", **body})
+        reason = f"no ready decode-capable instance ({len(snap.instances)} registered, {len(ready)} ready)"
+        return _json({"status": "unavailable", "reason": reason, **body}, status=503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text exposition."""
+        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    def _instance(self, view: InstanceView) -> dict[str, Any]:
+        snap_in_flight = self._registry.snapshot().in_flight.get(view.agent_id, 0)
+        return instance_json(
+            view, snap_in_flight, self._registry.requests_total(view.agent_id), self._clock.monotonic()
+        )
+
+    async def instances(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/instances``."""
+        snap = self._registry.snapshot()
+        now = self._clock.monotonic()
+        items = [
+            instance_json(
+                v, snap.in_flight.get(v.agent_id, 0), self._registry.requests_total(v.agent_id), now
+            )
+            for v in sorted(snap.instances, key=lambda v: v.agent_id)
+        ]
+        return _json({"instances": items})
+
+    async def _command(self, request: web.Request, kind: CommandKind) -> web.Response:
+        agent_id = request.match_info["agent_id"]
+        if self._registry.get(agent_id) is None:
+            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+        if kind in ("drain", "undrain"):
+            self._registry.set_admin_drain(agent_id, kind == "drain")
+        try:
+            ack = await self._control.send_command(agent_id, kind)
+        except CommandError as exc:
+            return _error(exc.status, str(exc), type(exc).__name__)
+        view = self._registry.get(agent_id)
+        return _json(
+            {
+                "agent_id": agent_id,
+                "command": kind,
+                "ack": {"id": ack.id, "ok": ack.ok, "error": ack.error},
+                "instance": self._instance(view) if view else None,
+            }
+        )
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances/{agent_id}/drain``."""
+        return await self._command(request, "drain")
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances/{agent_id}/undrain``."""
+        return await self._command(request, "undrain")
+
+    async def shutdown(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances/{agent_id}/shutdown``."""
+        return await self._command(request, "shutdown")
+
+    async def requests(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/requests?limit=N``: the newest request records."""
+        try:
+            limit = int(request.query.get("limit", _DEFAULT_REQUESTS_LIMIT))
+        except ValueError:
+            return _error(400, "'limit' must be an integer", "BadRequestError")
+        return _json({"requests": [record_json(r) for r in self._request_log.recent(max(0, limit))]})
+
+    async def request_record(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/requests/{request_id}``."""
+        record = self._request_log.get(request.match_info["request_id"])
+        if record is None:
+            return _error(
+                404, "no record of this request (unknown, or older than the log keeps)", "NotFoundError"
+            )
+        return _json(record_json(record))
+
+    def add_routes(self, app: web.Application) -> None:
+        """Register health, metrics and admin routes on ``app``."""
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/admin/v1/instances", self.instances)
+        app.router.add_post("/admin/v1/instances/{agent_id}/drain", self.drain)
+        app.router.add_post("/admin/v1/instances/{agent_id}/undrain", self.undrain)
+        app.router.add_post("/admin/v1/instances/{agent_id}/shutdown", self.shutdown)
+        app.router.add_get("/admin/v1/requests", self.requests)
+        app.router.add_get("/admin/v1/requests/{request_id}", self.request_record)

@@ -1,0 +1,146 @@
+"""Wiring: one aiohttp application holding the registry, control plane, scheduler, gateway and admin.
+
+State lives under ``web.AppKey``s; the ZeroMQ socket, its reader and expiry tasks and the engine client
+session start and stop with the application (``cleanup_ctx``). ``start_orchestrator`` runs it
+in-process on real sockets, for tests, the benchmark and ``main``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from vllm_disagg.clock import Clock, SystemClock
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.orchestrator.admin import Admin
+from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
+from vllm_disagg.orchestrator.gateway.handoff import new_session
+from vllm_disagg.orchestrator.gateway.records import RequestLog
+from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.scheduling.framework import Scheduler
+from vllm_disagg.orchestrator.scheduling.scheduler import LeastOutstandingScheduler
+
+log = logging.getLogger(__name__)
+
+REQUEST_LOG_CAPACITY = 1000
+
+CONFIG_KEY = web.AppKey("config", OrchestratorConfig)
+CLOCK_KEY = web.AppKey("clock", Clock)
+REGISTRY_KEY = web.AppKey("registry", Registry)
+METRICS_KEY = web.AppKey("metrics", OrchestratorMetrics)
+CONTROL_KEY = web.AppKey("control", ControlPlane)
+GATEWAY_KEY = web.AppKey("gateway", Gateway)
+REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
+
+
+def _log_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task %s died", task.get_name(), exc_info=task.exception())
+
+
+async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
+    control = app[CONTROL_KEY]
+    control.start()
+    tasks = [
+        asyncio.create_task(control.run_reader(), name="orchestrator-zmq-reader"),
+        asyncio.create_task(control.run_expiry(), name="orchestrator-expiry"),
+    ]
+    for task in tasks:
+        task.add_done_callback(_log_crash)
+    try:
+        yield
+    finally:
+        for task in tasks:
+            await cancel_and_wait(task)
+        control.close()
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    gateway = app[GATEWAY_KEY]
+    gateway.session = new_session(app[CONFIG_KEY])
+    try:
+        yield
+    finally:
+        await gateway.session.close()
+        gateway.session = None
+
+
+def build_app(
+    config: OrchestratorConfig, clock: Clock | None = None, scheduler: Scheduler | None = None
+) -> web.Application:
+    """The orchestrator's application; nothing is bound until it is started."""
+    clock = clock or SystemClock()
+    registry = Registry(config.heartbeat_timeout_s)
+    metrics = OrchestratorMetrics(registry.snapshot)
+    control = ControlPlane(config, registry, clock, metrics)
+    request_log = RequestLog(REQUEST_LOG_CAPACITY)
+    gateway = Gateway(config, registry, scheduler or LeastOutstandingScheduler(), metrics, clock, request_log)
+    admin = Admin(registry, control, metrics, request_log, clock)
+
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[CONFIG_KEY] = config
+    app[CLOCK_KEY] = clock
+    app[REGISTRY_KEY] = registry
+    app[METRICS_KEY] = metrics
+    app[CONTROL_KEY] = control
+    app[GATEWAY_KEY] = gateway
+    app[REQUEST_LOG_KEY] = request_log
+    gateway.add_routes(app)
+    admin.add_routes(app)
+    app.cleanup_ctx.append(_control_ctx)
+    app.cleanup_ctx.append(_session_ctx)
+    return app
+
+
+class OrchestratorServer:
+    """A running orchestrator: its HTTP URL, its actual ZeroMQ endpoint, and ``close()``."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, url: str) -> None:
+        self.app = app
+        self.url = url
+        self._runner = runner
+
+    @property
+    def zmq_endpoint(self) -> str:
+        """The agent endpoint actually bound."""
+        return self.app[CONTROL_KEY].endpoint
+
+    @property
+    def registry(self) -> Registry:
+        """The live registry (tests read it)."""
+        return self.app[REGISTRY_KEY]
+
+    async def close(self) -> None:
+        """Stop serving, wait for in-flight requests (bounded), release every socket and task."""
+        await self._runner.cleanup()
+
+
+async def start_orchestrator(
+    config: OrchestratorConfig,
+    clock: Clock | None = None,
+    scheduler: Scheduler | None = None,
+    *,
+    shutdown_timeout_s: float = 10.0,
+) -> OrchestratorServer:
+    """Build and start the orchestrator on ``config.host:config.port`` (port 0: any free port)."""
+    app = build_app(config, clock, scheduler)
+    # handler_cancellation: a client that disconnects cancels its handler, which closes the engine legs.
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+    except BaseException:
+        await runner.cleanup()
+        raise
+    if ":" in host:
+        host = f"[{host}]"
+    return OrchestratorServer(app, runner, f"http://{host}:{port}")

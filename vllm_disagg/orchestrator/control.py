@@ -1,0 +1,272 @@
+"""The agent-facing side: one ROUTER socket, one reader task, an expiry task, and commands.
+
+The reader never dies on bad input: a frame that cannot be decoded, a wrong protocol version, or a
+heartbeat from an agent without a session is answered with a ``Refuse`` carrying a code and a reason,
+counted in ``vllm_disagg_protocol_refused_total{code}``, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from vllm_disagg.clock import Clock
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.errors import DisaggError
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    CommandKind,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    Message,
+    Refuse,
+    Welcome,
+)
+from vllm_disagg.protocol.transport import Incoming, RouterTransport
+
+log = logging.getLogger(__name__)
+
+
+class CommandError(DisaggError):
+    """A command could not be delivered or was not acknowledged; ``status`` is for the admin API."""
+
+    status = 502
+
+
+class AgentUnknown(CommandError):
+    """No instance with this agent id was ever registered."""
+
+    status = 404
+
+
+class AgentUnreachable(CommandError):
+    """The agent has no live session or its socket is not connected."""
+
+    status = 502
+
+
+class CommandTimeout(CommandError):
+    """The agent did not acknowledge in time."""
+
+    status = 504
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    agent_id: str
+    future: asyncio.Future[Ack]
+
+
+class ControlPlane:
+    """Owns the ``RouterTransport``; feeds the registry from Hello/Heartbeat/Goodbye; sends commands."""
+
+    def __init__(
+        self, config: OrchestratorConfig, registry: Registry, clock: Clock, metrics: OrchestratorMetrics
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._clock = clock
+        self._metrics = metrics
+        self._transport: RouterTransport | None = None
+        # Heartbeats carry no agent id: the ROUTER's peer identity says who sent them.
+        self._peer_to_agent: dict[bytes, str] = {}
+        self._agent_to_peer: dict[str, bytes] = {}
+        self._pending: dict[int, _Pending] = {}
+        self._next_command_id = 1
+
+    @property
+    def endpoint(self) -> str:
+        """The endpoint actually bound (a wildcard port resolved)."""
+        if self._transport is None:
+            raise RuntimeError("the control plane is not started")
+        return self._transport.endpoint
+
+    def start(self) -> None:
+        """Bind the socket (synchronously, so the endpoint is known before agents are told it)."""
+        self._transport = RouterTransport(
+            self._config.zmq_endpoint, max_frame_bytes=self._config.max_frame_bytes
+        )
+
+    def close(self) -> None:
+        """Fail pending commands and close the socket; call after the tasks are cancelled."""
+        for pending in self._pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(AgentUnreachable("the orchestrator is stopping"))
+                # Nobody may be waiting any more; retrieve so asyncio does not warn.
+                pending.future.exception()
+        self._pending.clear()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
+
+    async def run_reader(self) -> None:
+        """Receive and handle frames until cancelled."""
+        transport = self._transport
+        if transport is None:
+            raise RuntimeError("the control plane is not started")
+        while True:
+            incoming = await transport.recv()
+            try:
+                self.handle(incoming)
+            except Exception:  # a bug in a handler must not stop every agent's session
+                log.exception("error handling a frame from %r", incoming.peer)
+
+    async def run_expiry(self) -> None:
+        """Every half heartbeat interval, mark silent instances dead."""
+        period = self._config.heartbeat_interval_s / 2
+        while True:
+            await asyncio.sleep(period)
+            for agent_id in self._registry.expire(self._clock.monotonic()):
+                log.warning(
+                    "instance %s is dead: no heartbeat for %.2fs", agent_id, self._config.heartbeat_timeout_s
+                )
+                self._forget_peer(agent_id)
+
+    def handle(self, incoming: Incoming) -> None:
+        """Dispatch one frame (synchronous: every registry call is)."""
+        peer = incoming.peer
+        if incoming.error is not None:
+            self._refuse(peer, incoming.error.code, str(incoming.error))
+            return
+        msg = incoming.message
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(peer, msg)
+        elif isinstance(msg, Hello):
+            self._on_hello(peer, msg)
+        elif isinstance(msg, Ack):
+            self._on_ack(peer, msg)
+        elif isinstance(msg, Goodbye):
+            self._on_goodbye(peer, msg)
+        elif isinstance(msg, Refuse):
+            log.warning("agent %r refused a frame: %s (%s)", peer, msg.reason, msg.code)
+        elif msg is not None:
+            self._refuse(peer, "unexpected_message", f"an agent may not send {type(msg).__name__}")
+
+    def _send(self, peer: bytes, message: Message) -> bool:
+        return self._transport is not None and self._transport.send(peer, message)
+
+    def _refuse(self, peer: bytes, code: str, reason: str) -> None:
+        self._metrics.refused(code)
+        log.info("refusing frame from %r: %s (%s)", peer, reason, code)
+        self._send(peer, Refuse(code=code, reason=reason))
+
+    def _on_hello(self, peer: bytes, msg: Hello) -> None:
+        if msg.protocol_version != PROTOCOL_VERSION:
+            self._refuse(
+                peer,
+                "version_mismatch",
+                f"agent speaks protocol v{msg.protocol_version}, orchestrator speaks v{PROTOCOL_VERSION}",
+            )
+            return
+        if not msg.agent_id:
+            self._refuse(peer, "invalid_hello", "agent_id must not be empty")
+            return
+        old_peer = self._agent_to_peer.get(msg.agent_id)
+        if old_peer is not None and old_peer != peer:
+            self._peer_to_agent.pop(old_peer, None)
+        self._peer_to_agent[peer] = msg.agent_id
+        self._agent_to_peer[msg.agent_id] = peer
+        view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic())
+        log.info(
+            "hello from %s (session %d): %s %s at %s",
+            msg.agent_id,
+            view.session,
+            msg.instance.role,
+            msg.instance.model,
+            msg.instance.url,
+        )
+        self._send(
+            peer,
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                agent_id=msg.agent_id,
+                heartbeat_interval_s=self._config.heartbeat_interval_s,
+                heartbeat_timeout_s=self._config.heartbeat_timeout_s,
+            ),
+        )
+
+    def _on_heartbeat(self, peer: bytes, msg: Heartbeat) -> None:
+        agent_id = self._peer_to_agent.get(peer)
+        if (
+            agent_id is not None
+            and self._registry.heartbeat(agent_id, msg, self._clock.monotonic()) is not None
+        ):
+            return
+        if agent_id is not None:
+            self._forget_peer(agent_id)
+        self._refuse(
+            peer,
+            "unknown_agent",
+            f"no live session for {peer.decode(errors='replace')!r}: send Hello first "
+            "(the orchestrator restarted, or the session expired)",
+        )
+
+    def _on_ack(self, peer: bytes, msg: Ack) -> None:
+        pending = self._pending.get(msg.id)
+        if pending is None or self._agent_to_peer.get(pending.agent_id) != peer:
+            log.debug("ack %d from %r matches no pending command", msg.id, peer)
+            return
+        del self._pending[msg.id]
+        if not pending.future.done():
+            pending.future.set_result(msg)
+
+    def _on_goodbye(self, peer: bytes, msg: Goodbye) -> None:
+        agent_id = self._peer_to_agent.get(peer)
+        if agent_id is None:
+            return
+        self._registry.goodbye(agent_id, msg.reason)
+        self._forget_peer(agent_id)
+        log.info("goodbye from %s: %s", agent_id, msg.reason or "no reason given")
+
+    def _forget_peer(self, agent_id: str) -> None:
+        peer = self._agent_to_peer.pop(agent_id, None)
+        if peer is not None:
+            self._peer_to_agent.pop(peer, None)
+
+    async def send_command(
+        self,
+        agent_id: str,
+        kind: CommandKind,
+        args: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Ack:
+        """Send a command and wait for its ``Ack`` (``config.command_timeout_s`` by default).
+
+        Raises ``AgentUnknown``, ``AgentUnreachable`` or ``CommandTimeout``.
+        """
+        if timeout_s is None:
+            timeout_s = self._config.command_timeout_s
+        if self._registry.get(agent_id) is None:
+            raise AgentUnknown(f"no instance {agent_id!r}")
+        peer = self._agent_to_peer.get(agent_id)
+        if peer is None or not self._registry.is_live(agent_id):
+            raise AgentUnreachable(f"instance {agent_id!r} has no live session")
+        command_id = self._next_command_id
+        self._next_command_id += 1
+        future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
+        self._pending[command_id] = _Pending(agent_id, future)
+        try:
+            if not self._send(peer, Command(id=command_id, kind=kind, args=dict(args or {}))):
+                raise AgentUnreachable(f"instance {agent_id!r} is not connected")
+            try:
+                return await asyncio.wait_for(future, timeout_s)
+            except TimeoutError:
+                raise CommandTimeout(
+                    f"instance {agent_id!r} did not acknowledge {kind} within {timeout_s}s"
+                ) from None
+        finally:
+            self._pending.pop(command_id, None)
+
+
+async def cancel_and_wait(task: asyncio.Task[None]) -> None:
+    """Cancel a background task and wait until it has finished."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

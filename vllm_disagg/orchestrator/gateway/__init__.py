@@ -1,0 +1,1 @@
+"""The OpenAI-compatible gateway: validation, the P -> D handoff, and byte relaying."""

@@ -1,0 +1,131 @@
+"""The P -> D handoff: building each leg's body, calling engines, and naming what went wrong.
+
+Prefill leg (DESIGN §2): the client's body with ``max_tokens=1``, ``stream=false``, no
+``stream_options`` and ``kv_transfer_params.do_remote_decode=true``; its response's
+``kv_transfer_params`` go unchanged into the decode body. Each body is serialised exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from yarl import URL
+
+from vllm_disagg import jsonutil
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.errors import RequestError, UpstreamError, UpstreamTimeout
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+
+# Longest engine error text quoted back to a client.
+_MAX_QUOTE = 300
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One engine leg's destination: which instance, for messages, and the full URL."""
+
+    leg: str  # "prefill" | "decode"
+    agent_id: str
+    url: URL
+
+    def describe(self) -> str:
+        """How error messages name the engine."""
+        return f"{self.leg} instance '{self.agent_id}' ({self.url.origin()})"
+
+
+def prefill_body(request: dict[str, Any]) -> bytes:
+    """The prefill leg's body: one token, no stream, asking the engine to keep the KV for a remote decode."""
+    body = dict(request)
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    # vLLM refuses min_tokens > max_tokens; the decode leg still honours the client's value.
+    body.pop("min_tokens", None)
+    body["stream"] = False
+    body.pop("stream_options", None)
+    body["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    return jsonutil.dumps(body)
+
+
+def decode_body(request: dict[str, Any], kv_transfer_params: Any) -> bytes:
+    """The decode leg's body: the client's, plus the prefill engine's ``kv_transfer_params`` as they came."""
+    request["kv_transfer_params"] = kv_transfer_params
+    return jsonutil.dumps(request)
+
+
+def new_session(config: OrchestratorConfig) -> aiohttp.ClientSession:
+    """The one client session for every engine call (no connection cap, keep-alive, no compression)."""
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(
+            total=config.upstream_timeout_s,
+            connect=config.connect_timeout_s,
+            sock_connect=config.connect_timeout_s,
+        ),
+        # Bodies are relayed as bytes: never ask engines to compress, never decompress.
+        auto_decompress=False,
+        skip_auto_headers=("User-Agent", "Accept-Encoding"),
+        raise_for_status=False,
+    )
+
+
+def upstream_failure(target: Target, exc: BaseException, metrics: OrchestratorMetrics) -> RequestError:
+    """The client-facing error for an engine call that raised, counted by leg and kind."""
+    if isinstance(exc, TimeoutError):
+        metrics.upstream_error(target.leg, "timeout")
+        return UpstreamTimeout(f"{target.describe()} did not answer in time ({type(exc).__name__})")
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        metrics.upstream_error(target.leg, "connect")
+        return UpstreamError(f"{target.describe()} is unreachable: {exc.os_error.strerror or exc}")
+    metrics.upstream_error(target.leg, "disconnect")
+    return UpstreamError(f"{target.describe()} failed: {type(exc).__name__}: {exc}")
+
+
+def _quote_error(body: bytes) -> str:
+    try:
+        parsed = jsonutil.loads(body)
+        message = parsed["error"]["message"] if isinstance(parsed.get("error"), dict) else parsed
+    except (ValueError, TypeError, KeyError, AttributeError):
+        message = body[:_MAX_QUOTE].decode("utf-8", errors="replace")
+    return str(message)[:_MAX_QUOTE]
+
+
+async def run_prefill(
+    session: aiohttp.ClientSession,
+    target: Target,
+    body: bytes,
+    headers: dict[str, str],
+    metrics: OrchestratorMetrics,
+) -> Any:
+    """POST the prefill leg; its ``kv_transfer_params``, or an ``UpstreamError``/``UpstreamTimeout``."""
+    try:
+        async with session.post(target.url, data=body, headers=headers) as resp:
+            data = await resp.read()
+            status = resp.status
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        raise upstream_failure(target, exc, metrics) from None
+    if not 200 <= status < 300:
+        metrics.upstream_error(target.leg, "status")
+        raise UpstreamError(f"{target.describe()} answered HTTP {status}: {_quote_error(data)}")
+    try:
+        parsed = jsonutil.loads(data)
+    except ValueError:
+        metrics.upstream_error(target.leg, "invalid_response")
+        raise UpstreamError(f"{target.describe()} answered a body that is not JSON") from None
+    kv = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    if not isinstance(kv, dict):
+        metrics.upstream_error(target.leg, "invalid_response")
+        raise UpstreamError(
+            f"{target.describe()} returned no kv_transfer_params (is its engine a KV producer?)"
+        )
+    return kv

@@ -1,0 +1,59 @@
+"""A bounded ring of per-request records: where each request went, how long each stage took."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One finished request, for the explanation API."""
+
+    request_id: str
+    route: str
+    model: str
+    mode: str  # "disaggregated", "colocated", or "none" when it failed before scheduling
+    prefill: str | None
+    decode: str | None
+    status: int  # what the client got; 499 when the client went away
+    error: str
+    started_wall: float
+    schedule_s: float  # arrival -> decision (body read, parse, schedule)
+    prefill_s: float | None  # the prefill leg
+    ttfb_s: float | None  # arrival -> first decode body byte
+    total_s: float
+    explanation: Mapping[str, object] = field(default_factory=dict)
+
+
+class RequestLog:
+    """The last ``capacity`` records, addressable by request id."""
+
+    def __init__(self, capacity: int = 1000) -> None:
+        self._capacity = capacity
+        self._records: OrderedDict[str, RequestRecord] = OrderedDict()
+
+    def add(self, record: RequestRecord) -> None:
+        """Keep a record, forgetting the oldest beyond capacity."""
+        records = self._records
+        records.pop(record.request_id, None)  # a reused client id: the newest wins
+        records[record.request_id] = record
+        if len(records) > self._capacity:
+            records.popitem(last=False)
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        """The record of a request, if still kept."""
+        return self._records.get(request_id)
+
+    def recent(self, limit: int) -> list[RequestRecord]:
+        """The newest ``limit`` records, newest first."""
+        out: list[RequestRecord] = []
+        for record in reversed(self._records.values()):
+            if len(out) >= limit:
+                break
+            out.append(record)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._records)

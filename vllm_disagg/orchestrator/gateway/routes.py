@@ -1,0 +1,282 @@
+"""The OpenAI-compatible routes: validate, schedule, prefill leg, decode leg, record.
+
+``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``. Errors leave as
+OpenAI-style JSON with the status from ``vllm_disagg.errors.http_status``. Every request carries an
+``X-Request-Id`` (the client's, or a new one) on both engine legs and back to the client, with
+``X-Disagg-Mode``, ``X-Disagg-Prefill`` and ``X-Disagg-Decode`` saying where it went.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import aiohttp
+from aiohttp import web
+from yarl import URL
+
+from vllm_disagg import jsonutil
+from vllm_disagg.clock import Clock
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.errors import BadRequest, PayloadTooLarge, RequestError, UpstreamError
+from vllm_disagg.orchestrator.gateway.handoff import Target, decode_body, prefill_body, run_prefill
+from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.streaming import LegTiming, run_decode
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
+from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
+
+log = logging.getLogger(__name__)
+
+Route = Literal["completions", "chat_completions"]
+PATHS: dict[Route, str] = {"completions": "/v1/completions", "chat_completions": "/v1/chat/completions"}
+_URL_CACHE_MAX = 1024  # (engine url, path) pairs; instances come and go, so keep it bounded
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedRequest:
+    """A validated request body: the parsed object and the fields the gateway needs."""
+
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    prompt_len: int  # token estimate for the scheduler
+
+
+def _text_len(value: object) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_text_len(v) if isinstance(v, str | list | dict) else 4 for v in value)
+    if isinstance(value, dict):
+        return _text_len(value.get("content", "")) + _text_len(value.get("text", ""))
+    return 0
+
+
+def _check_optional_int(body: dict[str, Any], name: str) -> None:
+    value = body.get(name)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        raise BadRequest(f"'{name}' must be an integer >= 1, got {value!r}", param=name)
+
+
+def parse_request(raw: bytes, route: Route) -> ParsedRequest:
+    """Validate a body for ``route``; raises ``BadRequest`` with a reason naming the field."""
+    try:
+        body = jsonutil.loads(raw)
+    except ValueError as exc:
+        raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' must be a non-empty string", param="model")
+    if route == "completions":
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise BadRequest("'prompt' is required", param="prompt")
+        if not isinstance(prompt, str | list) or (isinstance(prompt, list) and not prompt):
+            raise BadRequest("'prompt' must be a string or a non-empty list", param="prompt")
+        prompt_len = _text_len(prompt) // 4 + 1
+    else:
+        messages = body.get("messages")
+        if messages is None:
+            raise BadRequest("'messages' is required", param="messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list", param="messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("every item of 'messages' must be an object", param="messages")
+        prompt_len = _text_len(messages) // 4 + 1
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", param="stream")
+    _check_optional_int(body, "max_tokens")
+    _check_optional_int(body, "max_completion_tokens")
+    return ParsedRequest(body=body, model=model, stream=bool(stream), prompt_len=prompt_len)
+
+
+def error_response(error: RequestError, headers: dict[str, str]) -> web.Response:
+    """An OpenAI-style JSON error."""
+    return web.Response(
+        status=error.status,
+        body=jsonutil.dumps(error.to_json()),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+class Gateway:
+    """Per-request work of the routes; holds the shared client session and the request log."""
+
+    def __init__(
+        self,
+        config: OrchestratorConfig,
+        registry: Registry,
+        scheduler: Scheduler,
+        metrics: OrchestratorMetrics,
+        clock: Clock,
+        request_log: RequestLog,
+    ) -> None:
+        self._config = config
+        self._registry = registry
+        self._scheduler = scheduler
+        self._metrics = metrics
+        self._clock = clock
+        self.request_log = request_log
+        self.session: aiohttp.ClientSession | None = None
+        self._urls: dict[tuple[str, str], URL] = {}
+
+    def _target(self, leg: str, agent_id: str, snapshot: RegistrySnapshot, path: str) -> Target:
+        base = snapshot.by_id[agent_id].info.url
+        key = (base, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) >= _URL_CACHE_MAX:
+                self._urls.clear()
+            url = self._urls[key] = URL(base.rstrip("/") + path)
+        return Target(leg, agent_id, url)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self._config.max_body_bytes
+        length = request.content_length
+        if length is not None and length > limit:
+            raise PayloadTooLarge(f"the request body of {length} bytes is over the limit of {limit} bytes")
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes") from None
+
+    async def serve(self, request: web.Request, route: Route) -> web.StreamResponse:
+        """One completions or chat request, end to end."""
+        clock = self._clock
+        registry = self._registry
+        t0 = clock.monotonic()
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        out_headers = {"X-Request-Id": request_id}
+        model, mode, status, error = "", "none", 500, ""
+        prefill_id: str | None = None
+        decode_id: str | None = None
+        explanation: Any = {}
+        t_decided = t0
+        prefill_s: float | None = None
+        engine_s = 0.0
+        timing = LegTiming()
+        try:
+            raw = await self._read_body(request)
+            parsed = parse_request(raw, route)
+            model = parsed.model
+            snapshot = registry.snapshot()
+            decision = self._scheduler.decide(
+                SchedulingRequest(
+                    request_id, model, parsed.prompt_len, route == "chat_completions", parsed.stream
+                ),
+                snapshot,
+                t0,
+            )
+            t_decided = clock.monotonic()
+            mode, prefill_id, decode_id = decision.mode, decision.prefill, decision.decode
+            explanation = decision.explanation
+            out_headers["X-Disagg-Mode"] = mode
+            out_headers["X-Disagg-Prefill"] = prefill_id or ""
+            out_headers["X-Disagg-Decode"] = decode_id
+            up_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+            auth = request.headers.get("Authorization")
+            if auth:
+                up_headers["Authorization"] = auth
+            path = PATHS[route]
+            session = self.session
+            if session is None:
+                raise UpstreamError("the gateway is not started")
+            if prefill_id is not None:
+                target = self._target("prefill", prefill_id, snapshot, path)
+                body = prefill_body(parsed.body)
+                registry.acquire(prefill_id)
+                t_prefill = clock.monotonic()
+                try:
+                    kv = await run_prefill(session, target, body, up_headers, self._metrics)
+                finally:
+                    registry.release(prefill_id)
+                    prefill_s = clock.monotonic() - t_prefill
+                    engine_s += prefill_s
+                decode = decode_body(parsed.body, kv)
+            else:
+                decode = raw  # colocated: the client's bytes, unchanged
+            target = self._target("decode", decode_id, snapshot, path)
+            registry.acquire(decode_id)
+            t_decode = clock.monotonic()
+            try:
+                response = await run_decode(
+                    request,
+                    session,
+                    target,
+                    decode,
+                    up_headers,
+                    out_headers,
+                    parsed.stream,
+                    self._metrics,
+                    clock.monotonic,
+                    timing,
+                )
+            finally:
+                registry.release(decode_id)
+                engine_s += (timing.finished or clock.monotonic()) - t_decode
+            status = 499 if timing.client_gone else response.status
+            error = timing.cut or ("client disconnected" if timing.client_gone else "")
+            return response
+        except RequestError as exc:
+            status, error = exc.status, exc.message
+            return error_response(exc, out_headers)
+        except asyncio.CancelledError:
+            status, error = 499, "client disconnected"
+            raise
+        finally:
+            now = clock.monotonic()
+            total = now - t0
+            ttfb = timing.first_byte - t0 if timing.first_byte is not None else None
+            self._metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb)
+            self.request_log.add(
+                RequestRecord(
+                    request_id=request_id,
+                    route=route,
+                    model=model,
+                    mode=mode,
+                    prefill=prefill_id,
+                    decode=decode_id,
+                    status=status,
+                    error=error,
+                    started_wall=clock.wall() - total,
+                    schedule_s=t_decided - t0,
+                    prefill_s=prefill_s,
+                    ttfb_s=ttfb,
+                    total_s=total,
+                    explanation=explanation,
+                )
+            )
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s %s %s -> %s in %.4fs (%s)", request_id, route, mode, status, total, error)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/completions``."""
+        return await self.serve(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """``POST /v1/chat/completions``."""
+        return await self.serve(request, "chat_completions")
+
+    async def models(self, request: web.Request) -> web.Response:
+        """``GET /v1/models``: models served by at least one ready instance."""
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "vllm-disagg"}
+            for m in self._registry.snapshot().ready_models()
+        ]
+        return web.Response(
+            body=jsonutil.dumps({"object": "list", "data": data}), content_type="application/json"
+        )
+
+    def add_routes(self, app: web.Application) -> None:
+        """Register the OpenAI routes on ``app``."""
+        app.router.add_post(PATHS["completions"], self.completions)
+        app.router.add_post(PATHS["chat_completions"], self.chat_completions)
+        app.router.add_get("/v1/models", self.models)

@@ -1,0 +1,78 @@
+"""``vllm-disagg orchestrator``: run the gateway, registry, control plane and admin API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.orchestrator.app import start_orchestrator
+from vllm_disagg.runtime import run_service
+
+_DEFAULTS = OrchestratorConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``vllm-disagg orchestrator``."""
+    d = _DEFAULTS
+    parser.add_argument("--host", default=d.host, help="HTTP bind address (gateway, admin, metrics)")
+    parser.add_argument("--port", type=int, default=d.port, help="HTTP port (0: any free port)")
+    parser.add_argument(
+        "--zmq-endpoint", default=d.zmq_endpoint, help="ZeroMQ ROUTER endpoint agents connect to"
+    )
+    parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
+    parser.add_argument(
+        "--heartbeat-timeout-s",
+        type=float,
+        default=d.heartbeat_timeout_s,
+        help="an instance silent this long is dead",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
+    parser.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s, help="to an engine")
+    parser.add_argument(
+        "--upstream-timeout-s", type=float, default=d.upstream_timeout_s, help="a whole engine leg; then 504"
+    )
+    parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="agent frame limit")
+    parser.add_argument(
+        "--shutdown-timeout-s",
+        type=float,
+        default=10.0,
+        help="on SIGTERM, wait this long for in-flight requests",
+    )
+    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
+    """The validated config the flags describe (raises ``ConfigError``)."""
+    return OrchestratorConfig(
+        host=args.host,
+        port=args.port,
+        zmq_endpoint=args.zmq_endpoint,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        max_body_bytes=args.max_body_bytes,
+        connect_timeout_s=args.connect_timeout_s,
+        upstream_timeout_s=args.upstream_timeout_s,
+        max_frame_bytes=args.max_frame_bytes,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run until SIGINT/SIGTERM; returns the exit code."""
+    config = config_from_args(args)  # before anything starts: a bad flag exits 2 via the CLI
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+
+    async def main(stop: asyncio.Event) -> int:
+        server = await start_orchestrator(config, shutdown_timeout_s=args.shutdown_timeout_s)
+        try:
+            print(f"orchestrator: http {server.url}  agents {server.zmq_endpoint}", flush=True)
+            await stop.wait()
+        finally:
+            await server.close()
+        return 0
+
+    return run_service(main)

@@ -1,0 +1,172 @@
+"""Prometheus metrics of one orchestrator, on its own ``CollectorRegistry`` (never the global one).
+
+Request metrics are recorded by the gateway through pre-bound label children, so the hot path does
+one dict lookup per metric. Per-instance gauges are not stored at all: a custom collector reads a
+registry snapshot at scrape time. Every metric is documented in docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from vllm_disagg.orchestrator.registry import RegistrySnapshot
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# LLM requests run from milliseconds (a cached prefill) to minutes (long generations).
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# The gateway's own work per request: the target is well under a millisecond.
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
+
+Leg = str  # "prefill" | "decode"
+
+
+class _InstanceCollector(Collector):
+    """Per-instance gauges, read from the registry at scrape time."""
+
+    def __init__(self, snapshot: Callable[[], RegistrySnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> list[Metric]:
+        # Empty: stops prometheus_client from calling collect() at registration.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        up = GaugeMetricFamily(
+            "vllm_disagg_instance_up",
+            "1 while the instance has a live session (state is not dead), labelled with its state",
+            labels=["instance", "role", "state"],
+        )
+        in_flight = _gauge("in_flight", "Gateway requests outstanding on the instance")
+        running = _gauge("num_running", "Requests running in the engine (last heartbeat)")
+        waiting = _gauge("num_waiting", "Requests waiting in the engine's queue (last heartbeat)")
+        kv = _gauge("kv_cache_usage", "Engine KV cache usage, 0..1 (last heartbeat)")
+        ttft = _gauge("ttft_seconds", "Engine mean time to first token over the agent's window")
+        tpot = _gauge("tpot_seconds", "Engine mean time per output token over the agent's window")
+        for v in snap.instances:
+            labels = [v.agent_id]
+            up.add_metric([v.agent_id, v.info.role, v.state], 0.0 if v.state == "dead" else 1.0)
+            in_flight.add_metric(labels, float(snap.in_flight.get(v.agent_id, 0)))
+            m = v.metrics
+            running.add_metric(labels, float(m.num_running))
+            waiting.add_metric(labels, float(m.num_waiting))
+            kv.add_metric(labels, m.kv_cache_usage)
+            if m.ttft_s is not None:
+                ttft.add_metric(labels, m.ttft_s)
+            if m.tpot_s is not None:
+                tpot.add_metric(labels, m.tpot_s)
+        yield from (up, in_flight, running, waiting, kv, ttft, tpot)
+
+
+def _gauge(suffix: str, doc: str) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"vllm_disagg_instance_{suffix}", doc, labels=["instance"])
+
+
+class OrchestratorMetrics:
+    """The orchestrator's metrics and the cheap recording calls the gateway and control plane use."""
+
+    def __init__(self, snapshot: Callable[[], RegistrySnapshot]) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self._requests = Counter(
+            "vllm_disagg_requests",
+            "Client requests finished by the gateway",
+            ["route", "mode", "status"],
+            registry=r,
+        )
+        self._duration = Histogram(
+            "vllm_disagg_request_duration_seconds",
+            "Client request duration, from arrival to the last byte sent",
+            ["route", "mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._prefill = Histogram(
+            "vllm_disagg_prefill_leg_seconds",
+            "Prefill leg duration: POST to the prefill engine until its response is read",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._ttfb = Histogram(
+            "vllm_disagg_time_to_first_byte_seconds",
+            "From a request's arrival to the first body byte of the decode engine's response",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._overhead = Histogram(
+            "vllm_disagg_gateway_overhead_seconds",
+            "Request duration minus time spent waiting on engines (parsing, scheduling, relaying)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self._refused = Counter(
+            "vllm_disagg_protocol_refused",
+            "Refuse messages sent to agents, by code",
+            ["code"],
+            registry=r,
+        )
+        self._upstream_errors = Counter(
+            "vllm_disagg_upstream_errors",
+            "Failed engine legs, by leg (prefill, decode) and kind (connect, timeout, status, "
+            "invalid_response, disconnect)",
+            ["leg", "kind"],
+            registry=r,
+        )
+        r.register(_InstanceCollector(snapshot))
+        # Pre-bound children: labels() takes a lock and builds tuples; a dict hit does not.
+        self._request_children: dict[tuple[str, str, int], Counter] = {}
+        self._duration_children: dict[tuple[str, str], Histogram] = {}
+        self._refused_children: dict[str, Counter] = {}
+        self._upstream_children: dict[tuple[str, str], Counter] = {}
+
+    def request_done(
+        self,
+        route: str,
+        mode: str,
+        status: int,
+        total_s: float,
+        engine_s: float,
+        prefill_s: float | None,
+        ttfb_s: float | None,
+    ) -> None:
+        """Record one finished client request."""
+        key = (route, mode, status)
+        counter = self._request_children.get(key)
+        if counter is None:
+            counter = self._request_children[key] = self._requests.labels(route, mode, str(status))
+        counter.inc()
+        hkey = (route, mode)
+        hist = self._duration_children.get(hkey)
+        if hist is None:
+            hist = self._duration_children[hkey] = self._duration.labels(route, mode)
+        hist.observe(total_s)
+        self._overhead.observe(max(0.0, total_s - engine_s))
+        if prefill_s is not None:
+            self._prefill.observe(prefill_s)
+        if ttfb_s is not None:
+            self._ttfb.observe(ttfb_s)
+
+    def refused(self, code: str) -> None:
+        """Count a Refuse sent to an agent."""
+        child = self._refused_children.get(code)
+        if child is None:
+            child = self._refused_children[code] = self._refused.labels(code)
+        child.inc()
+
+    def upstream_error(self, leg: Leg, kind: str) -> None:
+        """Count a failed engine leg."""
+        key = (leg, kind)
+        child = self._upstream_children.get(key)
+        if child is None:
+            child = self._upstream_children[key] = self._upstream_errors.labels(leg, kind)
+        child.inc()
+
+    def render(self) -> bytes:
+        """The text exposition of every metric."""
+        return generate_latest(self.registry)

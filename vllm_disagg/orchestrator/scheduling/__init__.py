@@ -1,0 +1,1 @@
+"""Scheduling: the contract (``framework``) and the schedulers that implement it."""

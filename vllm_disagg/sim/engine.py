@@ -1,0 +1,382 @@
+"""A simulated vLLM server: vLLM's OpenAI API, metric names and P/D KV handoff, deterministic output.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics``, ``GET /version``, and the sim's KV side channel ``POST /sim/kv/pull``. See docs/sim.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from vllm_disagg import jsonutil
+from vllm_disagg.clock import Clock, SystemClock
+from vllm_disagg.config import SimEngineConfig
+from vllm_disagg.errors import BadRequest, RequestError
+from vllm_disagg.sim import perf_model
+from vllm_disagg.sim.core import ABORTED, EngineCore, Seq
+from vllm_disagg.sim.metrics import CONTENT_TYPE
+from vllm_disagg.sim.openai_api import (
+    DONE,
+    Kind,
+    RemotePrefill,
+    ResponseEncoder,
+    check_length,
+    parse_request,
+)
+from vllm_disagg.sim.prompts import PromptInfo, PromptTable
+
+SIM_VERSION = "0.32.0+sim"
+KV_PULL_PATH = "/sim/kv/pull"
+_SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+
+
+class SimEngine:
+    """One simulated engine: its core, its prompt memo, and the HTTP client it pulls KV with."""
+
+    def __init__(self, config: SimEngineConfig, clock: Clock) -> None:
+        self.config = config
+        self.clock = clock
+        self.core = EngineCore(config, clock)
+        self.prompts = PromptTable(config.timing.block_size)
+        self.session: aiohttp.ClientSession | None = None
+        self.loop_task: asyncio.Task[None] | None = None
+        if config.port:
+            self.advertise(config.port)
+
+    def advertise(self, port: int) -> None:
+        """Record the port this engine listens on; it names the engine in ``kv_transfer_params``."""
+        core = self.core
+        core.advertised_port = port
+        core.engine_id = self.config.engine_id or f"{core.advertised_host}:{port}"
+
+    @property
+    def alive(self) -> bool:
+        """False once the step loop has died: ``/health`` then answers 503, as vLLM does."""
+        return self.loop_task is None or not self.loop_task.done()
+
+    async def pull_kv(self, remote: RemotePrefill, prompt: PromptInfo) -> int:
+        """Pull a prompt's blocks from the prefill engine; returns the tokens received, or raises 500."""
+        if not remote.block_ids:
+            return 0  # the prompt had no full block: everything is computed here, as in vLLM
+        m = self.core.metrics
+        where = f"remote engine {remote.engine_id!r} at {remote.host}:{remote.port}"
+        started = self.clock.monotonic()
+        body = {
+            "remote_block_ids": list(remote.block_ids),
+            "remote_engine_id": remote.engine_id,
+            "remote_request_id": remote.request_id,
+        }
+        reason = ""
+        tokens: list[int] = []
+        assert self.session is not None, "the KV client session is created on startup"
+        try:
+            async with self.session.post(
+                f"http://{remote.host}:{remote.port}{KV_PULL_PATH}",
+                data=jsonutil.dumps(body),
+                headers={"Content-Type": "application/json"},
+            ) as resp:
+                payload = await resp.read()
+            if resp.status != 200:
+                reason = f"HTTP {resp.status}: {_error_message(payload)}"
+            else:
+                tokens = jsonutil.loads(payload)["token_ids"]
+                if not isinstance(tokens, list):
+                    reason = "the answer carries no token_ids list"
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+        if not reason:
+            n = len(tokens)
+            if n > len(prompt.token_ids) or tokens != list(prompt.token_ids[:n]):
+                reason = f"the {n} pulled tokens are not this request's prompt prefix"
+        if reason:
+            m.nixl_num_failed_transfers += 1
+            raise RequestError(f"KV transfer failed from {where}: {reason}")
+        m.nixl_bytes_transferred += 4 * len(tokens)
+        m.nixl_xfer_time.observe(self.clock.monotonic() - started)
+        delay = perf_model.kv_transfer_duration(self.config.timing, len(tokens))
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return len(tokens)
+
+
+ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+
+
+def _error_message(payload: bytes) -> str:
+    with contextlib.suppress(ValueError, TypeError, KeyError, AttributeError):
+        return str(jsonutil.loads(payload)["error"]["message"])
+    return payload[:200].decode("utf-8", "replace")
+
+
+def _error(status: int, err_type: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    return web.Response(
+        status=status, body=jsonutil.dumps(body), content_type="application/json", headers=headers
+    )
+
+
+def _request_error(exc: RequestError, headers: dict[str, str]) -> web.Response:
+    return web.Response(
+        status=exc.status,
+        body=jsonutil.dumps(exc.to_json()),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
+    engine = request.app[ENGINE_KEY]
+    config = engine.config
+    arrival = engine.clock.monotonic()
+    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+    headers = {"X-Request-Id": request_id}
+    if not engine.core.advertised_port:
+        # build_app() served by someone else's runner on port 0: learn the port from the socket.
+        sock = request.transport.get_extra_info("sockname") if request.transport else None
+        if sock:
+            engine.advertise(int(sock[1]))
+    try:
+        req = parse_request(
+            kind,
+            await request.read(),
+            request_id=request_id,
+            served_model=config.model,
+            default_max_tokens=config.default_max_tokens,
+        )
+        prompt = engine.prompts.resolve(req.prompt)
+        timing = config.timing
+        check_length(
+            len(prompt.token_ids), req.max_tokens, config.max_model_len, timing.num_blocks * timing.block_size
+        )
+        external = await engine.pull_kv(req.remote_prefill, prompt) if req.remote_prefill else 0
+    except RequestError as exc:
+        return _request_error(exc, headers)
+    seq = Seq(req, prompt, external, arrival)
+    encoder = ResponseEncoder(kind, request_id, config.model, int(engine.clock.wall()))
+    if config.timing.zero_delay:
+        return await _respond_now(request, engine, seq, encoder, headers)
+    return await _respond_stepped(request, engine, seq, encoder, headers)
+
+
+async def _respond_now(
+    request: web.Request, engine: SimEngine, seq: Seq, encoder: ResponseEncoder, headers: dict[str, str]
+) -> web.StreamResponse:
+    core = engine.core
+    req = seq.req
+    core.complete_now(seq)
+    n_prompt = len(seq.prompt.token_ids)
+    if not req.stream:
+        body = encoder.full(
+            engine.prompts.text(seq.prompt, req.max_tokens), n_prompt, req.max_tokens, seq.kv_params
+        )
+        return web.Response(body=body, content_type="application/json", headers=headers)
+    parts = [encoder.role_chunk(), encoder.chunks(engine.prompts.json_words(seq.prompt, req.max_tokens))]
+    if req.include_usage:
+        parts.append(encoder.usage_chunk(n_prompt, req.max_tokens))
+    parts.append(DONE)
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+    core.in_flight_now += 1
+    try:
+        await resp.prepare(request)
+        await resp.write(b"".join(parts))
+        await resp.write_eof()
+    except ConnectionError:
+        pass  # the client left; its request already finished
+    finally:
+        core.in_flight_now -= 1
+    return resp
+
+
+async def _respond_stepped(
+    request: web.Request, engine: SimEngine, seq: Seq, encoder: ResponseEncoder, headers: dict[str, str]
+) -> web.StreamResponse:
+    core = engine.core
+    req = seq.req
+    n_prompt = len(seq.prompt.token_ids)
+    core.submit(seq)
+    assert seq.done is not None
+    try:
+        if not req.stream:
+            try:
+                await seq.done
+            except RequestError as exc:
+                return _request_error(exc, headers)
+            body = encoder.full(
+                engine.prompts.text(seq.prompt, req.max_tokens), n_prompt, req.max_tokens, seq.kv_params
+            )
+            return web.Response(body=body, content_type="application/json", headers=headers)
+        assert seq.tokens is not None
+        words = engine.prompts.json_words(seq.prompt, req.max_tokens)
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+        try:
+            await resp.prepare(request)
+            last = req.max_tokens - 1
+            pending = [encoder.role_chunk()]
+            while True:
+                pos = await seq.tokens.get()
+                if pos == ABORTED:
+                    return resp  # engine shut down: end the stream without [DONE]
+                pending.append(encoder.token_chunk(words[pos], pos == last))
+                # Tokens produced while we were writing go out together, as vLLM's streamer does.
+                while not seq.tokens.empty() and pos != last:
+                    pos = seq.tokens.get_nowait()
+                    if pos == ABORTED:
+                        break
+                    pending.append(encoder.token_chunk(words[pos], pos == last))
+                if pos == last:
+                    if req.include_usage:
+                        pending.append(encoder.usage_chunk(n_prompt, req.max_tokens))
+                    pending.append(DONE)
+                    await resp.write(b"".join(pending))
+                    await resp.write_eof()
+                    return resp
+                await resp.write(b"".join(pending))
+                pending = []
+        except ConnectionError:
+            return resp  # the client left; finally aborts the request
+    finally:
+        core.abort(seq)  # no-op when it finished
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/completions``."""
+    return await _generate(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    return await _generate(request, "chat")
+
+
+async def models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the one served model."""
+    config = request.app[ENGINE_KEY].config
+    created = int(request.app[ENGINE_KEY].clock.wall())
+    card = {
+        "id": config.model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": config.model,
+        "parent": None,
+        "max_model_len": config.max_model_len,
+    }
+    return web.Response(
+        body=jsonutil.dumps({"object": "list", "data": [card]}), content_type="application/json"
+    )
+
+
+async def health(request: web.Request) -> web.Response:
+    """``GET /health``: 200 with an empty body, 503 once the engine loop has died."""
+    return web.Response(status=200 if request.app[ENGINE_KEY].alive else 503)
+
+
+async def version(request: web.Request) -> web.Response:
+    """``GET /version``."""
+    return web.Response(body=jsonutil.dumps({"version": SIM_VERSION}), content_type="application/json")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text with vLLM's v1 names."""
+    body = request.app[ENGINE_KEY].core.metrics.render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+
+async def kv_pull(request: web.Request) -> web.Response:
+    """``POST /sim/kv/pull``: a decoder takes held blocks (200 ``{"token_ids"}``) or learns why not (404)."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = jsonutil.loads(await request.read())
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        block_ids = body.get("remote_block_ids")
+        if not isinstance(block_ids, list) or not all(isinstance(b, int) for b in block_ids):
+            raise BadRequest("remote_block_ids must be a list of ints")
+        request_id = body.get("remote_request_id")
+        if request_id is not None and not isinstance(request_id, str):
+            raise BadRequest("remote_request_id must be a string")
+    except jsonutil.JSONDecodeError:
+        return _error(400, "BadRequestError", "malformed JSON body")
+    except BadRequest as exc:
+        return _error(400, "BadRequestError", exc.message)
+    own = engine.core.engine_id
+    if body.get("remote_engine_id") != own:
+        return _error(404, "NotFoundError", f"engine id {body.get('remote_engine_id')!r} is not {own!r}")
+    outcome = engine.core.serve_pull(block_ids, request_id)
+    if outcome.token_ids is None:
+        return _error(404, "NotFoundError", outcome.reason)
+    return web.Response(
+        body=jsonutil.dumps({"token_ids": outcome.token_ids}), content_type="application/json"
+    )
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE_KEY]
+    engine.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, connect=5))
+    if not engine.config.timing.zero_delay:
+        engine.loop_task = asyncio.create_task(engine.core.run(), name="sim-engine-steps")
+    try:
+        yield
+    finally:
+        if engine.loop_task is not None:
+            engine.loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await engine.loop_task
+        await engine.session.close()
+
+
+def build_app(config: SimEngineConfig, *, clock: Clock | None = None) -> web.Application:
+    """The simulated engine as an aiohttp application (its step loop runs while the app does)."""
+    app = web.Application(client_max_size=64 << 20)
+    app[ENGINE_KEY] = SimEngine(config, clock or SystemClock())
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post(KV_PULL_PATH, kv_pull)
+    return app
+
+
+class SimServer:
+    """A running simulated engine on a real port."""
+
+    def __init__(self, runner: web.AppRunner, host: str, port: int) -> None:
+        self._runner = runner
+        self.host = host
+        self.port = port
+        self.url = f"http://{host}:{port}"
+
+    @property
+    def app(self) -> web.Application:
+        """The served application (tests reach the engine through ``app[ENGINE_KEY]``)."""
+        return self._runner.app
+
+    async def close(self) -> None:
+        """Stop serving; in-flight requests get a few seconds to finish."""
+        await self._runner.cleanup()
+
+
+async def start_engine(config: SimEngineConfig, *, clock: Clock | None = None) -> SimServer:
+    """Serve a simulated engine on ``config.host:config.port`` (port 0: any free port)."""
+    app = build_app(config, clock=clock)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        port = int(runner.addresses[0][1])
+    except BaseException:
+        await runner.cleanup()
+        raise
+    app[ENGINE_KEY].advertise(port)
+    host = app[ENGINE_KEY].core.advertised_host
+    return SimServer(runner, host, port)

@@ -1,0 +1,142 @@
+"""The simulated engine's KV state: a prefix cache of chained block hashes, and blocks held for transfer.
+
+Only bookkeeping lives here (no I/O, time passed in), so expiry and pulls are tested without waiting.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
+    """One hash per full block, each over (parent hash, the block's token ids), as vLLM chains them."""
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        # Tuples of ints hash the same in every process (no hash randomisation), and fast.
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return tuple(hashes)
+
+
+class PrefixCache:
+    """An LRU set of block hashes of recently computed prompts, bounded by the KV capacity."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self._capacity = capacity_blocks
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Sequence[int], limit: int) -> int:
+        """Leading blocks of ``hashes`` (at most ``limit``) already cached; marks them recently used."""
+        hit = 0
+        for h in hashes[:limit]:
+            if h not in self._blocks:
+                break
+            self._blocks.move_to_end(h)
+            hit += 1
+        return hit
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        """Remember a computed prompt's blocks, evicting the least recently used beyond capacity."""
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self._capacity:
+            self._blocks.popitem(last=False)
+
+    def clear(self) -> None:
+        """Forget everything (vLLM's reset_prefix_cache)."""
+        self._blocks.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class _HeldBlock:
+    request_id: str
+    token_ids: tuple[int, ...]
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class PullOutcome:
+    """The answer to a decoder's pull: the blocks' token ids in the order asked, or why not."""
+
+    token_ids: tuple[int, ...] | None
+    reason: str = ""
+
+
+class TransferHolds:
+    """Full prompt blocks a prefill engine keeps for a decoder, until pulled or until the lease ends."""
+
+    def __init__(self, block_size: int, lease_s: float) -> None:
+        self._block_size = block_size
+        self._lease_s = lease_s
+        self._blocks: dict[int, _HeldBlock] = {}
+        # Every lease is equally long, so deadlines arrive in insertion order: expiry pops the left end.
+        self._deadlines: deque[tuple[float, tuple[int, ...]]] = deque()
+        self._next_id = 1
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks held now (they count in KV cache usage)."""
+        return len(self._blocks)
+
+    def hold(self, request_id: str, token_ids: Sequence[int], now: float) -> tuple[int, ...]:
+        """Hold the full blocks of ``token_ids`` for ``request_id``; returns their new block ids."""
+        bs = self._block_size
+        deadline = now + self._lease_s
+        ids: list[int] = []
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            block_id = self._next_id
+            self._next_id += 1
+            self._blocks[block_id] = _HeldBlock(request_id, tuple(token_ids[start : start + bs]), deadline)
+            ids.append(block_id)
+        if ids:
+            self._deadlines.append((deadline, tuple(ids)))
+        return tuple(ids)
+
+    def pull(self, block_ids: Sequence[int], request_id: str | None, now: float) -> PullOutcome:
+        """Hand over and free the blocks ``block_ids`` (all or nothing)."""
+        self.expire(now)
+        if not block_ids:
+            return PullOutcome(None, "no block ids given")
+        if len(set(block_ids)) != len(block_ids):
+            return PullOutcome(None, "duplicate block ids")
+        missing = [b for b in block_ids if b not in self._blocks]
+        if missing:
+            shown = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+            return PullOutcome(
+                None, f"no KV blocks held under ids [{shown}] (never held, already pulled, or lease expired)"
+            )
+        blocks = [self._blocks[b] for b in block_ids]
+        if request_id is not None:
+            strangers = {blk.request_id for blk in blocks if blk.request_id != request_id}
+            if strangers:
+                return PullOutcome(
+                    None, f"blocks belong to request(s) {sorted(strangers)}, not {request_id!r}"
+                )
+        tokens: list[int] = []
+        for b, blk in zip(block_ids, blocks, strict=True):
+            tokens.extend(blk.token_ids)
+            del self._blocks[b]
+        return PullOutcome(tuple(tokens))
+
+    def expire(self, now: float) -> int:
+        """Free the blocks whose lease ended at or before ``now``; returns how many were freed."""
+        freed = 0
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, ids = self._deadlines.popleft()
+            for b in ids:
+                if self._blocks.pop(b, None) is not None:
+                    freed += 1
+        return freed
+
+    def next_deadline(self) -> float | None:
+        """When the oldest lease still pending ends, if any."""
+        while self._deadlines and not any(b in self._blocks for b in self._deadlines[0][1]):
+            self._deadlines.popleft()  # all pulled already: nothing to wait for
+        return self._deadlines[0][0] if self._deadlines else None
