@@ -41,7 +41,8 @@ async def sim_engine() -> AsyncIterator[EngineFactory]:
     started: list[SimServer] = []
 
     async def start(**overrides: Any) -> SimServer:
-        server = await start_engine(SimEngineConfig(port=0, model=MODEL, **overrides))
+        settings: dict[str, Any] = {"port": 0, "model": MODEL, **overrides}
+        server = await start_engine(SimEngineConfig(**settings))
         started.append(server)
         return server
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -158,7 +158,7 @@ class FakeEngine:
     def __init__(self, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> None:
         self._handler = handler
         self.requests: list[dict[str, Any]] = []
-        self.headers: list[dict[str, str]] = []
+        self.headers: list[Mapping[str, str]] = []  # case-insensitive, as HTTP headers are
         self.disconnected = asyncio.Event()
         self.release = asyncio.Event()  # handlers that hang wait on this; close() sets it
         self.url = ""
@@ -166,7 +166,7 @@ class FakeEngine:
 
     async def _record(self, request: web.Request) -> web.StreamResponse:
         self.requests.append(await request.json())
-        self.headers.append(dict(request.headers))
+        self.headers.append(request.headers.copy())
         try:
             return await self._handler(request)
         except (asyncio.CancelledError, ConnectionError):

@@ -81,7 +81,7 @@ async def test_an_engine_stuck_starting_is_killed_with_its_children_and_restarte
     supervisor = EngineSupervisor(cfg, http, SystemClock(), command=StubbornEngine(pid_file))
     seen_states: set[str] = set()
 
-    async def watch() -> bool:
+    def watch() -> bool:
         seen_states.add(supervisor.state)
         return len(pids(pid_file)) >= 2
 
@@ -112,7 +112,8 @@ async def test_stop_kills_a_process_group_that_ignores_sigterm_after_the_grace_p
     try:
         ((child, grandchild),) = await eventually(lambda: pids(pid_file), timeout=DEADLINE_S)
         assert supervisor.pid == child
-        assert "STUBBORN=1" in Path(f"/proc/{child}/environ").read_text(errors="replace").replace("\0", " ")
+        environ = await asyncio.to_thread(Path(f"/proc/{child}/environ").read_bytes)
+        assert b"STUBBORN=1" in environ.split(b"\0")
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

@@ -64,10 +64,10 @@ async def test_health_turns_ok_when_a_decode_instance_registers_and_ready(
 
     agent.engine_state = "ready"
 
-    async def healthy() -> bool:
+    async def healthy() -> bool | None:
         return (await get_json(http, f"{orch.url}/health"))[0] == 200
 
-    await eventually(healthy, timeout=10, what="/health 200")
+    await eventually(healthy, timeout=10, what="/health 200")  # type: ignore[arg-type]  # helpers typing
     _, body = await get_json(http, f"{orch.url}/health")
     assert body["status"] == "ok"
     assert body["ready"] == {"decode": 1, "prefill": 0}
@@ -359,11 +359,11 @@ async def test_orchestrator_subcommand_serves_and_stops_cleanly_on_sigterm(
     )
     try:
 
-        async def answers() -> bool:
+        async def answers() -> bool | None:
             async with http.get(f"http://127.0.0.1:{port}/health") as resp:
                 return resp.status == 503
 
-        await eventually(answers, timeout=30, what="orchestrator subprocess /health")
+        await eventually(answers, timeout=30, what="subprocess /health")  # type: ignore[arg-type]  # helpers typing
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             out, err = await proc.communicate()

@@ -1,12 +1,31 @@
-"""The agent's protocol session: Hello backoff (pure) and the reactions to each orchestrator message."""
+"""The agent's protocol session: Hello backoff (pure) and its reactions to each orchestrator message.
+
+The reactions run in-process over a real ROUTER/DEALER pair on loopback.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import random
+from collections.abc import AsyncIterator
 
 import pytest
 
-from vllm_disagg.agent.session import HELLO_BACKOFF_MAX_S, hello_delay
+from vllm_disagg.agent.session import EXIT_REFUSED, HELLO_BACKOFF_MAX_S, AgentSession, SessionEnd, hello_delay
+from vllm_disagg.protocol.messages import (
+    PROTOCOL_VERSION,
+    Ack,
+    Command,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    InstanceInfo,
+    Message,
+    MetricsSnapshot,
+    Refuse,
+    Welcome,
+)
+from vllm_disagg.protocol.transport import DealerTransport, RouterTransport
 
 
 @pytest.mark.parametrize(
@@ -27,3 +46,92 @@ def test_hello_delay_is_never_above_the_cap_nor_zero() -> None:
     assert max(delays) <= HELLO_BACKOFF_MAX_S
     assert min(delays) >= 0.05
     assert len({round(d, 6) for d in delays[-100:]}) > 50  # jittered, not one fixed value
+
+
+def new_session(transport: DealerTransport) -> AgentSession:
+    return AgentSession(
+        transport,
+        "a1",
+        InstanceInfo(url="http://e", role="both", model="m"),
+        engine_state=lambda: "ready",
+        metrics=MetricsSnapshot,
+        heartbeat_interval_s=0.25,
+    )
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[RouterTransport, DealerTransport]]:
+    router = RouterTransport("tcp://127.0.0.1:0")
+    dealer = DealerTransport(router.endpoint, "a1")
+    try:
+        yield router, dealer
+    finally:
+        dealer.close()
+        router.close()
+
+
+WELCOME = Welcome(PROTOCOL_VERSION, "a1", heartbeat_interval_s=0.5, heartbeat_timeout_s=2.0)
+REACTIONS = [
+    ("welcome registers and adopts the interval", False, WELCOME, dict(registered=True, interval_s=0.5)),
+    ("unknown_agent sends it back to hello", True, Refuse("unknown_agent", "who?"), dict(registered=False)),
+    ("not_registered sends it back to hello", True, Refuse("not_registered", "who?"), dict(registered=False)),
+    ("an orchestrator goodbye sends it back to hello", True, Goodbye("restarting"), dict(registered=False)),
+    ("another refusal is only logged", True, Refuse("field_type_error", "bad"), dict(registered=True)),
+    ("drain sets draining", True, Command(1, "drain"), dict(draining=True, registered=True)),
+    ("undrain clears draining", True, Command(2, "undrain"), dict(draining=False)),
+    ("a message meant for the orchestrator is ignored", True, Heartbeat(1, "ready"), dict(registered=True)),
+]
+
+
+@pytest.mark.parametrize(
+    ("registered", "message", "after"), [r[1:] for r in REACTIONS], ids=[r[0] for r in REACTIONS]
+)
+async def test_session_reactions(
+    pair: tuple[RouterTransport, DealerTransport],
+    registered: bool,
+    message: Message,
+    after: dict[str, object],
+) -> None:
+    session = new_session(pair[1])
+    session.registered = registered
+    session.draining = isinstance(message, Command) and message.kind == "undrain"
+    session.handle(message)
+    assert {k: getattr(session, k) for k in after} == after
+
+
+async def test_commands_are_acked_and_shutdown_ends_the_session_with_exit_0(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    router, dealer = pair
+    session = new_session(dealer)
+    run = asyncio.create_task(session.run())
+    try:
+        first = await asyncio.wait_for(router.recv(), 30)
+        assert isinstance(first.message, Hello)
+        assert router.send(b"a1", WELCOME)
+        assert router.send(b"a1", Command(5, "drain"))
+        assert router.send(b"a1", Command(6, "shutdown"))
+        end = await asyncio.wait_for(run, 30)
+    finally:
+        run.cancel()
+    assert end == SessionEnd(exit_code=0, reason="shutdown command", command_id=6)
+    acks: list[Ack] = []
+    while len(acks) < 2:
+        incoming = await asyncio.wait_for(router.recv(), 30)
+        if isinstance(incoming.message, Ack):
+            acks.append(incoming.message)
+    assert acks == [Ack(5, True), Ack(6, True)]
+
+
+async def test_a_version_mismatch_ends_the_session_with_the_refused_exit_code(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    router, dealer = pair
+    run = asyncio.create_task(new_session(dealer).run())
+    try:
+        await asyncio.wait_for(router.recv(), 30)
+        assert router.send(b"a1", Refuse("version_mismatch", "v9 only"))
+        end = await asyncio.wait_for(run, 30)
+    finally:
+        run.cancel()
+    assert end == SessionEnd(exit_code=EXIT_REFUSED, reason="version_mismatch: v9 only")

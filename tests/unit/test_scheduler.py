@@ -11,7 +11,7 @@ from vllm_disagg.errors import ModelNotFound, NoCapacity
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import LeastOutstandingScheduler
-from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot, Role
+from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 NOW = 1000.0
 
@@ -45,7 +45,7 @@ def snapshot(*instances: Inst) -> RegistrySnapshot:
             ),
             NOW,
         )
-        engine = "starting" if i.state == "starting" else "ready"
+        engine: EngineState = "starting" if i.state == "starting" else "ready"
         reg.heartbeat(
             i.id,
             Heartbeat(

@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
 HEALTH_TIMEOUT_S = 2.0
+_GROUP_EXIT_POLLS = 250
+_GROUP_EXIT_POLL_S = 0.02  # up to 5 s in all for the kernel to finish SIGKILLed processes
 
 Action = Literal["none", "restart", "kill"]
 
@@ -176,6 +178,31 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def group_alive(pgid: int) -> bool:
+    """True while some process of group ``pgid`` still runs (zombies waiting for a reaper do not count)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    if not os.path.isdir("/proc"):  # pragma: no cover - not Linux: trust killpg
+        return True
+    with os.scandir("/proc") as entries:
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+                return True
+    return False
+
+
 class EngineSupervisor:
     """Launches or attaches to the engine and keeps ``state`` current until ``stop()``."""
 
@@ -299,6 +326,12 @@ class EngineSupervisor:
         if proc.poll() is None:
             await asyncio.to_thread(proc.wait)
         self._proc = None
+        # SIGKILL is delivered asynchronously; return only when the group is really gone (bounded).
+        for _ in range(_GROUP_EXIT_POLLS):
+            if not group_alive(pgid):
+                return
+            await asyncio.sleep(_GROUP_EXIT_POLL_S)
+        log.warning("processes of the engine's group %d still run after SIGKILL", pgid)
 
     async def stop(self) -> None:
         """Stop supervising and stop the engine (if the agent launched it)."""

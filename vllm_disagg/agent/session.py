@@ -181,6 +181,9 @@ class AgentSession:
                 self.hellos_sent += 1
                 delay = hello_delay(attempt, self._rng.random())
                 attempt += 1
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel that arrives just as
+            # the event is set, and this loop would outlive its session.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
             self._wake.clear()
