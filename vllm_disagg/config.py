@@ -146,6 +146,18 @@ class AgentConfig:
     restart_backoff_max_s: float = 30.0
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL to the engine's process group after this
     sim: SimTiming = field(default_factory=SimTiming)
+    # --- real vLLM (engine "vllm"); see docs/engine.md. --max-num-seqs is sim.max_num_seqs for both.
+    model_path: str = ""  # weights directory (e.g. from `vllm-disagg model tiny`); required to launch vLLM
+    served_model_name: str = ""  # the name clients ask for; empty: ``model``
+    max_model_len: int = 512
+    extra_engine_args: tuple[str, ...] = ()  # appended last, so they override the built-in flags
+    engine_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when nvidia-smi is found)
+    engine_python: str = ""  # interpreter whose venv holds vLLM; empty: the agent's own
+    kv_connector: str = "NixlConnector"  # empty: no --kv-transfer-config (a plain colocated engine)
+    nixl_side_channel_port: int = 0  # 0: engine_port + 1000
+    kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
+    omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
+    kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
 
     def __post_init__(self) -> None:
         if not self.agent_id:
@@ -164,6 +176,13 @@ class AgentConfig:
             restart_backoff_max_s=self.restart_backoff_max_s,
         )
         _non_negative("agent", stop_grace_s=self.stop_grace_s)
+        _port("agent", "nixl_side_channel_port", self.nixl_side_channel_port)
+        _port("agent", "kv_events_port", self.kv_events_port)
+        _positive("agent", max_model_len=self.max_model_len, kv_cache_space_gib=self.kv_cache_space_gib)
+        if self.engine_device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(
+                f"agent.engine_device must be 'auto', 'cpu' or 'cuda', got {self.engine_device!r}"
+            )
 
     @property
     def engine_url(self) -> str:
