@@ -9,7 +9,7 @@ States (``EngineState``)::
     any ── stop() ──▶ stopped
 
 The decisions are pure functions (``decide``, ``restart_delay``); ``EngineSupervisor`` does the I/O.
-An engine kind is an ``EngineCommand`` (how to start it); ``sim`` is here, ``vllm`` joins it later.
+An engine kind is an ``EngineCommand`` (how to start it): ``sim`` here, ``vllm`` in ``vllm_command``.
 """
 
 from __future__ import annotations
@@ -100,7 +100,16 @@ class SimEngineCommand(EngineCommand):
         )
 
 
-ENGINE_COMMANDS: Mapping[str, Callable[[], EngineCommand]] = {SimEngineCommand.kind: SimEngineCommand}
+def _vllm_command() -> EngineCommand:
+    from vllm_disagg.agent.vllm_command import VllmEngineCommand  # it imports this module
+
+    return VllmEngineCommand()
+
+
+ENGINE_COMMANDS: Mapping[str, Callable[[], EngineCommand]] = {
+    SimEngineCommand.kind: SimEngineCommand,
+    "vllm": _vllm_command,
+}
 
 
 def engine_command(cfg: AgentConfig) -> EngineCommand | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import shlex
 import sys
 
 import aiohttp
@@ -38,6 +39,19 @@ _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--restart-backoff-max-s", "restart_backoff_max_s", float, "longest restart delay"),
     ("--stop-grace-s", "stop_grace_s", float, "SIGTERM to the engine, then SIGKILL after this"),
 )
+# Real vLLM (--engine vllm): see docs/engine.md.
+_VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--model-path", "model_path", str, "weights directory (vllm-disagg model tiny builds a test one)"),
+    ("--served-model-name", "served_model_name", str, "name clients ask for (default: --model)"),
+    ("--max-model-len", "max_model_len", int, "context length"),
+    ("--engine-device", "engine_device", str, "cpu, cuda or auto"),
+    ("--engine-python", "engine_python", str, "interpreter of the venv holding vLLM (default: this one)"),
+    ("--kv-connector", "kv_connector", str, "KV connector for P/D transfer; empty for none"),
+    ("--nixl-side-channel-port", "nixl_side_channel_port", int, "NIXL handshake port (0: engine port+1000)"),
+    ("--kv-events-port", "kv_events_port", int, "KV cache events PUB port (0: engine port+2000)"),
+    ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),
+    ("--kv-cache-space-gib", "kv_cache_space_gib", int, "VLLM_CPU_KVCACHE_SPACE on CPU"),
+)
 # The simulated engine's timing; names match ``vllm-disagg sim-engine`` and ``up``.
 _SIM_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--prefill-s-per-token", "prefill_s_per_token", float),
@@ -57,6 +71,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("sim", "vllm"), default=_DEFAULT.engine, help="engine kind")
     for flag, name, kind, help_text in _AGENT_FLAGS:
         parser.add_argument(flag, dest=name, type=kind, default=getattr(_DEFAULT, name), help=help_text)
+    vllm = parser.add_argument_group("real vLLM (--engine vllm)")
+    for flag, name, kind, help_text in _VLLM_FLAGS:
+        vllm.add_argument(flag, dest=name, type=kind, default=getattr(_DEFAULT, name), help=help_text)
+    vllm.add_argument(
+        "--engine-args", default="", help="more vLLM flags, one shell-quoted string; they override ours"
+    )
     sim = parser.add_argument_group("simulated engine (--engine sim)")
     for flag, name, kind in _SIM_FLAGS:
         sim.add_argument(flag, dest=name, type=kind, default=getattr(_TIMING, name))
@@ -71,7 +91,8 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         role=args.role,
         engine=args.engine,
         sim=timing,
-        **{name: getattr(args, name) for _, name, _, _ in _AGENT_FLAGS},
+        extra_engine_args=tuple(shlex.split(args.engine_args)),
+        **{name: getattr(args, name) for _, name, _, _ in (*_AGENT_FLAGS, *_VLLM_FLAGS)},
     )
 
 

@@ -1,0 +1,240 @@
+"""The real-vLLM launch command: argv and environment per role and device, and what the agent reports."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from vllm_disagg import jsonutil
+from vllm_disagg.agent.engine import engine_command, instance_info
+from vllm_disagg.agent.main import add_arguments, config_from_args
+from vllm_disagg.agent.vllm_command import (
+    VllmEngineCommand,
+    flag_value,
+    kv_events_endpoint,
+    vllm_argv,
+    vllm_env,
+)
+from vllm_disagg.config import AgentConfig, SimTiming
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.protocol.messages import InstanceInfo
+
+
+def agent(**changes: object) -> AgentConfig:
+    base: dict[str, object] = {
+        "agent_id": "a",
+        "role": "prefill",
+        "engine": "vllm",
+        "model": "tiny",
+        "model_path": "/models/tiny",
+        "engine_port": 8101,
+    }
+    return AgentConfig(**{**base, **changes})  # type: ignore[arg-type]
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    """``--flag value`` pairs after the module name; bare switches map to ''."""
+    rest = argv[argv.index("serve") + 2 :]  # after "serve MODEL_PATH"
+    out: dict[str, str] = {}
+    i = 0
+    while i < len(rest):
+        if i + 1 < len(rest) and not rest[i + 1].startswith("--"):
+            out[rest[i]] = rest[i + 1]
+            i += 2
+        else:
+            out[rest[i]] = ""
+            i += 1
+    return out
+
+
+KV_ROLES = [
+    pytest.param("prefill", "kv_producer", id="prefill-produces-kv"),
+    pytest.param("decode", "kv_consumer", id="decode-consumes-kv"),
+    pytest.param("both", "kv_both", id="both-produces-and-consumes-kv"),
+]
+
+
+@pytest.mark.parametrize(("role", "kv_role"), KV_ROLES)
+def test_the_kv_transfer_config_names_nixl_and_the_roles_kv_role(role: str, kv_role: str) -> None:
+    transfer = jsonutil.loads(flags(vllm_argv(agent(role=role), "cpu"))["--kv-transfer-config"])
+    assert transfer == {"kv_connector": "NixlConnector", "kv_role": kv_role, "kv_buffer_device": "cpu"}
+
+
+def test_on_cuda_kv_buffers_stay_on_the_device() -> None:
+    transfer = jsonutil.loads(flags(vllm_argv(agent(role="decode"), "cuda"))["--kv-transfer-config"])
+    assert transfer == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+
+
+def test_without_a_connector_no_kv_transfer_config_and_no_side_channel() -> None:
+    cfg = agent(kv_connector="")
+    assert "--kv-transfer-config" not in vllm_argv(cfg, "cpu")
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in vllm_env(cfg, "cpu")
+
+
+def test_the_engine_is_vllm_serve_of_the_model_path_with_the_verified_cpu_flags() -> None:
+    argv = vllm_argv(agent(engine_host="127.0.0.2", sim=SimTiming(max_num_seqs=4)), "cpu")
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/tiny"]
+    got = flags(argv)
+    expected = {
+        "--served-model-name": "tiny",
+        "--host": "127.0.0.2",
+        "--port": "8101",
+        "--max-model-len": "512",
+        "--dtype": "float32",
+        "--max-num-seqs": "4",
+        "--block-size": "128",
+        "--enforce-eager": "",
+        "--enable-prompt-tokens-details": "",
+    }
+    assert {k: got.get(k) for k in expected} == expected
+
+
+def test_kv_events_are_published_on_a_bound_pub_socket_at_the_configured_port() -> None:
+    cfg = agent(kv_events_port=5557)
+    events = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-events-config"])
+    assert events == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://*:5557",  # '*' makes vLLM bind; a host name would make it connect
+        "topic": "kv-events",
+    }
+    assert kv_events_endpoint(cfg) == "tcp://127.0.0.1:5557"
+
+
+PORT_DEFAULTS = [
+    pytest.param({}, "9101", "tcp://*:10101", id="unset-ports-derive-from-the-engine-port"),
+    pytest.param(
+        {"nixl_side_channel_port": 5600, "kv_events_port": 5700},
+        "5600",
+        "tcp://*:5700",
+        id="explicit-ports-win",
+    ),
+]
+
+
+@pytest.mark.parametrize(("changes", "side_channel", "events_endpoint"), PORT_DEFAULTS)
+def test_each_instance_gets_its_own_side_channel_and_events_port(
+    changes: dict[str, int], side_channel: str, events_endpoint: str
+) -> None:
+    cfg = agent(**changes)
+    assert vllm_env(cfg, "cpu")["VLLM_NIXL_SIDE_CHANNEL_PORT"] == side_channel
+    assert jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-events-config"])["endpoint"] == events_endpoint
+
+
+ENVS = [
+    pytest.param(
+        "cpu",
+        {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": "9101",
+        },
+        id="cpu-sets-the-cpu-backend-and-the-side-channel",
+    ),
+    pytest.param(
+        "cuda",
+        {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": "9101"},
+        id="cuda-sets-only-the-side-channel",
+    ),
+]
+
+
+@pytest.mark.parametrize(("device", "expected"), ENVS)
+def test_engine_environment_per_device(device: str, expected: dict[str, str]) -> None:
+    env = vllm_env(agent(), device)  # type: ignore[arg-type]
+    vllm_keys = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_NO_USAGE_STATS"}
+    assert vllm_keys == expected
+    assert env["HF_HUB_OFFLINE"] == "1"  # the model is local: never wait on the Hub
+
+
+def test_cpu_threads_and_kv_space_are_configurable() -> None:
+    env = vllm_env(agent(omp_threads_bind="1", kv_cache_space_gib=2), "cpu")
+    assert (env["VLLM_CPU_OMP_THREADS_BIND"], env["VLLM_CPU_KVCACHE_SPACE"]) == ("1", "2")
+
+
+def test_extra_engine_args_come_last_so_they_override_ours() -> None:
+    argv = vllm_argv(agent(extra_engine_args=("--dtype", "bfloat16")), "cpu")
+    assert argv[-2:] == ["--dtype", "bfloat16"]
+    assert flag_value(argv, "--dtype") == "bfloat16"
+
+
+def test_a_separate_engine_interpreter_and_served_name_are_honoured() -> None:
+    argv = vllm_argv(agent(engine_python="/opt/vllm/bin/python", served_model_name="public"), "cpu")
+    assert argv[0] == "/opt/vllm/bin/python"
+    assert flags(argv)["--served-model-name"] == "public"
+
+
+def test_launching_without_a_model_path_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="model_path"):
+        vllm_argv(agent(model_path=""), "cpu")
+
+
+INFOS = [
+    pytest.param("cpu", (), 128, id="cpu-reports-block-size-128"),
+    pytest.param("cuda", (), 16, id="cuda-reports-block-size-16"),
+    pytest.param("cpu", ("--block-size=64",), 64, id="an-overridden-block-size-is-reported"),
+]
+
+
+@pytest.mark.parametrize(("device", "extra", "block_size"), INFOS)
+def test_instance_info_reports_vllm_its_block_size_and_connector(
+    device: str, extra: tuple[str, ...], block_size: int
+) -> None:
+    cfg = agent(role="decode", served_model_name="public", extra_engine_args=extra)
+    info = VllmEngineCommand(device).instance_info(cfg)  # type: ignore[arg-type]
+    assert info == InstanceInfo(
+        url="http://127.0.0.1:8101",
+        role="decode",
+        model="public",
+        engine="vllm",
+        block_size=block_size,
+        kv_connector="NixlConnector",
+        max_model_len=512,
+    )
+
+
+def test_the_agent_launches_vllm_without_attach() -> None:
+    cfg = agent(engine_device="cpu")
+    command = engine_command(cfg)
+    assert isinstance(command, VllmEngineCommand)
+    assert instance_info(cfg).engine == "vllm"
+    assert command.env(cfg)["VLLM_TARGET_DEVICE"] == "cpu"
+
+
+def test_agent_flags_reach_the_vllm_command() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(
+        [
+            "--agent-id=p0",
+            "--role=prefill",
+            "--engine=vllm",
+            "--model-path=/m",
+            "--engine-device=cpu",
+            "--omp-threads-bind=0",
+            "--kv-events-port=5557",
+            "--engine-args=--seed 7 --max-num-batched-tokens 1024",
+        ]
+    )
+    cfg = config_from_args(args)
+    argv = VllmEngineCommand().argv(cfg)
+    assert (flag_value(argv, "serve"), flag_value(argv, "--seed")) == ("/m", "7")
+    assert flag_value(argv, "--max-num-batched-tokens") == "1024"
+    assert VllmEngineCommand().env(cfg)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+
+
+BAD_CONFIGS = [
+    pytest.param({"engine_device": "tpu"}, "engine_device", id="unknown-device"),
+    pytest.param({"kv_events_port": 70000}, "kv_events_port", id="events-port-out-of-range"),
+    pytest.param({"max_model_len": 0}, "max_model_len", id="zero-context-length"),
+]
+
+
+@pytest.mark.parametrize(("changes", "field"), BAD_CONFIGS)
+def test_bad_vllm_settings_are_refused_naming_the_field(changes: dict[str, object], field: str) -> None:
+    with pytest.raises(ConfigError, match=field):
+        agent(**changes)

