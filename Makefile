@@ -3,11 +3,12 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-UP_ARGS ?= --engine sim --prefill 1 --decode 1
+UP_ARGS ?= --prefill 1 --decode 1
 
 .PHONY: up test lint typecheck unit setup setup-test bench clean
 
-## up: set up, then run a local cluster serving on http://127.0.0.1:8000 (Ctrl-C stops it)
+## up: set up (project + vLLM engine), then run a local 1P1D cluster of real vLLM on the tiny offline
+## model, serving on http://127.0.0.1:8000 (Ctrl-C stops it)
 up: setup
 	$(BIN)/vllm-disagg up $(UP_ARGS)
 
@@ -22,17 +23,22 @@ lint: setup-test
 typecheck: setup-test
 	$(BIN)/mypy
 
-bench: setup
+bench: $(VENV)/.installed
 	$(BIN)/vllm-disagg bench gateway
 
-setup: $(VENV)/.installed
-setup-test: $(VENV)/.installed-test
+setup: $(VENV)/.installed $(VENV)/.installed-engine
+setup-test: setup $(VENV)/.installed-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
+	touch $@
+
+# vLLM (CPU build + NIXL here, CUDA vllm where a GPU is): see docs/engine.md. The script is idempotent.
+$(VENV)/.installed-engine: scripts/setup_engine.sh | $(VENV)/.installed
+	scripts/setup_engine.sh $(VENV)
 	touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed

@@ -6,7 +6,8 @@ with a ``ConfigError`` naming the field, so a bad flag fails at start-up rather 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import argparse
+from dataclasses import dataclass, field, fields
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.messages import ROLES, Role
@@ -62,6 +63,40 @@ class SimTiming:
             and self.decode_step_s_per_seq == 0
             and self.kv_transfer_s_per_token == 0
         )
+
+
+_SIM_TIMING_HELP = {
+    "prefill_s_per_token": "prefill seconds per uncached prompt token",
+    "decode_step_s": "fixed seconds per engine step",
+    "decode_step_s_per_seq": "added seconds per running request per step",
+    "kv_transfer_s_per_token": "seconds per prompt token pulled from a prefill engine",
+    "max_num_seqs": "batch size; more requests wait",
+    "num_blocks": "KV cache capacity in blocks",
+    "block_size": "tokens per KV block",
+}
+
+
+def sim_timing_flags() -> list[tuple[str, str, type]]:
+    """``(flag, field, type)`` for every ``SimTiming`` field: the one flag set of sim-engine, agent and up."""
+    defaults = SimTiming()
+    return [
+        (f"--{f.name.replace('_', '-')}", f.name, type(getattr(defaults, f.name))) for f in fields(SimTiming)
+    ]
+
+
+def add_sim_timing_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup, *, defaults: bool
+) -> None:
+    """Add the timing flags; without ``defaults`` an unset flag stays None (to pass on only what was set)."""
+    timing = SimTiming()
+    for flag, name, kind in sim_timing_flags():
+        default = getattr(timing, name) if defaults else None
+        parser.add_argument(flag, dest=name, type=kind, default=default, help=_SIM_TIMING_HELP[name])
+
+
+def sim_timing_from_args(args: argparse.Namespace) -> SimTiming:
+    """The ``SimTiming`` the flags describe."""
+    return SimTiming(**{name: getattr(args, name) for _, name, _ in sim_timing_flags()})
 
 
 @dataclass(frozen=True)

@@ -17,25 +17,26 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import aiohttp
 
 from vllm_disagg import jsonutil
+from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.runtime import die_with_parent, run_service
 
 SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
-SIM_TIMING_FLAGS = (
-    "prefill_s_per_token",
-    "decode_step_s",
-    "decode_step_s_per_seq",
-    "kv_transfer_s_per_token",
-    "max_num_seqs",
-    "num_blocks",
-    "block_size",
-)
-_INT_FLAGS = frozenset({"max_num_seqs", "num_blocks", "block_size"})
+DEFAULT_MODELS = {"vllm": "tiny", "sim": "sim-model"}
+# Real vLLM on a small CPU machine: a cold start of two instances side by side took 92 s here.
+READY_TIMEOUTS_S = {"vllm": 900.0, "sim": 120.0}
+
+
+def tiny_model_dir() -> Path:
+    """Where ``up`` keeps the tiny offline model it builds when no model is given."""
+    root = os.environ.get("VLLM_DISAGG_HOME") or os.path.join(Path.home(), ".cache", "vllm-disagg")
+    return Path(root) / "models" / "tiny-seed0"
 
 
 @dataclass(frozen=True)
@@ -45,16 +46,20 @@ class InstancePlan:
     agent_id: str
     role: str
     engine_port: int
+    index: int  # position in the cluster; picks the CPU core a vLLM instance is bound to
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
     """The shape of a local cluster and the ports it uses."""
 
-    engine: str = "sim"
+    engine: str = "vllm"
     prefill: int = 1
     decode: int = 1
-    model: str = "sim-model"
+    model: str = "tiny"  # the served name clients ask for
+    model_path: str = ""  # vLLM weights directory
+    engine_args: str = ""  # more vLLM flags for every instance
+    engine_startup_timeout_s: float = 900.0
     host: str = "127.0.0.1"
     port: int = 8000
     zmq_port: int = 5555
@@ -75,8 +80,11 @@ class ClusterSpec:
         if self.prefill < 0 or self.decode < 1:
             raise ConfigError(f"need --decode >= 1 and --prefill >= 0, got {self.prefill}P{self.decode}D")
         base = self.engine_base_port
-        plans = [InstancePlan(f"prefill-{i}", "prefill", base + i) for i in range(self.prefill)]
-        plans += [InstancePlan(f"decode-{i}", "decode", base + self.prefill + i) for i in range(self.decode)]
+        plans = [InstancePlan(f"prefill-{i}", "prefill", base + i, i) for i in range(self.prefill)]
+        plans += [
+            InstancePlan(f"decode-{i}", "decode", base + self.prefill + i, self.prefill + i)
+            for i in range(self.decode)
+        ]
         if plans[-1].engine_port > 65535:
             raise ConfigError(f"--engine-base-port {base} leaves no room for {len(plans)} engines")
         return plans
@@ -106,6 +114,15 @@ class ClusterSpec:
             "--model", self.model,
             "--engine-port", str(plan.engine_port),
         ]  # fmt: skip
+        if self.engine == "vllm":
+            cores = os.cpu_count() or 1
+            argv += [
+                "--model-path", self.model_path,
+                "--omp-threads-bind", str(plan.index % cores),  # one core each while cores last
+                "--startup-timeout-s", str(self.engine_startup_timeout_s),
+            ]  # fmt: skip
+            if self.engine_args:
+                argv += ["--engine-args", self.engine_args]
         for name, value in self.sim_timing:
             argv += ["--" + name.replace("_", "-"), value]
         return argv
@@ -211,30 +228,38 @@ async def fetch_instances(session: aiohttp.ClientSession, base: str) -> list[dic
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``vllm-disagg up``."""
     d = ClusterSpec()
-    parser.add_argument("--engine", choices=("sim",), default=d.engine, help="engine behind the agents")
+    parser.add_argument(
+        "--engine", choices=("vllm", "sim"), default=d.engine, help="engine behind the agents"
+    )
     parser.add_argument("--prefill", type=int, default=d.prefill, help="number of prefill instances")
     parser.add_argument("--decode", type=int, default=d.decode, help="number of decode instances")
-    parser.add_argument("--model", default=d.model, help="served model name")
+    parser.add_argument("--model", default=None, help="served model name (default: tiny / sim-model)")
+    parser.add_argument(
+        "--model-path", default="", help="vLLM weights directory (default: build the tiny offline model)"
+    )
+    parser.add_argument("--engine-args", default="", help="more vLLM flags for every instance, one string")
     parser.add_argument("--host", default=d.host, help="gateway host")
     parser.add_argument("--port", type=int, default=d.port, help="gateway port")
     parser.add_argument("--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents")
     parser.add_argument("--engine-base-port", type=int, default=d.engine_base_port, help="first engine port")
     parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
-    parser.add_argument("--ready-timeout-s", type=float, default=120.0, help="give up if not ready by then")
+    parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
-    sim = parser.add_argument_group("simulated engine timing (--engine sim)")
-    for name in SIM_TIMING_FLAGS:
-        sim.add_argument("--" + name.replace("_", "-"), type=int if name in _INT_FLAGS else float)
+    add_sim_timing_arguments(
+        parser.add_argument_group("simulated engine timing (--engine sim)"), defaults=False
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
-    """The cluster the flags describe (validated)."""
+    """The cluster the flags describe (validated; the model path is resolved later, by ``run``)."""
     spec = ClusterSpec(
         engine=args.engine,
         prefill=args.prefill,
         decode=args.decode,
-        model=args.model,
+        model=args.model or DEFAULT_MODELS[args.engine],
+        model_path=args.model_path,
+        engine_args=args.engine_args,
         host=args.host,
         port=args.port,
         zmq_port=args.zmq_port,
@@ -243,11 +268,28 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         stop_grace_s=args.stop_grace_s,
         sim_timing=tuple(
-            (name, str(getattr(args, name))) for name in SIM_TIMING_FLAGS if getattr(args, name) is not None
+            (name, str(getattr(args, name)))
+            for _, name, _ in sim_timing_flags()
+            if getattr(args, name) is not None
         ),
     )
     spec.plans()
     return spec
+
+
+def with_model(spec: ClusterSpec) -> ClusterSpec:
+    """For real vLLM without ``--model-path``: build (or reuse) the tiny offline model and use it."""
+    if spec.engine != "vllm" or spec.model_path:
+        return spec
+    from vllm_disagg.model.tiny import build_tiny_model  # torch: only when a model must be built
+
+    started = time.monotonic()
+    built = build_tiny_model(tiny_model_dir())
+    verb = "built" if built.built else "using"
+    print(
+        f"vllm-disagg up: {verb} the tiny offline model at {built.path} ({time.monotonic() - started:.1f}s)"
+    )
+    return replace(spec, model_path=str(built.path))
 
 
 async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) -> int:
@@ -297,4 +339,10 @@ async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) ->
 def run(args: argparse.Namespace) -> int:
     """Run ``vllm-disagg up`` until SIGINT/SIGTERM."""
     spec = spec_from_args(args)  # refuse bad shapes before starting anything
-    return run_service(lambda stop: _up(spec, args.ready_timeout_s, stop))
+    try:
+        spec = with_model(spec)
+    except ModuleNotFoundError as exc:
+        print(f"up: {exc.name} is not installed: run `make setup` (scripts/setup_engine.sh)", file=sys.stderr)
+        return 1
+    ready_timeout_s = args.ready_timeout_s or READY_TIMEOUTS_S[spec.engine]
+    return run_service(lambda stop: _up(spec, ready_timeout_s, stop))

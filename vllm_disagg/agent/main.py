@@ -14,7 +14,7 @@ from vllm_disagg.agent.engine import EngineSupervisor, instance_info
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.agent.session import AgentSession, SessionEnd
 from vllm_disagg.clock import Clock, SystemClock
-from vllm_disagg.config import AgentConfig, SimTiming
+from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.protocol.messages import ROLES
 from vllm_disagg.protocol.transport import DealerTransport
 from vllm_disagg.runtime import run_service
@@ -24,7 +24,6 @@ log = logging.getLogger(__name__)
 GOODBYE_LINGER_MS = 1000  # how long closing may wait to deliver the last Ack/Goodbye
 
 _DEFAULT = AgentConfig(agent_id="-", role="both")
-_TIMING = SimTiming()
 # (flag, AgentConfig field, type, help)
 _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--orchestrator", "orchestrator", str, "the orchestrator's ZeroMQ endpoint"),
@@ -52,16 +51,6 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),
     ("--kv-cache-space-gib", "kv_cache_space_gib", int, "VLLM_CPU_KVCACHE_SPACE on CPU"),
 )
-# The simulated engine's timing; names match ``vllm-disagg sim-engine`` and ``up``.
-_SIM_FLAGS: tuple[tuple[str, str, type], ...] = (
-    ("--prefill-s-per-token", "prefill_s_per_token", float),
-    ("--decode-step-s", "decode_step_s", float),
-    ("--decode-step-s-per-seq", "decode_step_s_per_seq", float),
-    ("--kv-transfer-s-per-token", "kv_transfer_s_per_token", float),
-    ("--max-num-seqs", "max_num_seqs", int),
-    ("--num-blocks", "num_blocks", int),
-    ("--block-size", "block_size", int),
-)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -78,14 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--engine-args", default="", help="more vLLM flags, one shell-quoted string; they override ours"
     )
     sim = parser.add_argument_group("simulated engine (--engine sim)")
-    for flag, name, kind in _SIM_FLAGS:
-        sim.add_argument(flag, dest=name, type=kind, default=getattr(_TIMING, name))
+    add_sim_timing_arguments(sim, defaults=True)
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
     """The validated config the flags describe (``ConfigError`` on values that cannot work)."""
-    timing = SimTiming(**{name: getattr(args, name) for _, name, _ in _SIM_FLAGS})
+    timing = sim_timing_from_args(args)
     return AgentConfig(
         agent_id=args.agent_id,
         role=args.role,

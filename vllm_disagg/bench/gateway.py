@@ -151,7 +151,12 @@ async def measure(
 async def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
     """Start the cluster, measure every scenario, stop the cluster; the figures as one object."""
     spec = ClusterSpec(
-        port=args.port, zmq_port=args.port + 1, engine_base_port=args.port + 2, stop_grace_s=5.0
+        engine="sim",
+        model="sim-model",
+        port=args.port,
+        zmq_port=args.port + 1,
+        engine_base_port=args.port + 2,
+        stop_grace_s=5.0,
     )
     cluster = LocalCluster(spec)
     try:

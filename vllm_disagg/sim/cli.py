@@ -6,12 +6,16 @@ import argparse
 import asyncio
 import sys
 
-from vllm_disagg.config import SimEngineConfig, SimTiming
+from vllm_disagg.config import (
+    SimEngineConfig,
+    add_sim_timing_arguments,
+    sim_timing_flags,
+    sim_timing_from_args,
+)
 from vllm_disagg.runtime import run_service
 from vllm_disagg.sim.engine import start_engine
 
 _DEFAULT = SimEngineConfig()
-_TIMING = SimTiming()
 
 # (flag, config field, type); timing fields live in SimTiming, the rest in SimEngineConfig.
 _ENGINE_FLAGS: tuple[tuple[str, str, type], ...] = (
@@ -23,15 +27,6 @@ _ENGINE_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--default-max-tokens", "default_max_tokens", int),
     ("--kv-lease-s", "kv_lease_s", float),
 )
-_TIMING_FLAGS: tuple[tuple[str, str, type], ...] = (
-    ("--prefill-s-per-token", "prefill_s_per_token", float),
-    ("--decode-step-s", "decode_step_s", float),
-    ("--decode-step-s-per-seq", "decode_step_s_per_seq", float),
-    ("--kv-transfer-s-per-token", "kv_transfer_s_per_token", float),
-    ("--max-num-seqs", "max_num_seqs", int),
-    ("--num-blocks", "num_blocks", int),
-    ("--block-size", "block_size", int),
-)
 _HELP = {
     "model": "served model name",
     "host": "address to listen on",
@@ -40,13 +35,6 @@ _HELP = {
     "max_model_len": "context window in tokens",
     "default_max_tokens": "max_tokens when a request gives none",
     "kv_lease_s": "seconds blocks held for a decoder survive without a pull",
-    "prefill_s_per_token": "prefill seconds per uncached prompt token",
-    "decode_step_s": "fixed seconds per engine step",
-    "decode_step_s_per_seq": "added seconds per running request per step",
-    "kv_transfer_s_per_token": "seconds per prompt token pulled from a prefill engine",
-    "max_num_seqs": "batch size; more requests wait",
-    "num_blocks": "KV cache capacity in blocks",
-    "block_size": "tokens per KV block",
 }
 
 
@@ -54,14 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``sim-engine`` flags; defaults are ``SimEngineConfig()``'s."""
     for flag, name, kind in _ENGINE_FLAGS:
         parser.add_argument(flag, dest=name, type=kind, default=getattr(_DEFAULT, name), help=_HELP[name])
-    for flag, name, kind in _TIMING_FLAGS:
-        parser.add_argument(flag, dest=name, type=kind, default=getattr(_TIMING, name), help=_HELP[name])
+    add_sim_timing_arguments(parser, defaults=True)
 
 
 def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
     """The validated config the flags describe (``ConfigError`` on values that cannot work)."""
-    timing = SimTiming(**{name: getattr(args, name) for _, name, _ in _TIMING_FLAGS})
-    return SimEngineConfig(timing=timing, **{name: getattr(args, name) for _, name, _ in _ENGINE_FLAGS})
+    return SimEngineConfig(
+        timing=sim_timing_from_args(args), **{name: getattr(args, name) for _, name, _ in _ENGINE_FLAGS}
+    )
 
 
 def sim_engine_argv(config: SimEngineConfig) -> list[str]:
@@ -71,7 +59,7 @@ def sim_engine_argv(config: SimEngineConfig) -> list[str]:
         if name == "engine_id" and not config.engine_id:
             continue  # the default: derived from host and port
         argv += [flag, str(getattr(config, name))]
-    for flag, name, _ in _TIMING_FLAGS:
+    for flag, name, _ in sim_timing_flags():
         argv += [flag, repr(getattr(config.timing, name))]  # repr: floats round-trip exactly
     return argv
 
