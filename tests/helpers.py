@@ -113,3 +113,14 @@ def metric_sum(
     """Sum of a metric's samples whose labels include ``labels``."""
     want = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+
+
+def sse_text(raw: bytes, *, chat: bool) -> str:
+    """The generated text of an OpenAI SSE stream; asserts it ends with ``[DONE]``."""
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", events[-3:]
+    parts = []
+    for event in events[:-1]:
+        for choice in json.loads(event)["choices"]:
+            parts.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
+    return "".join(parts)

@@ -24,6 +24,7 @@ from tests.helpers import (
     http_json,
     metric_sum,
     parse_prometheus,
+    sse_text,
 )
 from vllm_disagg import jsonutil
 from vllm_disagg.sim.textgen import expected_chat_text, expected_text
@@ -127,16 +128,6 @@ async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
         return resp.status, await resp.read(), resp.headers
 
 
-def _stream_text(raw: bytes, chat: bool) -> str:
-    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
-    assert events[-1] == "[DONE]", events[-3:]
-    text = []
-    for event in events[:-1]:
-        for choice in jsonutil.loads(event)["choices"]:
-            text.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
-    return "".join(text)
-
-
 @pytest.mark.parametrize("stream", [False, True], ids=["non-stream", "stream"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 async def test_2p2d_serves_every_request_with_the_exact_expected_text(
@@ -152,7 +143,7 @@ async def test_2p2d_serves_every_request_with_the_exact_expected_text(
             assert status == 200, raw
             want = expected_chat_text(messages, 12) if chat else expected_text(prompt, 12)
             if stream:
-                got = _stream_text(raw, chat)
+                got = sse_text(raw, chat=chat)
             else:
                 choice = jsonutil.loads(raw)["choices"][0]
                 got = choice["message"]["content"] if chat else choice["text"]

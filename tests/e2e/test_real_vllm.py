@@ -1,0 +1,372 @@
+"""Real vLLM under the agents: 1P1D with NIXL on CPU is token-identical to one colocated vLLM.
+
+The tiny model is built offline at test time. First one plain vLLM (no KV connector) answers every
+request: the reference. Then ``vllm-disagg up`` starts 1P1D (two agents, two vLLM engines, NIXL) and
+the same requests go through the gateway. At most two vLLM instances run at once (a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import (
+    cli_argv,
+    eventually,
+    eventually_sync,
+    free_port,
+    http_json,
+    metric_sum,
+    parse_prometheus,
+    sse_text,
+)
+from vllm_disagg import jsonutil
+from vllm_disagg.agent.vllm_command import VllmEngineCommand
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.runtime import die_with_parent
+
+pytestmark = pytest.mark.timeout(1800)
+MODEL = "tiny"
+BLOCK = 128  # vLLM's block size on CPU
+MAX_TOKENS = 16
+JSON = {"Content-Type": "application/json"}
+START_TIMEOUT_S = 900.0  # two cold vLLM starts side by side on 2 cores took 92 s; leave room
+
+
+def _words() -> list[str]:
+    text = (Path(__file__).parent.parent.parent / "docs" / "architecture.md").read_text()
+    return [w for w in text.split() if w.isascii()]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request: route, body, and how to read its text."""
+
+    name: str
+    chat: bool
+    stream: bool
+    prompt: str
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        body["stream"] = self.stream
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+    @property
+    def route(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+def _prompts(model_dir: Path, n: int, first_tokens: int) -> list[str]:
+    """``n`` different prompts of a little over ``first_tokens`` tokens each (more than two blocks)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    words = _words()
+    prompts = []
+    for i in range(n):
+        chosen: list[str] = [f"Request {i}:"]
+        j = i * 37
+        while len(tokenizer.encode(" ".join(chosen), add_special_tokens=False)) < first_tokens + 4 * (i % 8):
+            chosen.append(words[j % len(words)])
+            j += 1
+        prompts.append(" ".join(chosen))
+    return prompts
+
+
+def _cases(prompts: list[str]) -> list[Case]:
+    return [
+        Case(
+            f"{'chat' if chat else 'completions'}-{'stream' if stream else 'nonstream'}-{i}", chat, stream, p
+        )
+        for i, p in enumerate(prompts[:4])
+        for chat in (False, True)
+        for stream in (False, True)
+    ]
+
+
+async def _ask(session: aiohttp.ClientSession, base: str, case: Case) -> tuple[str, dict[str, Any], Any]:
+    """The generated text, the usage (non-stream only) and the response headers."""
+    async with session.post(base + case.route, data=jsonutil.dumps(case.body()), headers=JSON) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, (case.name, resp.status, raw[:500])
+        headers = resp.headers
+    if case.stream:
+        return sse_text(raw, chat=case.chat), {}, headers
+    body = jsonutil.loads(raw)
+    choice = body["choices"][0]
+    return (choice["message"]["content"] if case.chat else choice["text"]), body["usage"], headers
+
+
+def _free_engine_ports(n: int) -> int:
+    """A base port where n engines, their NIXL side channels (+1000) and KV event ports (+2000) are free."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    while True:
+        base = free_port()
+        if base + 2000 + n < 65535 and all(free(base + k + d) for k in range(n) for d in (0, 1000, 2000)):
+            return base
+
+
+def _group_members(pgids: set[int]) -> list[int]:
+    """Live processes whose process group is one of ``pgids``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) in pgids:
+                members.append(int(entry))
+    return members
+
+
+def _servers_on(ports: set[int]) -> list[int]:
+    """Pids of vLLM servers started with ``--port`` in ``ports`` (each leads its process group)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_text().split("\x00")
+            except OSError:
+                continue
+            if "serve" in argv and "--port" in argv and int(argv[argv.index("--port") + 1]) in ports:
+                pids.append(int(entry))
+    return pids
+
+
+def _port_of(instance: dict[str, Any]) -> int:
+    return int(str(instance["url"]).rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> Path:
+    from vllm_disagg.model.tiny import build_tiny_model
+    from vllm_disagg.up import tiny_model_dir
+
+    return build_tiny_model(tiny_model_dir()).path
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model: Path) -> list[str]:
+    return _prompts(tiny_model, 16, first_tokens=2 * BLOCK + 20)
+
+
+@dataclass
+class Reference:
+    """What one colocated vLLM answered for each case, and its prompt token counts."""
+
+    texts: dict[str, str]
+    prompt_tokens: dict[str, int]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory) -> Reference:
+    port = _free_engine_ports(1)
+    cfg = AgentConfig(
+        agent_id="reference", role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
+        engine_port=port, kv_connector="",
+    )  # fmt: skip
+    command = VllmEngineCommand()
+    log = tmp_path_factory.mktemp("reference") / "vllm.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            command.argv(cfg), env={**os.environ, **command.env(cfg)}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=die_with_parent,
+        )  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        eventually_sync(
+            lambda: proc.poll() is None and http_json(f"{base}/health")[0] == 200,
+            timeout=START_TIMEOUT_S, interval=0.5, what=f"reference vLLM ready (log {log})",
+        )  # fmt: skip
+
+        async def collect() -> Reference:
+            ref = Reference({}, {})
+            async with aiohttp.ClientSession() as session:
+                for case in _cases(prompts) + _concurrent_cases(prompts):
+                    text, usage, _ = await _ask(session, base, case)
+                    ref.texts[case.name] = text
+                    if usage:
+                        ref.prompt_tokens[case.name] = usage["prompt_tokens"]
+            return ref
+
+        return asyncio.run(collect())
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        eventually_sync(lambda: not _group_members({proc.pid}), timeout=30, what="reference vLLM gone")
+
+
+def _concurrent_cases(prompts: list[str]) -> list[Case]:
+    return [Case(f"concurrent-{i}", False, False, p) for i, p in enumerate(prompts)]
+
+
+@dataclass
+class Cluster:
+    """A running ``vllm-disagg up`` with real vLLM engines."""
+
+    proc: subprocess.Popen[bytes]
+    base: str
+    log: Path
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        status, body = http_json(f"{self.base}/admin/v1/instances")
+        assert status == 200, body
+        return {i["agent_id"]: i for i in body["instances"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    port, zmq_port, engine_base = free_port(), free_port(), _free_engine_ports(2)
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    argv = cli_argv(
+        "up", "--engine", "vllm", "--model-path", str(tiny_model), "--prefill", "1", "--decode", "1",
+        "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
+        "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
+    )  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    running = Cluster(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        eventually_sync(
+            lambda: proc.poll() is None and "instances ready" in log.read_text(),
+            timeout=START_TIMEOUT_S + 60, interval=0.5, what="up ready",
+        )  # fmt: skip
+    except AssertionError:
+        _stop(running)
+        raise AssertionError(log.read_text()[-5000:]) from None
+    yield running
+    _stop(running)
+
+
+def _stop(cluster: Cluster) -> int | None:
+    if cluster.proc.poll() is None:
+        cluster.proc.send_signal(signal.SIGTERM)
+    try:
+        return cluster.proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(cluster.proc.pid, signal.SIGKILL)
+        return None
+
+
+def test_reference_prompts_are_longer_than_two_kv_blocks(reference: Reference) -> None:
+    assert len(reference.prompt_tokens) >= 4 + 16
+    assert all(n > 2 * BLOCK for n in reference.prompt_tokens.values()), reference.prompt_tokens
+
+
+async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
+    cluster: Cluster, reference: Reference, prompts: list[str]
+) -> None:
+    decode_url = cluster.instances()["decode-0"]["url"]
+    async with aiohttp.ClientSession() as session:
+
+        async def decode_metrics() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+            async with session.get(f"{decode_url}/metrics") as resp:
+                return parse_prometheus(await resp.text())
+
+        before = await decode_metrics()
+        # Every route and mode, one at a time.
+        for case in _cases(prompts):
+            text, _, headers = await _ask(session, cluster.base, case)
+            assert headers["X-Disagg-Mode"] == "disaggregated", case.name
+            assert (headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"]) == ("prefill-0", "decode-0")
+            assert text == reference.texts[case.name], case.name
+        # Sixteen at once.
+        concurrent = _concurrent_cases(prompts)
+        answers = await asyncio.gather(*(_ask(session, cluster.base, c) for c in concurrent))
+        for case, (text, _, headers) in zip(concurrent, answers, strict=True):
+            assert headers["X-Disagg-Mode"] == "disaggregated"
+            assert text == reference.texts[case.name], case.name
+        after = await decode_metrics()
+
+    def grew(source: str) -> float:
+        name = "vllm:prompt_tokens_by_source_total"
+        return metric_sum(after, name, source=source) - metric_sum(before, name, source=source)
+
+    requests = len(_cases(prompts)) + len(concurrent)
+    # A prompt D has seen before is a local prefix-cache hit there; the first time, its KV must come
+    # from P. Distinct prompts: the 4 completions, their 4 chat forms, and the 12 other concurrent ones.
+    first_seen = [f"{kind}-nonstream-{i}" for kind in ("completions", "chat") for i in range(4)]
+    first_seen += [f"concurrent-{i}" for i in range(4, len(concurrent))]
+    full_blocks = sum(reference.prompt_tokens[name] // BLOCK * BLOCK for name in first_seen)
+    all_full_blocks = sum(
+        reference.prompt_tokens[c.name.replace("-stream-", "-nonstream-")] // BLOCK * BLOCK
+        for c in _cases(prompts) + concurrent
+    )
+    assert grew("external_kv_transfer") >= full_blocks
+    assert grew("external_kv_transfer") + grew("local_cache_hit") >= all_full_blocks
+    assert grew("local_compute") < BLOCK * requests
+    assert metric_sum(after, "vllm:nixl_num_failed_transfers_total") == 0
+    assert metric_sum(after, "vllm:nixl_bytes_transferred_sum") > metric_sum(
+        before, "vllm:nixl_bytes_transferred_sum"
+    )
+
+
+async def test_a_killed_prefill_engine_gives_clear_5xx_errors_within_seconds(
+    cluster: Cluster, prompts: list[str]
+) -> None:
+    (pgid,) = _servers_on({_port_of(cluster.instances()["prefill-0"])})
+    os.killpg(pgid, signal.SIGSTOP)  # frozen: requests sent now wait inside the prefill engine
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one(i: int) -> tuple[int, Any, float]:
+                body = {"model": MODEL, "prompt": prompts[i], "max_tokens": MAX_TOKENS}
+                url = cluster.base + "/v1/completions"
+                async with session.post(url, data=jsonutil.dumps(body), headers=JSON) as resp:
+                    return resp.status, jsonutil.loads(await resp.read()), time.monotonic()
+
+            tasks = [asyncio.ensure_future(one(i)) for i in range(4)]
+            await eventually(
+                lambda: cluster.instances()["prefill-0"]["in_flight"] == 4, timeout=30, what="4 requests on P"
+            )
+            killed_at = time.monotonic()
+            os.killpg(pgid, signal.SIGKILL)
+            results = await asyncio.gather(*tasks)
+    finally:
+        if _group_members({pgid}):
+            os.killpg(pgid, signal.SIGKILL)
+    for status, body, done_at in results:
+        assert 500 <= status < 600, body
+        assert "prefill instance 'prefill-0'" in body["error"]["message"]
+        assert done_at - killed_at < 30  # seconds, not a hang until the upstream timeout
+
+
+def test_after_up_stops_no_vllm_process_remains(cluster: Cluster) -> None:
+    ports = {_port_of(i) for i in cluster.instances().values()}
+    # The decode engine runs; the prefill engine may be mid-restart after the previous test.
+    pgids = set(_servers_on(ports))
+    assert pgids, "expected running engines before the stop"
+    assert _stop(cluster) == 0
+    eventually_sync(lambda: not _group_members(pgids), timeout=60, what="every vLLM process gone")
+    assert _servers_on(ports) == []
