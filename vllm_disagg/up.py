@@ -185,10 +185,10 @@ class LocalCluster:
             await stop_processes([self.orchestrator], self.spec.stop_grace_s)
 
 
-async def spawn(argv: list[str]) -> asyncio.subprocess.Process:
+async def spawn(argv: list[str], env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
     """A child in its own process group that dies with this process."""
     return await asyncio.create_subprocess_exec(
-        *argv, start_new_session=True, preexec_fn=die_with_parent, stdin=asyncio.subprocess.DEVNULL
+        *argv, env=env, start_new_session=True, preexec_fn=die_with_parent, stdin=asyncio.subprocess.DEVNULL
     )
 
 
