@@ -233,9 +233,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prefill", type=int, default=d.prefill, help="number of prefill instances")
     parser.add_argument("--decode", type=int, default=d.decode, help="number of decode instances")
-    parser.add_argument("--model", default=None, help="served model name (default: tiny / sim-model)")
     parser.add_argument(
-        "--model-path", default="", help="vLLM weights directory (default: build the tiny offline model)"
+        "--model",
+        default="",
+        help="vLLM: the weights, as for `vllm serve` (default: the tiny model, built offline); "
+        "sim: the served name",
+    )
+    parser.add_argument(
+        "--served-model-name", default="", help="the name clients ask for (default: tiny, or --model)"
     )
     parser.add_argument("--engine-args", default="", help="more vLLM flags for every instance, one string")
     parser.add_argument("--host", default=d.host, help="gateway host")
@@ -257,8 +262,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine=args.engine,
         prefill=args.prefill,
         decode=args.decode,
-        model=args.model or DEFAULT_MODELS[args.engine],
-        model_path=args.model_path,
+        model=args.served_model_name or args.model or DEFAULT_MODELS[args.engine],
+        model_path=args.model if args.engine == "vllm" else "",
         engine_args=args.engine_args,
         host=args.host,
         port=args.port,
@@ -278,7 +283,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 
 def with_model(spec: ClusterSpec) -> ClusterSpec:
-    """For real vLLM without ``--model-path``: build (or reuse) the tiny offline model and use it."""
+    """For real vLLM without ``--model``: build (or reuse) the tiny offline model and use it."""
     if spec.engine != "vllm" or spec.model_path:
         return spec
     from vllm_disagg.model.tiny import build_tiny_model  # torch: only when a model must be built

@@ -250,7 +250,8 @@ def cluster(
     port, zmq_port, engine_base = free_port(), free_port(), _free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
     argv = cli_argv(
-        "up", "--engine", "vllm", "--model-path", str(tiny_model), "--prefill", "1", "--decode", "1",
+        "up", "--engine", "vllm", "--model", str(tiny_model), "--served-model-name", MODEL,
+        "--prefill", "1", "--decode", "1",
         "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
         "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
     )  # fmt: skip
@@ -330,6 +331,27 @@ async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
     assert metric_sum(after, "vllm:nixl_bytes_transferred_sum") > metric_sum(
         before, "vllm:nixl_bytes_transferred_sum"
     )
+
+
+async def test_agents_report_what_they_scrape_from_real_vllm(cluster: Cluster, prompts: list[str]) -> None:
+    async with aiohttp.ClientSession() as session:
+        for case in _concurrent_cases(prompts)[:2]:
+            await _ask(session, cluster.base, case)
+
+    # Each agent's windowed snapshot (TTFT/TPOT from histogram deltas) reflects real vLLM /metrics.
+    def scraped() -> dict[str, dict[str, Any]] | None:
+        metrics = {a: i["metrics"] for a, i in cluster.instances().items()}
+        done = all(m["requests_finished"] > 0 and m["prompt_tokens"] > 0 for m in metrics.values())
+        return metrics if done else None
+
+    metrics = await eventually(scraped, timeout=30, what="agents' snapshots of vLLM metrics")
+    decode = metrics["decode-0"]
+    assert decode["generation_tokens"] >= MAX_TOKENS
+    assert decode["ttft_s"] is not None and decode["ttft_s"] > 0
+    assert decode["tpot_s"] is not None and decode["tpot_s"] > 0
+    assert 0 <= decode["kv_cache_usage"] <= 1
+    # The prefill engine generated exactly one token per request it served.
+    assert metrics["prefill-0"]["generation_tokens"] == metrics["prefill-0"]["requests_finished"]
 
 
 async def test_a_killed_prefill_engine_gives_clear_5xx_errors_within_seconds(

@@ -43,8 +43,8 @@ class Side:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``vllm-disagg bench pd``."""
-    parser.add_argument("--model-path", default="", help="weights (default: the tiny offline model)")
-    parser.add_argument("--model", default="tiny", help="served model name")
+    parser.add_argument("--model", default="", help="weights (default: the tiny offline model)")
+    parser.add_argument("--served-model-name", default="tiny", help="the name requests use")
     parser.add_argument("--requests", type=int, default=20, help="measured requests per side")
     parser.add_argument("--prompt-words", type=int, default=200, help="prompt length in words")
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -113,8 +113,8 @@ async def measure(base: str, args: argparse.Namespace) -> tuple[float, float, fl
             prompt = f"Request {i}: " + " ".join(
                 WORDS[(i * 13 + k * 7) % len(WORDS)] for k in range(args.prompt_words)
             )
-            body = {"model": args.model, "prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
-                    "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+            body = {"model": args.served_model_name, "prompt": prompt, "max_tokens": args.max_tokens,
+                    "stream": True, "temperature": 0.0, "ignore_eos": True}  # fmt: skip
             result = await stream_once(session, f"{base}/v1/completions", body)
             if i:  # the first request warms caches and connections
                 samples.append(result)
@@ -192,7 +192,7 @@ def render(sides: list[Side]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Run both sides and print the comparison."""
     spec = ClusterSpec(
-        engine="vllm", model=args.model, model_path=args.model_path, port=args.port,
+        engine="vllm", model=args.served_model_name, model_path=args.model, port=args.port,
         zmq_port=args.port + 1, engine_base_port=args.port + 2, stop_grace_s=20.0,
     )  # fmt: skip
     spec = with_model(spec)
