@@ -180,6 +180,7 @@ class AgentConfig:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL to the engine's process group after this
+    engine_nice: int = 0  # added niceness of the launched engine (keeps the control plane responsive)
     sim: SimTiming = field(default_factory=SimTiming)
     # --- real vLLM (engine "vllm"); see docs/engine.md. --max-num-seqs is sim.max_num_seqs for both.
     model_path: str = ""  # weights directory (e.g. from `vllm-disagg model tiny`); required to launch vLLM
@@ -211,6 +212,8 @@ class AgentConfig:
             restart_backoff_max_s=self.restart_backoff_max_s,
         )
         _non_negative("agent", stop_grace_s=self.stop_grace_s)
+        if not 0 <= self.engine_nice <= 19:
+            raise ConfigError(f"agent.engine_nice must be 0..19, got {self.engine_nice}")
         _port("agent", "nixl_side_channel_port", self.nixl_side_channel_port)
         _port("agent", "kv_events_port", self.kv_events_port)
         _positive("agent", max_model_len=self.max_model_len, kv_cache_space_gib=self.kv_cache_space_gib)

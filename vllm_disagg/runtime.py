@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -56,3 +57,18 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     with contextlib.suppress(Exception):
         libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+
+
+def engine_preexec(niceness: int) -> Callable[[], None]:
+    """``preexec_fn`` for an engine: die with the parent, and yield the CPU to the control plane.
+
+    On a host the engines saturate, a positive ``niceness`` keeps the agents' heartbeats and the
+    gateway responsive; they use little CPU, so the engines lose almost nothing.
+    """
+
+    def preexec() -> None:
+        die_with_parent()
+        if niceness:
+            os.nice(niceness)
+
+    return preexec

@@ -120,6 +120,8 @@ class ClusterSpec:
                 "--model-path", self.model_path,
                 "--omp-threads-bind", str(plan.index % cores),  # one core each while cores last
                 "--startup-timeout-s", str(self.engine_startup_timeout_s),
+                # The engines can saturate every core; the agents' heartbeats must still get through.
+                "--engine-nice", "10",
             ]  # fmt: skip
             if self.engine_args:
                 argv += ["--engine-args", self.engine_args]

@@ -33,6 +33,7 @@ from tests.helpers import (
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
+from vllm_disagg.procfs import engine_servers, group_members
 from vllm_disagg.runtime import die_with_parent
 
 pytestmark = pytest.mark.timeout(1800)
@@ -130,35 +131,6 @@ def _free_engine_ports(n: int) -> int:
             return base
 
 
-def _group_members(pgids: set[int]) -> list[int]:
-    """Live processes whose process group is one of ``pgids``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if fields[0] != "Z" and int(fields[2]) in pgids:
-                members.append(int(entry))
-    return members
-
-
-def _servers_on(ports: set[int]) -> list[int]:
-    """Pids of vLLM servers started with ``--port`` in ``ports`` (each leads its process group)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_text().split("\x00")
-            except OSError:
-                continue
-            if "serve" in argv and "--port" in argv and int(argv[argv.index("--port") + 1]) in ports:
-                pids.append(int(entry))
-    return pids
-
-
 def _port_of(instance: dict[str, Any]) -> int:
     return int(str(instance["url"]).rsplit(":", 1)[1])
 
@@ -222,7 +194,7 @@ def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.Tem
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-        eventually_sync(lambda: not _group_members({proc.pid}), timeout=30, what="reference vLLM gone")
+        eventually_sync(lambda: not group_members({proc.pid}), timeout=30, what="reference vLLM gone")
 
 
 def _concurrent_cases(prompts: list[str]) -> list[Case]:
@@ -254,6 +226,9 @@ def cluster(
         "--prefill", "1", "--decode", "1",
         "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
         "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
+        # The first NIXL handshakes of the CPU build stall this 2-core machine for seconds (the
+        # orchestrator's own loop was seen 8 s late); failure detection is tested on simulated engines.
+        "--heartbeat-timeout-s", "15",
     )  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -357,7 +332,7 @@ async def test_agents_report_what_they_scrape_from_real_vllm(cluster: Cluster, p
 async def test_a_killed_prefill_engine_gives_clear_5xx_errors_within_seconds(
     cluster: Cluster, prompts: list[str]
 ) -> None:
-    (pgid,) = _servers_on({_port_of(cluster.instances()["prefill-0"])})
+    (pgid,) = engine_servers({_port_of(cluster.instances()["prefill-0"])})
     os.killpg(pgid, signal.SIGSTOP)  # frozen: requests sent now wait inside the prefill engine
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
@@ -376,7 +351,7 @@ async def test_a_killed_prefill_engine_gives_clear_5xx_errors_within_seconds(
             os.killpg(pgid, signal.SIGKILL)
             results = await asyncio.gather(*tasks)
     finally:
-        if _group_members({pgid}):
+        if group_members({pgid}):
             os.killpg(pgid, signal.SIGKILL)
     for status, body, done_at in results:
         assert 500 <= status < 600, body
@@ -387,8 +362,8 @@ async def test_a_killed_prefill_engine_gives_clear_5xx_errors_within_seconds(
 def test_after_up_stops_no_vllm_process_remains(cluster: Cluster) -> None:
     ports = {_port_of(i) for i in cluster.instances().values()}
     # The decode engine runs; the prefill engine may be mid-restart after the previous test.
-    pgids = set(_servers_on(ports))
+    pgids = set(engine_servers(ports))
     assert pgids, "expected running engines before the stop"
     assert _stop(cluster) == 0
-    eventually_sync(lambda: not _group_members(pgids), timeout=60, what="every vLLM process gone")
-    assert _servers_on(ports) == []
+    eventually_sync(lambda: not group_members(pgids), timeout=60, what="every vLLM process gone")
+    assert engine_servers(ports) == []

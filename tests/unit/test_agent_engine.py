@@ -29,6 +29,7 @@ def obs(
     healthy: bool = False,
     attached: bool = False,
     starting_for_s: float = 1.0,
+    failed_checks: int | None = None,
 ) -> Observation:
     return Observation(
         state=state,  # type: ignore[arg-type]
@@ -36,6 +37,7 @@ def obs(
         alive=alive,
         healthy=healthy,
         starting_for_s=starting_for_s,
+        failed_checks=(0 if healthy else 1) if failed_checks is None else failed_checks,
     )
 
 
@@ -89,6 +91,22 @@ DECISIONS = [
 )
 def test_decide(observation: Observation, expected: Decision) -> None:
     assert decide(observation, startup_timeout_s=STARTUP_TIMEOUT_S) == expected
+
+
+@pytest.mark.parametrize(
+    ("failed_checks", "expected"),
+    [(1, "ready"), (2, "ready"), (3, "unhealthy"), (7, "unhealthy")],
+    ids=["one-slow-check-keeps-ready", "two-keep-ready", "the-third-in-a-row-is-unhealthy", "more-stay-so"],
+)
+def test_a_ready_engine_turns_unhealthy_only_after_failed_checks_in_a_row(
+    failed_checks: int, expected: str
+) -> None:
+    observation = obs("ready", failed_checks=failed_checks)
+    assert decide(observation, startup_timeout_s=STARTUP_TIMEOUT_S, unhealthy_after=3).state == expected
+    # An engine that was not ready is not kept ready by the grace.
+    assert (
+        decide(obs("unhealthy", failed_checks=1), startup_timeout_s=1, unhealthy_after=3).state == "unhealthy"
+    )
 
 
 @pytest.mark.parametrize(

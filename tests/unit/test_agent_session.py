@@ -135,3 +135,18 @@ async def test_a_version_mismatch_ends_the_session_with_the_refused_exit_code(
     finally:
         run.cancel()
     assert end == SessionEnd(exit_code=EXIT_REFUSED, reason="version_mismatch: v9 only")
+
+
+async def test_a_burst_of_refused_heartbeats_triggers_one_hello_not_one_each(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    # Every heartbeat in flight when the orchestrator forgot us comes back refused.
+    session = new_session(pair[1])
+    session.registered = True
+    session.handle(Refuse("unknown_agent", "who?"))
+    assert session.registered is False
+    assert session._wake.is_set()  # the talk loop says Hello at once
+    session._wake.clear()
+    for _ in range(3):
+        session.handle(Refuse("unknown_agent", "who?"))
+    assert not session._wake.is_set()  # later refusals wait for the Hello backoff instead

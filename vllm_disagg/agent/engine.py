@@ -32,12 +32,13 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.messages import EngineState, InstanceInfo
-from vllm_disagg.runtime import die_with_parent
+from vllm_disagg.runtime import engine_preexec
 
 log = logging.getLogger(__name__)
 
 SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
-HEALTH_TIMEOUT_S = 2.0
+HEALTH_TIMEOUT_S = 5.0  # a saturated CPU host can take seconds to answer; a dead one refuses at once
+UNHEALTHY_AFTER_CHECKS = 3  # failed /health checks in a row before a ready engine is reported unhealthy
 _GROUP_EXIT_POLLS = 250
 _GROUP_EXIT_POLL_S = 0.02  # up to 5 s in all for the kernel to finish SIGKILLed processes
 
@@ -147,6 +148,7 @@ class Observation:
     alive: bool  # our engine process is running (always True when attached)
     healthy: bool  # GET /health answered 200
     starting_for_s: float = 0.0  # since the process was (re)started
+    failed_checks: int = 0  # consecutive failed health checks, this one included
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +159,19 @@ class Decision:
     action: Action = "none"
 
 
-def decide(obs: Observation, *, startup_timeout_s: float) -> Decision:
-    """The next state, and whether to restart (process gone) or kill (stuck starting) the engine."""
+def decide(obs: Observation, *, startup_timeout_s: float, unhealthy_after: int = 1) -> Decision:
+    """The next state, and whether to restart (process gone) or kill (stuck starting) the engine.
+
+    A ready engine becomes unhealthy only after ``unhealthy_after`` failed checks in a row: one slow
+    ``/health`` on a saturated host is not a sick engine, and routing away from it has a cost.
+    """
     if obs.state == "stopped":
         return Decision("stopped")
     if not obs.attached and not obs.alive:
         return Decision("restarting", "restart")
     if obs.healthy:
+        return Decision("ready")
+    if obs.state == "ready" and obs.failed_checks < unhealthy_after:
         return Decision("ready")
     if not obs.attached and obs.state in ("starting", "restarting"):
         if obs.starting_for_s > startup_timeout_s:
@@ -234,6 +242,7 @@ class EngineSupervisor:
         self._proc: subprocess.Popen[bytes] | None = None
         self._started_at = clock.monotonic()
         self._failures = 0  # consecutive restarts without reaching ready
+        self._failed_checks = 0  # consecutive failed health checks
         self.state: EngineState = "starting"
         self.restarts = 0
 
@@ -262,7 +271,7 @@ class EngineSupervisor:
             stdin=subprocess.DEVNULL,
             env={**os.environ, **self._command.env(self._cfg)},
             start_new_session=True,
-            preexec_fn=die_with_parent,
+            preexec_fn=engine_preexec(self._cfg.engine_nice),
         )
         self._started_at = self._clock.monotonic()
         log.info("engine started: pid %d: %s", self._proc.pid, " ".join(argv[3:]))
@@ -280,14 +289,18 @@ class EngineSupervisor:
         """Observe the engine once, update ``state``, and return the decision."""
         alive = self.attached or (self._proc is not None and self._proc.poll() is None)
         healthy = alive and await self._healthy()
+        self._failed_checks = 0 if healthy else self._failed_checks + 1
         obs = Observation(
             state=self.state,
             attached=self.attached,
             alive=alive,
             healthy=healthy,
             starting_for_s=self._clock.monotonic() - self._started_at,
+            failed_checks=self._failed_checks,
         )
-        decision = decide(obs, startup_timeout_s=self._cfg.startup_timeout_s)
+        decision = decide(
+            obs, startup_timeout_s=self._cfg.startup_timeout_s, unhealthy_after=UNHEALTHY_AFTER_CHECKS
+        )
         self._set_state(decision.state)
         if decision.state == "ready":
             self._failures = 0

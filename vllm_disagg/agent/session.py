@@ -137,9 +137,11 @@ class AgentSession:
                 log.error("refused by the orchestrator (%s): %s", message.code, message.reason)
                 self._finish(SessionEnd(EXIT_REFUSED, f"{message.code}: {message.reason}"))
             case Refuse() if message.code in REHELLO_CODES:
-                log.info("orchestrator does not know us (%s); saying Hello again", message.code)
-                self.registered = False
-                self._poke()
+                # Every heartbeat in flight is refused; the first refusal is enough to say Hello again.
+                if self.registered:
+                    log.info("orchestrator does not know us (%s); saying Hello again", message.code)
+                    self.registered = False
+                    self._poke()
             case Refuse():
                 log.warning("orchestrator refused (%s): %s", message.code, message.reason)
             case Command():

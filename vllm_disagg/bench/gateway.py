@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -21,17 +20,11 @@ from dataclasses import asdict, dataclass
 import aiohttp
 
 from vllm_disagg import jsonutil
+from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body
+from vllm_disagg.procfs import cpu_seconds
 from vllm_disagg.runtime import asyncio_run
 from vllm_disagg.up import ClusterSpec, LocalCluster, fetch_instances
 
-_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 _JSON = {"Content-Type": "application/json"}
 
 
@@ -76,22 +69,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, from /proc."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks  # utime, stime (fields 14, 15 of stat)
-
-
 class Client:
     """The benchmark's client: one request either through the gateway or P→D by hand."""
 
     def __init__(self, session: aiohttp.ClientSession, gateway: str, prefill: str, decode: str) -> None:
         self.session = session
         self.gateway = gateway
-        self.prefill = prefill
-        self.decode = decode
+        self.prefill_url = f"{prefill}/v1/completions"
+        self.decode_url = f"{decode}/v1/completions"
 
     async def _drain(self, resp: aiohttp.ClientResponse) -> bytes:
         if resp.status != 200:
@@ -106,21 +91,11 @@ class Client:
             return await self._drain(resp)
 
     async def direct(self, body: dict[str, object]) -> bytes:
-        """The same request with the client doing the handoff itself."""
-        prefill_body = {
-            **body,
-            "max_tokens": 1,
-            "stream": False,
-            "kv_transfer_params": _PREFILL_PARAMS,
-        }
-        async with self.session.post(
-            f"{self.prefill}/v1/completions", data=jsonutil.dumps(prefill_body), headers=_JSON
-        ) as resp:
+        """The same request with the client doing the handoff itself, with the gateway's own bodies."""
+        async with self.session.post(self.prefill_url, data=prefill_body(body), headers=_JSON) as resp:
             params = jsonutil.loads(await self._drain(resp))["kv_transfer_params"]
         async with self.session.post(
-            f"{self.decode}/v1/completions",
-            data=jsonutil.dumps({**body, "kv_transfer_params": params}),
-            headers=_JSON,
+            self.decode_url, data=decode_body(dict(body), params), headers=_JSON
         ) as resp:
             return await self._drain(resp)
 
@@ -189,9 +164,9 @@ async def _scenario(client: Client, gateway_pid: int, scenario: Scenario, args: 
     }
     send = client.via_gateway if scenario.path == "gateway" else client.direct
     await measure(send, body, scenario.concurrency, args.warmup)
-    cpu0 = process_cpu_s(gateway_pid)
+    cpu0 = cpu_seconds(gateway_pid)
     latencies, wall = await measure(send, body, scenario.concurrency, args.requests)
-    cpu = process_cpu_s(gateway_pid) - cpu0
+    cpu = cpu_seconds(gateway_pid) - cpu0
     return Result(
         path=scenario.path,
         concurrency=scenario.concurrency,

@@ -15,12 +15,12 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
+from vllm_disagg.procfs import engine_servers, group_rss_gib
 from vllm_disagg.runtime import asyncio_run
 from vllm_disagg.sim.textgen import WORDS
 from vllm_disagg.up import ClusterSpec, LocalCluster, fetch_instances, spawn, stop_processes, with_model
@@ -50,37 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=19000, help="gateway port; engines use the next ones")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-
-def group_rss_gib(pgid: int) -> float:
-    """Resident memory of every process in a process group, in GiB."""
-    total_kib = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            if int(stat[2]) != pgid:
-                continue
-            for line in Path(f"/proc/{entry}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total_kib += int(line.split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    return total_kib / (1 << 20)
-
-
-def server_pid(port: int) -> int | None:
-    """The pid of the engine server started with ``--port port`` (it leads its process group)."""
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                argv = Path(f"/proc/{entry}/cmdline").read_text().split("\x00")
-            except OSError:
-                continue
-            if "serve" in argv and "--port" in argv and argv[argv.index("--port") + 1] == str(port):
-                return int(entry)
-    return None
 
 
 async def stream_once(
@@ -169,8 +138,8 @@ async def disaggregated(spec: ClusterSpec, args: argparse.Namespace) -> Side:
             instances = await fetch_instances(session, spec.base_url) or []
         rss = {}
         for item in instances:
-            pid = server_pid(int(str(item["url"]).rsplit(":", 1)[1]))
-            rss[str(item["agent_id"])] = group_rss_gib(pid) if pid else 0.0
+            pids = engine_servers({int(str(item["url"]).rsplit(":", 1)[1])})
+            rss[str(item["agent_id"])] = group_rss_gib(pids[0]) if pids else 0.0
         ttft, tpot, e2e = await measure(spec.base_url, args)
     finally:
         await cluster.stop()

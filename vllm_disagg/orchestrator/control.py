@@ -34,6 +34,11 @@ from vllm_disagg.protocol.transport import Incoming, RouterTransport
 log = logging.getLogger(__name__)
 
 
+def starved_after(period_s: float) -> float:
+    """A tick of a ``period_s`` loop that comes this late means the process did not get the CPU."""
+    return 2 * period_s + 0.05
+
+
 class CommandError(DisaggError):
     """A command could not be delivered or was not acknowledged; ``status`` is for the admin API."""
 
@@ -121,9 +126,17 @@ class ControlPlane:
     async def run_expiry(self) -> None:
         """Every half heartbeat interval, mark silent instances dead."""
         period = self._config.heartbeat_interval_s / 2
+        last = self._clock.monotonic()
         while True:
             await asyncio.sleep(period)
-            for agent_id in self._registry.expire(self._clock.monotonic()):
+            now = self._clock.monotonic()
+            lag, last = now - last, now
+            if lag > starved_after(period):
+                # This process was starved of CPU (the engines can saturate a small host): heartbeats
+                # may sit unread in the socket, so silence now is no evidence. Read them first.
+                log.info("expiry tick %.2fs late; skipping it", lag - period)
+                continue
+            for agent_id in self._registry.expire(now):
                 log.warning(
                     "instance %s is dead: no heartbeat for %.2fs", agent_id, self._config.heartbeat_timeout_s
                 )
