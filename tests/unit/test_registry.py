@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from vllm_disagg.clock import FakeClock
+from vllm_disagg.orchestrator.control import starved_after
 from vllm_disagg.orchestrator.registry import InstanceState, Registry
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
@@ -208,3 +209,14 @@ def test_metrics_from_the_last_heartbeat_are_kept(reg: Registry, clock: FakeCloc
 def test_admin_drain_of_an_unknown_instance_raises_key_error(reg: Registry) -> None:
     with pytest.raises(KeyError):
         reg.set_admin_drain("nobody", True)
+
+
+@pytest.mark.parametrize(
+    ("lag_s", "starved"),
+    [(0.125, False), (0.2, False), (0.3, False), (0.4, True), (8.74, True)],
+    ids=["on-time", "a-little-late", "late-within-two-periods", "late-beyond-two-periods", "seconds-late"],
+)
+def test_a_late_expiry_tick_means_the_orchestrator_was_starved(lag_s: float, starved: bool) -> None:
+    # Period 0.125 s (heartbeat every 0.25 s). A starved orchestrator has heartbeats unread in its
+    # socket; that tick is skipped so they are read before anyone is declared dead.
+    assert (lag_s > starved_after(0.125)) is starved
