@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="weights (default: the tiny offline model)")
     parser.add_argument("--served-model-name", default="tiny", help="the name requests use")
     parser.add_argument("--requests", type=int, default=20, help="measured requests per side")
-    parser.add_argument("--prompt-words", type=int, default=200, help="prompt length in words")
+    parser.add_argument("--prompt-words", type=int, default=100, help="prompt length in words")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--port", type=int, default=19000, help="gateway port; engines use the next ones")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
