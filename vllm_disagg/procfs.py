@@ -25,15 +25,15 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
-def group_members(pgids: set[int]) -> list[int]:
-    """Live (not zombie) processes whose process group is one of ``pgids``."""
+def group_members(pgids: set[int], *, zombies: bool = False) -> list[int]:
+    """Processes whose process group is one of ``pgids``: live ones, and with ``zombies`` unreaped ones."""
     members = []
     for pid in _pids():
         try:
             fields = _stat_fields(pid)
         except OSError:
             continue
-        if fields[0] != "Z" and int(fields[2]) in pgids:
+        if (zombies or fields[0] != "Z") and int(fields[2]) in pgids:
             members.append(pid)
     return members
 

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
@@ -52,11 +53,37 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
     This is what guarantees that no engine outlives its agent, and no agent outlives ``up``.
     """
+    _prctl(_PR_SET_PDEATHSIG, sig)
+
+
+def _prctl(option: int, value: int) -> None:
     if not sys.platform.startswith("linux"):
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     with contextlib.suppress(Exception):
-        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+        libc.prctl(option, value, 0, 0, 0)
+
+
+def become_subreaper() -> None:
+    """Adopt this process's orphaned descendants (a dead engine's workers) instead of init.
+
+    In a container whose init never reaps, orphans would stay zombies forever; call
+    ``reap_children`` before exiting. Only for a process whose children are all its own engine's.
+    """
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def reap_children() -> int:
+    """Collect every child that has exited (adopted orphans included); the number reaped."""
+    reaped = 0
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return reaped
+        if pid == 0:
+            return reaped
+        reaped += 1
 
 
 def engine_preexec(niceness: int) -> Callable[[], None]:

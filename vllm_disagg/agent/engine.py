@@ -31,6 +31,7 @@ import aiohttp
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.procfs import group_members
 from vllm_disagg.protocol.messages import EngineState, InstanceInfo
 from vllm_disagg.runtime import engine_preexec
 
@@ -203,21 +204,7 @@ def group_alive(pgid: int) -> bool:
         return False
     except PermissionError:
         return True
-    if not os.path.isdir("/proc"):  # pragma: no cover - not Linux: trust killpg
-        return True
-    with os.scandir("/proc") as entries:
-        for entry in entries:
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses.
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
-                return True
-    return False
+    return bool(group_members({pgid}))
 
 
 class EngineSupervisor:

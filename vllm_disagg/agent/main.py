@@ -17,7 +17,7 @@ from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.protocol.messages import ROLES
 from vllm_disagg.protocol.transport import DealerTransport
-from vllm_disagg.runtime import run_service
+from vllm_disagg.runtime import become_subreaper, reap_children, run_service
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,12 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
         format=f"%(asctime)s agent {cfg.agent_id} %(levelname)s %(name)s: %(message)s",
     )
-    return run_service(lambda stop: serve(cfg, stop))
+    # The engine's workers outlive a crashed engine core; adopt them so they can be reaped.
+    become_subreaper()
+    try:
+        return run_service(lambda stop: serve(cfg, stop))
+    finally:
+        reap_children()  # the engine group is dead by now: leave no zombie behind
 
 
 async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = None) -> int:
