@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -14,8 +13,15 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+# This interpreter running ``vllm-disagg``: how the cluster's children (agents, engines) are started.
+SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
+# Loaded once, in the parent: ``_prctl`` runs in forked children (``preexec_fn``), where looking the
+# library up (``ctypes.util.find_library`` runs ``ldconfig``) would start a process per spawn.
+# dlopen(NULL) reaches libc's symbols already loaded into this interpreter.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def run_service(main: Callable[[asyncio.Event], Awaitable[int]]) -> int:
@@ -48,6 +54,12 @@ def asyncio_run(coro: Coroutine[Any, Any, T]) -> T:
     return result
 
 
+def signal_group(pgid: int, sig: int) -> None:
+    """Signal a process group that may already be gone."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """``preexec_fn`` for children: the kernel sends ``sig`` when the parent dies, even by SIGKILL.
 
@@ -57,11 +69,10 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 def _prctl(option: int, value: int) -> None:
-    if not sys.platform.startswith("linux"):
+    if _LIBC is None:
         return
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     with contextlib.suppress(Exception):
-        libc.prctl(option, value, 0, 0, 0)
+        _LIBC.prctl(option, value, 0, 0, 0)
 
 
 def become_subreaper() -> None:

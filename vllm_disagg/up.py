@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -25,9 +24,8 @@ import aiohttp
 from vllm_disagg import jsonutil
 from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.runtime import die_with_parent, run_service
+from vllm_disagg.runtime import SELF_ARGV, die_with_parent, run_service, signal_group
 
-SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
 DEFAULT_MODELS = {"vllm": "tiny", "sim": "sim-model"}
 # Real vLLM on a small CPU machine: a cold start of two instances side by side took 92 s here.
 READY_TIMEOUTS_S = {"vllm": 900.0, "sim": 120.0}
@@ -206,12 +204,6 @@ async def stop_processes(children: list[asyncio.subprocess.Process], grace_s: fl
         signal_group(proc.pid, signal.SIGKILL)
     if waits:
         await asyncio.wait(waits, timeout=grace_s)
-
-
-def signal_group(pgid: int, sig: int) -> None:
-    """Signal a process group that may already be gone."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 async def fetch_instances(session: aiohttp.ClientSession, base: str) -> list[dict[str, object]] | None:

@@ -148,11 +148,12 @@ async def test_attach_mode_follows_health_only(http: aiohttp.ClientSession, tmp_
     cfg = config(attach_url=f"http://127.0.0.1:{free_port()}")
     supervisor = EngineSupervisor(cfg, http, SystemClock(), command=StubbornEngine(pid_file))
     assert supervisor.attached
-    decision = await supervisor.tick()
-    assert (decision.state, decision.action, supervisor.pid) == ("unhealthy", "none", None)
     task = asyncio.create_task(supervisor.run())
     try:
+        # The state starts as "starting": only a tick of run() can make it "unhealthy".
         await eventually(lambda: supervisor.state == "unhealthy", timeout=DEADLINE_S)
+        decision = await supervisor.tick()
+        assert (decision.state, decision.action, supervisor.pid) == ("unhealthy", "none", None)
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

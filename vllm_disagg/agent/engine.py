@@ -20,7 +20,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -33,11 +32,10 @@ from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.procfs import group_members
 from vllm_disagg.protocol.messages import EngineState, InstanceInfo
-from vllm_disagg.runtime import engine_preexec
+from vllm_disagg.runtime import SELF_ARGV, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
 
-SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
 HEALTH_TIMEOUT_S = 5.0  # a saturated CPU host can take seconds to answer; a dead one refuses at once
 UNHEALTHY_AFTER_CHECKS = 3  # failed /health checks in a row before a ready engine is reported unhealthy
 _GROUP_EXIT_POLLS = 250
@@ -64,13 +62,14 @@ class EngineCommand(ABC):
 
     def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
         """The ``InstanceInfo`` the agent says Hello with."""
-        return InstanceInfo(
-            url=cfg.engine_url,
-            role=cfg.role,
-            model=cfg.model,
-            engine=cfg.engine,
-            block_size=cfg.sim.block_size,
-        )
+        return _configured_instance_info(cfg)
+
+
+def _configured_instance_info(cfg: AgentConfig) -> InstanceInfo:
+    """The engine as the config describes it (all an attached engine's agent knows about it)."""
+    return InstanceInfo(
+        url=cfg.engine_url, role=cfg.role, model=cfg.model, engine=cfg.engine, block_size=cfg.sim.block_size
+    )
 
 
 class SimEngineCommand(EngineCommand):
@@ -130,11 +129,7 @@ def engine_command(cfg: AgentConfig) -> EngineCommand | None:
 def instance_info(cfg: AgentConfig) -> InstanceInfo:
     """What the agent tells the orchestrator about its engine."""
     command = engine_command(cfg)
-    if command is not None:
-        return command.instance_info(cfg)
-    return InstanceInfo(
-        url=cfg.engine_url, role=cfg.role, model=cfg.model, engine=cfg.engine, block_size=cfg.sim.block_size
-    )
+    return command.instance_info(cfg) if command is not None else _configured_instance_info(cfg)
 
 
 # --- decisions (pure) ---------------------------------------------------------------------------
@@ -189,11 +184,6 @@ def restart_delay(failures: int, base_s: float, max_s: float) -> float:
 
 
 # --- the adapter --------------------------------------------------------------------------------
-
-
-def _signal_group(pgid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
 
 
 def group_alive(pgid: int) -> bool:
@@ -327,11 +317,11 @@ class EngineSupervisor:
             return
         pgid = proc.pid  # start_new_session: the engine leads its own group
         if proc.poll() is None:
-            _signal_group(pgid, signal.SIGTERM)
+            signal_group(pgid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 await asyncio.to_thread(proc.wait, self._cfg.stop_grace_s)
         # Always: the engine's own children may outlive it and still hold its ports.
-        _signal_group(pgid, signal.SIGKILL)
+        signal_group(pgid, signal.SIGKILL)
         if proc.poll() is None:
             await asyncio.to_thread(proc.wait)
         self._proc = None

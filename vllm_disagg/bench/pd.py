@@ -14,7 +14,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import aiohttp
 
@@ -167,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     spec = with_model(spec)
 
     async def both() -> list[Side]:
-        return [await colocated(spec, args), await disaggregated(replace(spec), args)]
+        return [await colocated(spec, args), await disaggregated(spec, args)]
 
     sides = asyncio_run(both())
     out = jsonutil.dumps({"benchmark": "pd", "sides": [asdict(s) for s in sides]}).decode()

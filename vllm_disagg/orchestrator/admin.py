@@ -19,7 +19,13 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.orchestrator.control import CommandError, ControlPlane
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
-from vllm_disagg.orchestrator.registry import DECODE_ROLES, InstanceView, Registry
+from vllm_disagg.orchestrator.registry import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    InstanceView,
+    Registry,
+    RegistrySnapshot,
+)
 from vllm_disagg.protocol.messages import CommandKind
 
 _DEFAULT_REQUESTS_LIMIT = 100
@@ -88,7 +94,7 @@ class Admin:
         snap = self._registry.snapshot()
         ready = [v for v in snap.instances if v.state == "ready"]
         decode = sum(1 for v in ready if v.info.role in DECODE_ROLES)
-        prefill = sum(1 for v in ready if v.info.role in ("prefill", "both"))
+        prefill = sum(1 for v in ready if v.info.role in PREFILL_ROLES)
         body: dict[str, Any] = {
             "ready": {"decode": decode, "prefill": prefill},
             "instances": len(snap.instances),
@@ -102,22 +108,15 @@ class Admin:
         """Prometheus text exposition."""
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
-    def _instance(self, view: InstanceView) -> dict[str, Any]:
-        snap_in_flight = self._registry.snapshot().in_flight.get(view.agent_id, 0)
-        return instance_json(
-            view, snap_in_flight, self._registry.requests_total(view.agent_id), self._clock.monotonic()
-        )
+    def _instance(self, view: InstanceView, snap: RegistrySnapshot, now: float) -> dict[str, Any]:
+        agent_id = view.agent_id
+        return instance_json(view, snap.in_flight_of(agent_id), self._registry.requests_total(agent_id), now)
 
     async def instances(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/instances``."""
         snap = self._registry.snapshot()
         now = self._clock.monotonic()
-        items = [
-            instance_json(
-                v, snap.in_flight.get(v.agent_id, 0), self._registry.requests_total(v.agent_id), now
-            )
-            for v in sorted(snap.instances, key=lambda v: v.agent_id)
-        ]
+        items = [self._instance(v, snap, now) for v in sorted(snap.instances, key=lambda v: v.agent_id)]
         return _json({"instances": items})
 
     async def _command(self, request: web.Request, kind: CommandKind) -> web.Response:
@@ -130,13 +129,14 @@ class Admin:
             ack = await self._control.send_command(agent_id, kind)
         except CommandError as exc:
             return _error(exc.status, str(exc), type(exc).__name__)
-        view = self._registry.get(agent_id)
+        snap = self._registry.snapshot()
+        view = snap.by_id.get(agent_id)
         return _json(
             {
                 "agent_id": agent_id,
                 "command": kind,
                 "ack": {"id": ack.id, "ok": ack.ok, "error": ack.error},
-                "instance": self._instance(view) if view else None,
+                "instance": self._instance(view, snap, self._clock.monotonic()) if view else None,
             }
         )
 

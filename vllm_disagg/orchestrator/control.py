@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import DisaggError
+from vllm_disagg.errors import DisaggError, VersionMismatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.protocol.messages import (
@@ -174,7 +174,7 @@ class ControlPlane:
         if msg.protocol_version != PROTOCOL_VERSION:
             self._refuse(
                 peer,
-                "version_mismatch",
+                VersionMismatch.code,
                 f"agent speaks protocol v{msg.protocol_version}, orchestrator speaks v{PROTOCOL_VERSION}",
             )
             return

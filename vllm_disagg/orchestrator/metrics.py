@@ -8,9 +8,11 @@ registry snapshot at scrape time. Every metric is documented in docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
@@ -68,6 +70,19 @@ def _gauge(suffix: str, doc: str) -> GaugeMetricFamily:
     return GaugeMetricFamily(f"vllm_disagg_instance_{suffix}", doc, labels=["instance"])
 
 
+class _Bound(dict[tuple[object, ...], Any]):
+    """Label children by their label values, bound on first use; every later use is a plain dict hit
+    (``labels()`` takes a lock and builds tuples)."""
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        super().__init__()
+        self._metric = metric
+
+    def __missing__(self, key: tuple[object, ...]) -> Any:
+        child = self[key] = self._metric.labels(*map(str, key))
+        return child
+
+
 class OrchestratorMetrics:
     """The orchestrator's metrics and the cheap recording calls the gateway and control plane use."""
 
@@ -119,11 +134,10 @@ class OrchestratorMetrics:
             registry=r,
         )
         r.register(_InstanceCollector(snapshot))
-        # Pre-bound children: labels() takes a lock and builds tuples; a dict hit does not.
-        self._request_children: dict[tuple[str, str, int], Counter] = {}
-        self._duration_children: dict[tuple[str, str], Histogram] = {}
-        self._refused_children: dict[str, Counter] = {}
-        self._upstream_children: dict[tuple[str, str], Counter] = {}
+        self._request_children = _Bound(self._requests)
+        self._duration_children = _Bound(self._duration)
+        self._refused_children = _Bound(self._refused)
+        self._upstream_children = _Bound(self._upstream_errors)
 
     def request_done(
         self,
@@ -136,16 +150,8 @@ class OrchestratorMetrics:
         ttfb_s: float | None,
     ) -> None:
         """Record one finished client request."""
-        key = (route, mode, status)
-        counter = self._request_children.get(key)
-        if counter is None:
-            counter = self._request_children[key] = self._requests.labels(route, mode, str(status))
-        counter.inc()
-        hkey = (route, mode)
-        hist = self._duration_children.get(hkey)
-        if hist is None:
-            hist = self._duration_children[hkey] = self._duration.labels(route, mode)
-        hist.observe(total_s)
+        self._request_children[route, mode, status].inc()
+        self._duration_children[route, mode].observe(total_s)
         self._overhead.observe(max(0.0, total_s - engine_s))
         if prefill_s is not None:
             self._prefill.observe(prefill_s)
@@ -154,18 +160,11 @@ class OrchestratorMetrics:
 
     def refused(self, code: str) -> None:
         """Count a Refuse sent to an agent."""
-        child = self._refused_children.get(code)
-        if child is None:
-            child = self._refused_children[code] = self._refused.labels(code)
-        child.inc()
+        self._refused_children[(code,)].inc()
 
     def upstream_error(self, leg: Leg, kind: str) -> None:
         """Count a failed engine leg."""
-        key = (leg, kind)
-        child = self._upstream_children.get(key)
-        if child is None:
-            child = self._upstream_children[key] = self._upstream_errors.labels(leg, kind)
-        child.inc()
+        self._upstream_children[leg, kind].inc()
 
     def render(self) -> bytes:
         """The text exposition of every metric."""

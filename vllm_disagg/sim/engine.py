@@ -164,6 +164,16 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     return await _respond_stepped(request, engine, seq, encoder, headers)
 
 
+def _full_response(
+    engine: SimEngine, seq: Seq, encoder: ResponseEncoder, headers: dict[str, str]
+) -> web.Response:
+    """The non-streaming answer for a finished request."""
+    req = seq.req
+    text = engine.prompts.text(seq.prompt, req.max_tokens)
+    body = encoder.full(text, len(seq.prompt.token_ids), req.max_tokens, seq.kv_params)
+    return web.Response(body=body, content_type="application/json", headers=headers)
+
+
 async def _respond_now(
     request: web.Request, engine: SimEngine, seq: Seq, encoder: ResponseEncoder, headers: dict[str, str]
 ) -> web.StreamResponse:
@@ -172,10 +182,7 @@ async def _respond_now(
     core.complete_now(seq)
     n_prompt = len(seq.prompt.token_ids)
     if not req.stream:
-        body = encoder.full(
-            engine.prompts.text(seq.prompt, req.max_tokens), n_prompt, req.max_tokens, seq.kv_params
-        )
-        return web.Response(body=body, content_type="application/json", headers=headers)
+        return _full_response(engine, seq, encoder, headers)
     parts = [encoder.role_chunk(), encoder.chunks(engine.prompts.json_words(seq.prompt, req.max_tokens))]
     if req.include_usage:
         parts.append(encoder.usage_chunk(n_prompt, req.max_tokens))
@@ -207,10 +214,7 @@ async def _respond_stepped(
                 await seq.done
             except RequestError as exc:
                 return _request_error(exc, headers)
-            body = encoder.full(
-                engine.prompts.text(seq.prompt, req.max_tokens), n_prompt, req.max_tokens, seq.kv_params
-            )
-            return web.Response(body=body, content_type="application/json", headers=headers)
+            return _full_response(engine, seq, encoder, headers)
         assert seq.tokens is not None
         words = engine.prompts.json_words(seq.prompt, req.max_tokens)
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})

@@ -36,7 +36,7 @@ def apply_chat_template(messages: Iterable[Mapping[str, object]]) -> str:
 
 def prompt_seed(token_ids: Sequence[int]) -> int:
     """A 64-bit digest of the prompt; output depends on the prompt only through it."""
-    return int.from_bytes(hashlib.blake2b(bytes(_as_bytes(token_ids)), digest_size=8).digest(), "big")
+    return int.from_bytes(hashlib.blake2b(_as_bytes(token_ids), digest_size=8).digest(), "big")
 
 
 def _as_bytes(token_ids: Sequence[int]) -> bytes:
@@ -51,14 +51,18 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+def _word_index(seed: int, position: int) -> int:
+    return _mix(seed ^ _mix(position)) % len(WORDS)
+
+
 def token_text(seed: int, position: int) -> str:
     """The text of output token ``position`` (0-based) for a prompt with this seed."""
-    return " " + WORDS[_mix(seed ^ _mix(position)) % len(WORDS)]
+    return " " + WORDS[_word_index(seed, position)]
 
 
 def output_token_id(seed: int, position: int) -> int:
     """A stable id for output token ``position``: 256 + the word's index."""
-    return 256 + _mix(seed ^ _mix(position)) % len(WORDS)
+    return 256 + _word_index(seed, position)
 
 
 def expected_text(prompt: str | Sequence[int], max_tokens: int) -> str:
