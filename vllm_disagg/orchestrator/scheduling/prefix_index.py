@@ -1,0 +1,136 @@
+"""Which instance holds the longest cached prefix of a prompt: an index fed by vLLM's KV-cache events.
+
+Keys are the orchestrator's own chained block hashes, ``H(parent, block token ids)``, computed from the
+token ids that ``BlockStored`` events carry, so the index does not depend on vLLM's hash algorithm or
+seed; each instance's vLLM hashes map to ours so that ``BlockRemoved`` can be honoured. Holders of a
+block are a bitmask over instance slots, so a lookup costs one dict get and one AND per prompt block,
+whatever the number of instances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+ROOT = 0  # the parent of a prompt's first block
+
+
+def chain_hash(parent: int, block: Sequence[int]) -> int:
+    """The index key of a block: its tokens chained to its parent's key (deterministic in-process)."""
+    return hash((parent, tuple(block)))
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained keys of a prompt's full blocks (a partial last block is never cached)."""
+    keys = []
+    parent = ROOT
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start : start + block_size])
+        keys.append(parent)
+    return keys
+
+
+class PrefixIndex:
+    """Per-instance sets of cached blocks, queried for the longest cached prefix of a prompt."""
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self._holders: dict[int, int] = {}  # our key -> bitmask of instance slots
+        self._slots: dict[str, int] = {}  # instance id -> slot
+        self._free_slots: list[int] = []
+        self._ids: dict[int, str] = {}  # slot -> instance id
+        self._engine_keys: dict[str, dict[int, int]] = {}  # instance -> {vLLM hash: our key}
+
+    def __len__(self) -> int:
+        """Distinct blocks indexed over all instances."""
+        return len(self._holders)
+
+    def blocks_of(self, instance_id: str) -> int:
+        """How many blocks the index holds for one instance."""
+        return len(self._engine_keys.get(instance_id, {}))
+
+    def _slot(self, instance_id: str) -> int:
+        slot = self._slots.get(instance_id)
+        if slot is None:
+            slot = self._free_slots.pop() if self._free_slots else len(self._slots)
+            self._slots[instance_id] = slot
+            self._ids[slot] = instance_id
+            self._engine_keys[instance_id] = {}
+        return slot
+
+    def stored(
+        self,
+        instance_id: str,
+        engine_hashes: Sequence[int],
+        parent_engine_hash: int | None,
+        token_ids: Sequence[int],
+    ) -> None:
+        """A ``BlockStored`` event: ``token_ids`` cover one full block per hash, in order."""
+        bit = 1 << self._slot(instance_id)
+        keys = self._engine_keys[instance_id]
+        # An unknown parent (its event was missed) cannot be chained: skip rather than index wrongly.
+        parent = ROOT if parent_engine_hash is None else keys.get(parent_engine_hash)
+        if parent is None:
+            return
+        size = self.block_size
+        for i, engine_hash in enumerate(engine_hashes):
+            block = token_ids[i * size : (i + 1) * size]
+            if len(block) < size:
+                return
+            parent = chain_hash(parent, block)
+            keys[engine_hash] = parent
+            self._holders[parent] = self._holders.get(parent, 0) | bit
+
+    def removed(self, instance_id: str, engine_hashes: Sequence[int]) -> None:
+        """A ``BlockRemoved`` event."""
+        slot = self._slots.get(instance_id)
+        if slot is None:
+            return
+        keys = self._engine_keys[instance_id]
+        for engine_hash in engine_hashes:
+            key = keys.pop(engine_hash, None)
+            if key is not None:
+                self._unhold(key, slot)
+
+    def cleared(self, instance_id: str) -> None:
+        """An ``AllBlocksCleared`` event: the instance holds nothing any more."""
+        slot = self._slots.get(instance_id)
+        if slot is None:
+            return
+        keys = self._engine_keys[instance_id]
+        for key in keys.values():
+            self._unhold(key, slot)
+        keys.clear()
+
+    def drop(self, instance_id: str) -> None:
+        """An instance that died or left: its entries and its slot go."""
+        self.cleared(instance_id)
+        slot = self._slots.pop(instance_id, None)
+        if slot is not None:
+            del self._ids[slot]
+            del self._engine_keys[instance_id]
+            self._free_slots.append(slot)
+
+    def _unhold(self, key: int, slot: int) -> None:
+        holders = self._holders.get(key, 0) & ~(1 << slot)
+        if holders:
+            self._holders[key] = holders
+        else:
+            self._holders.pop(key, None)
+
+    def match(self, block_keys: Sequence[int]) -> dict[str, int]:
+        """For each instance holding the first block: how many leading blocks of the prompt it holds."""
+        matched: dict[str, int] = {}
+        alive = self._holders.get(block_keys[0], 0) if block_keys else 0
+        depth = 0
+        while alive:
+            depth += 1
+            nxt = self._holders.get(block_keys[depth], 0) & alive if depth < len(block_keys) else 0
+            gone = alive & ~nxt
+            while gone:  # instances whose prefix ends at this depth
+                low = gone & -gone
+                matched[self._ids[low.bit_length() - 1]] = depth
+                gone ^= low
+            alive = nxt
+        return matched
