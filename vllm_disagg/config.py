@@ -111,9 +111,11 @@ class SimEngineConfig:
     default_max_tokens: int = 16  # vLLM's default for /v1/completions
     timing: SimTiming = field(default_factory=SimTiming)
     kv_lease_s: float = 30.0  # blocks held for a decoder are freed after this if never pulled
+    kv_events_port: int = 0  # publish vLLM-style KV-cache events on a ZeroMQ PUB socket here; 0: off
 
     def __post_init__(self) -> None:
         _port("sim", "port", self.port)
+        _port("sim", "kv_events_port", self.kv_events_port)
         _positive(
             "sim",
             max_model_len=self.max_model_len,

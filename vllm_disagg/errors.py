@@ -10,7 +10,8 @@ Hierarchy::
     │   │   ├── MalformedFrame      not msgpack, or not the [tag, fields] envelope
     │   │   ├── UnknownMessageType  a tag no message class carries
     │   │   └── FieldTypeError      a missing, unknown or wrongly typed field
-    │   └── VersionMismatch         an agent speaking another PROTOCOL_VERSION
+    │   ├── VersionMismatch         an agent speaking another PROTOCOL_VERSION
+    │   └── KvEventsError           a vLLM KV-cache event frame that cannot be decoded or applied
     └── RequestError                one client request; carries an HTTP status
         ├── BadRequest          400 malformed JSON, missing prompt/messages, bad field
         ├── ModelNotFound       404 no instance serves the model
@@ -73,6 +74,12 @@ class VersionMismatch(ProtocolError):
     """An agent speaking a protocol version the orchestrator does not."""
 
     code = "version_mismatch"
+
+
+class KvEventsError(ProtocolError):
+    """A vLLM KV-cache event frame that cannot be decoded, or an event the prefix index cannot use."""
+
+    code = "kv_events_error"
 
 
 class RequestError(DisaggError):

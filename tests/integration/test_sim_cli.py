@@ -38,6 +38,7 @@ def test_sim_engine_argv_reproduces_the_config() -> None:
         max_model_len=1024,
         default_max_tokens=7,
         kv_lease_s=2.5,
+        kv_events_port=9200,
         timing=SimTiming(
             prefill_s_per_token=0.0001,
             decode_step_s=0.01,

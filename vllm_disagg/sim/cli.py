@@ -26,6 +26,7 @@ _ENGINE_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--max-model-len", "max_model_len", int),
     ("--default-max-tokens", "default_max_tokens", int),
     ("--kv-lease-s", "kv_lease_s", float),
+    ("--kv-events-port", "kv_events_port", int),
 )
 _HELP = {
     "model": "served model name",
@@ -35,6 +36,7 @@ _HELP = {
     "max_model_len": "context window in tokens",
     "default_max_tokens": "max_tokens when a request gives none",
     "kv_lease_s": "seconds blocks held for a decoder survive without a pull",
+    "kv_events_port": "publish vLLM-style KV-cache events on tcp://127.0.0.1:PORT (0: off)",
 }
 
 

@@ -70,7 +70,7 @@ class EngineCore:
         self.config = config
         self.timing = config.timing
         self.clock = clock
-        self.prefix_cache = PrefixCache(config.timing.num_blocks)
+        self.prefix_cache = PrefixCache(config.timing.num_blocks, config.timing.block_size)
         self.holds = TransferHolds(config.timing.block_size, config.kv_lease_s)
         self.metrics = EngineMetrics(config.model, self.gauges)
         self.waiting: deque[Seq] = deque()
@@ -116,7 +116,7 @@ class EngineCore:
         m.prompt_tokens += n
         m.request_prompt_tokens.observe(n)
         m.max_tokens_param.observe(seq.req.max_tokens)
-        self.prefix_cache.insert(seq.prompt.block_hashes)
+        self.prefix_cache.insert(seq.prompt.block_hashes, ids)
         return sources.local_compute
 
     def _finish(self, seq: Seq, now: float) -> None:

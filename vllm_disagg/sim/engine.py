@@ -20,6 +20,7 @@ from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.errors import BadRequest, RequestError
 from vllm_disagg.sim import perf_model
 from vllm_disagg.sim.core import ABORTED, EngineCore, Seq
+from vllm_disagg.sim.kv_publisher import KvEventPublisher
 from vllm_disagg.sim.metrics import CONTENT_TYPE
 from vllm_disagg.sim.openai_api import (
     DONE,
@@ -46,6 +47,7 @@ class SimEngine:
         self.prompts = PromptTable(config.timing.block_size)
         self.session: aiohttp.ClientSession | None = None
         self.loop_task: asyncio.Task[None] | None = None
+        self.kv_events: KvEventPublisher | None = None
         if config.port:
             self.advertise(config.port)
 
@@ -322,8 +324,12 @@ async def kv_pull(request: web.Request) -> web.Response:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE_KEY]
+    config = engine.config
+    if config.kv_events_port:  # first: a port in use fails startup before anything else is opened
+        engine.kv_events = KvEventPublisher(config.kv_events_port, config.timing.block_size, engine.clock)
+        engine.core.prefix_cache.listener = engine.kv_events
     engine.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30, connect=5))
-    if not engine.config.timing.zero_delay:
+    if not config.timing.zero_delay:
         engine.loop_task = asyncio.create_task(engine.core.run(), name="sim-engine-steps")
     try:
         yield
@@ -333,6 +339,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await engine.loop_task
         await engine.session.close()
+        if engine.kv_events is not None:
+            engine.core.prefix_cache.listener = None
+            engine.kv_events.close()
+            engine.kv_events = None
 
 
 def build_app(config: SimEngineConfig, *, clock: Clock | None = None) -> web.Application:

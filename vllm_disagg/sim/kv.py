@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def chain_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
@@ -21,12 +22,27 @@ def chain_hashes(token_ids: Sequence[int], block_size: int) -> tuple[int, ...]:
     return tuple(hashes)
 
 
+class CacheListener(Protocol):
+    """Told what enters and leaves the prefix cache (the KV-events publisher)."""
+
+    def stored(self, hashes: Sequence[int], parent: int | None, token_ids: Sequence[int]) -> None:
+        """Blocks entered the cache; ``parent`` is the hash of the block before the first, if any."""
+
+    def removed(self, hashes: Sequence[int]) -> None:
+        """Blocks were evicted."""
+
+    def cleared(self) -> None:
+        """Everything was forgotten."""
+
+
 class PrefixCache:
     """An LRU set of block hashes of recently computed prompts, bounded by the KV capacity."""
 
-    def __init__(self, capacity_blocks: int) -> None:
+    def __init__(self, capacity_blocks: int, block_size: int = 1) -> None:
         self._capacity = capacity_blocks
+        self._block_size = block_size
         self._blocks: OrderedDict[int, None] = OrderedDict()
+        self.listener: CacheListener | None = None  # None: no event work at all
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -41,17 +57,46 @@ class PrefixCache:
             hit += 1
         return hit
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Remember a computed prompt's blocks, evicting the least recently used beyond capacity."""
+    def insert(self, hashes: Sequence[int], token_ids: Sequence[int] = ()) -> None:
+        """Remember a computed prompt's blocks, evicting the least recently used beyond capacity.
+
+        ``token_ids`` (the prompt's) are only read when a listener is set.
+        """
+        if self.listener is not None:
+            self._insert_told(self.listener, hashes, token_ids)
+            return
         for h in hashes:
             self._blocks[h] = None
             self._blocks.move_to_end(h)
         while len(self._blocks) > self._capacity:
             self._blocks.popitem(last=False)
 
+    def _insert_told(self, listener: CacheListener, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        bs = self._block_size
+        start = -1  # first block of the current run of new blocks
+        for i, h in enumerate((*hashes, None)):
+            if h is not None and h not in self._blocks:
+                if start < 0:
+                    start = i
+                continue
+            if start >= 0:  # a run of new blocks ended: one BlockStored per run, chained to its parent
+                parent = hashes[start - 1] if start else None
+                listener.stored(hashes[start:i], parent, token_ids[start * bs : i * bs])
+                start = -1
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        evicted = []
+        while len(self._blocks) > self._capacity:
+            evicted.append(self._blocks.popitem(last=False)[0])
+        if evicted:
+            listener.removed(evicted)
+
     def clear(self) -> None:
         """Forget everything (vLLM's reset_prefix_cache)."""
         self._blocks.clear()
+        if self.listener is not None:
+            self.listener.cleared()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,192 @@
+"""vLLM's KV-cache events: decoding its exact frames, refusing bad ones, round trips, feeding the index."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import pytest
+
+from vllm_disagg.agent.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KvEventBatch,
+    apply,
+    decode_frames,
+    encode_batch,
+)
+from vllm_disagg.config import SimEngineConfig
+from vllm_disagg.errors import ConfigError, KvEventsError, ProtocolError
+from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, prompt_block_hashes
+from vllm_disagg.sim.kv import PrefixCache, chain_hashes
+
+BS = 4
+PROMPT = list(range(100, 114))  # three full blocks of 4 and a partial tail
+BIG = 2648526634189158145  # a real vLLM hash: above 2**61, a msgpack uint64
+BIG2 = 18_000_000_000_000_000_000  # above 2**63
+
+
+def frames(payload: Any, seq: int = 7) -> list[bytes]:
+    return [b"kv-events", seq.to_bytes(8, "big"), msgpack.packb(payload)]
+
+
+def stored_map(**overrides: Any) -> dict[str, Any]:
+    """A BlockStored exactly as vLLM 0.32 was seen to send it, extra keys included."""
+    return {
+        "type": "BlockStored",
+        "block_hashes": [BIG, BIG2],
+        "parent_block_hash": None,
+        "token_ids": PROMPT[:8],
+        "block_size": BS,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+        "extra_keys": [None, None],
+        "group_idx": 0,
+        "kv_cache_spec_kind": "full_attention",
+        **overrides,
+    }
+
+
+def test_decodes_vllms_map_events_with_their_extra_keys() -> None:
+    removed = {"type": "BlockRemoved", "block_hashes": [BIG2], "medium": "GPU"}
+    batch = decode_frames(frames([1763770000.25, [stored_map(), removed, {"type": "AllBlocksCleared"}], 0]))
+    assert batch == KvEventBatch(
+        seq=7,
+        ts=1763770000.25,
+        events=(
+            BlockStored((BIG, BIG2), None, tuple(PROMPT[:8]), BS),
+            BlockRemoved((BIG2,)),
+            AllBlocksCleared(),
+        ),
+    )
+
+
+def test_decodes_msgspec_tagged_arrays_in_field_order() -> None:
+    events = [
+        ["BlockStored", [BIG], 5, PROMPT[:4], BS, None, "GPU"],
+        ["BlockRemoved", [BIG], "GPU"],
+        ["AllBlocksCleared"],
+    ]
+    batch = decode_frames(frames([2.0, events, None], seq=2**40))
+    assert batch.seq == 2**40
+    assert batch.events == (
+        BlockStored((BIG,), 5, tuple(PROMPT[:4]), BS),
+        BlockRemoved((BIG,)),
+        AllBlocksCleared(),
+    )
+
+
+def test_bytes_hashes_become_ints() -> None:
+    batch = decode_frames(frames([0, [stored_map(block_hashes=[b"\x01\x00"], token_ids=PROMPT[:4])]]))
+    assert batch.events == (BlockStored((256,), None, tuple(PROMPT[:4]), BS),)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        pytest.param([b"kv-events", b"\x00" * 8], id="two-frames"),
+        pytest.param([b"kv-events", b"\x00" * 4, msgpack.packb([0.0, []])], id="short-seq-frame"),
+        pytest.param([b"kv-events", b"\x00" * 8, b"\xc1"], id="not-msgpack"),
+        pytest.param([b"kv-events", b"\x00" * 8, msgpack.packb([0.0, []]) + b"\x00"], id="trailing-bytes"),
+        pytest.param(frames({"ts": 0.0}), id="payload-not-an-array"),
+        pytest.param(frames(["now", []]), id="ts-not-a-number"),
+        pytest.param(frames([0.0, {}]), id="events-not-a-list"),
+        pytest.param(frames([0.0, [{"type": "BlockMoved"}]]), id="unknown-type"),
+        pytest.param(frames([0.0, [{"block_hashes": [1]}]]), id="no-type"),
+        pytest.param(frames([0.0, [42]]), id="event-not-map-or-array"),
+        pytest.param(frames([0.0, [["BlockStored", [1]]]]), id="short-array"),
+        pytest.param(frames([0.0, [{"type": "BlockRemoved"}]]), id="missing-field"),
+        pytest.param(frames([0.0, [stored_map(block_hashes=["x"])]]), id="string-hash"),
+        pytest.param(frames([0.0, [stored_map(block_hashes=[True])]]), id="bool-hash"),
+        pytest.param(frames([0.0, [stored_map(token_ids=[1.5])]]), id="float-token"),
+        pytest.param(frames([0.0, [stored_map(block_size=0)]]), id="zero-block-size"),
+        pytest.param(frames([0.0, [stored_map(parent_block_hash="p")]]), id="string-parent"),
+    ],
+)
+def test_bad_frames_raise_kv_events_error(raw: list[bytes]) -> None:
+    with pytest.raises(KvEventsError) as caught:
+        decode_frames(raw)
+    assert isinstance(caught.value, ProtocolError)
+
+
+def test_encode_then_decode_is_identity() -> None:
+    events = (
+        BlockStored((BIG, BIG2, 3), 9, tuple(range(12)), BS),
+        BlockRemoved((BIG, 3)),
+        AllBlocksCleared(),
+    )
+    wire = encode_batch(2**63 + 5, 12.5, events)
+    assert wire[0] == b"kv-events" and len(wire[1]) == 8
+    assert decode_frames(wire) == KvEventBatch(2**63 + 5, 12.5, events)
+
+
+def test_applied_events_give_the_prompts_matched_blocks() -> None:
+    index = PrefixIndex(BS)
+    keys = prompt_block_hashes(PROMPT, BS)
+    apply(index, "a", decode_frames(frames([0.0, [stored_map()]])))  # blocks 0-1
+    apply(
+        index,
+        "a",
+        decode_frames(
+            frames([0.0, [stored_map(block_hashes=[3], parent_block_hash=BIG2, token_ids=PROMPT[8:12])]])
+        ),
+    )
+    apply(index, "b", decode_frames(frames([0.0, [stored_map(block_hashes=[1], token_ids=PROMPT[:4])]])))
+    assert index.match(keys) == {"a": 3, "b": 1}
+    apply(index, "a", KvEventBatch(1, 0.0, (BlockRemoved((BIG2,)),)))
+    assert index.match(keys) == {"a": 1, "b": 1}
+    apply(index, "b", KvEventBatch(2, 0.0, (AllBlocksCleared(),)))
+    assert index.match(keys) == {"a": 1}
+
+
+def test_a_block_size_the_index_does_not_use_is_refused_before_any_change() -> None:
+    index = PrefixIndex(BS)
+    batch = KvEventBatch(
+        0,
+        0.0,
+        (BlockStored((1,), None, tuple(PROMPT[:4]), BS), BlockStored((2,), None, tuple(PROMPT[:8]), 8)),
+    )
+    with pytest.raises(KvEventsError, match="8-token blocks"):
+        apply(index, "a", batch)
+    assert len(index) == 0
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[object] = []
+
+    def stored(self, hashes: Any, parent: int | None, token_ids: Any) -> None:
+        self.events.append(BlockStored(tuple(hashes), parent, tuple(token_ids), BS))
+
+    def removed(self, hashes: Any) -> None:
+        self.events.append(BlockRemoved(tuple(hashes)))
+
+    def cleared(self) -> None:
+        self.events.append(AllBlocksCleared())
+
+
+def test_the_sim_prefix_cache_reports_new_runs_evictions_and_clears() -> None:
+    cache = PrefixCache(capacity_blocks=3, block_size=BS)
+    cache.listener = rec = Recorder()
+    h = chain_hashes(PROMPT, BS)
+    cache.insert(h[:1], PROMPT)
+    cache.insert(h, PROMPT)  # block 0 cached already: blocks 1-2 chain to it
+    cache.insert(h, PROMPT)  # nothing new
+    other = chain_hashes([1] * 8, BS)
+    cache.insert(other, [1] * 8)  # two new blocks push out the two least recently used
+    cache.clear()
+    assert rec.events == [
+        BlockStored(h[:1], None, tuple(PROMPT[:4]), BS),
+        BlockStored(h[1:], h[0], tuple(PROMPT[4:12]), BS),
+        BlockStored(other, None, tuple([1] * 8), BS),
+        BlockRemoved(h[:2]),
+        AllBlocksCleared(),
+    ]
+
+
+@pytest.mark.parametrize("port", [-1, 65536], ids=["negative", "above-65535"])
+def test_the_sim_refuses_a_kv_events_port_that_is_not_a_port(port: int) -> None:
+    with pytest.raises(ConfigError, match="kv_events_port"):
+        SimEngineConfig(kv_events_port=port)

@@ -1,0 +1,186 @@
+"""vLLM's KV-cache events: typed events, the ZeroMQ wire format both ways, and feeding a ``PrefixIndex``.
+
+vLLM (``--kv-events-config``, publisher ``zmq``) sends 3 frames per batch: the topic, the sequence
+number as 8 big-endian bytes, and msgpack of ``[ts, [event, ...], data_parallel_rank]``. An event is a
+map with a ``"type"`` key (what vLLM 0.32 was seen to send, see docs/engine.md) or, as vLLM's msgspec
+structs encode with ``array_like=True, tag=True``, an array whose first item is the type name followed
+by the fields in declaration order. Fields beyond the ones used here (``lora_id``, ``medium``, ...) are
+ignored, so newer vLLM versions that add fields still decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from vllm_disagg.errors import KvEventsError
+from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex
+
+TOPIC = b"kv-events"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """Full blocks entered the engine's prefix cache; ``token_ids`` cover one block per hash, in order."""
+
+    block_hashes: tuple[int, ...]
+    parent_block_hash: int | None
+    token_ids: tuple[int, ...]
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """Blocks left the engine's prefix cache."""
+
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    """The engine's prefix cache was emptied."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventBatch:
+    """One published batch: the publisher's sequence number, its timestamp, and the events in order."""
+
+    seq: int
+    ts: float
+    events: tuple[KvEvent, ...]
+
+
+# Field order of vLLM's msgspec structs, for events encoded as tagged arrays.
+_ARRAY_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockRemoved": ("block_hashes",),
+    "AllBlocksCleared": (),
+}
+
+
+def _hash(value: object, what: str) -> int:
+    # Hashes are 64-bit ints; newer vLLM may send bytes digests, which map losslessly to ints.
+    if isinstance(value, bytes):
+        return int.from_bytes(value, "big")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise KvEventsError(f"{what} must be an int, got {type(value).__name__}")
+
+
+def _hashes(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise KvEventsError(f"{what} must be a list, got {type(value).__name__}")
+    return tuple(_hash(h, what) for h in value)
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, list):
+        raise KvEventsError(f"{what} must be a list, got {type(value).__name__}")
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise KvEventsError(f"{what} must hold ints, got {type(item).__name__}")
+    return tuple(value)
+
+
+def _fields(raw: object) -> tuple[str, dict[str, Any]]:
+    """The type name and the fields of one event, from either encoding."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields: dict[str, Any] = raw
+    elif isinstance(raw, list) and raw:
+        kind = raw[0]
+        names = _ARRAY_FIELDS.get(kind) if isinstance(kind, str) else None
+        if names is not None and len(raw) - 1 < len(names):
+            raise KvEventsError(f"{kind} array has {len(raw) - 1} fields, needs {len(names)}")
+        fields = dict(zip(names or (), raw[1:], strict=False))
+    else:
+        raise KvEventsError(f"an event must be a map or a tagged array, got {type(raw).__name__}")
+    if not isinstance(kind, str) or kind not in _ARRAY_FIELDS:
+        raise KvEventsError(f"unknown event type {kind!r}")
+    return kind, fields
+
+
+def _event(raw: object) -> KvEvent:
+    kind, fields = _fields(raw)
+    try:
+        if kind == "BlockStored":
+            hashes = _hashes(fields["block_hashes"], "block_hashes")
+            parent_raw = fields["parent_block_hash"]
+            parent = None if parent_raw is None else _hash(parent_raw, "parent_block_hash")
+            token_ids = _ints(fields["token_ids"], "token_ids")
+            block_size = fields["block_size"]
+            if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+                raise KvEventsError(f"block_size must be a positive int, got {block_size!r}")
+            return BlockStored(hashes, parent, token_ids, block_size)
+        if kind == "BlockRemoved":
+            hashes = _hashes(fields["block_hashes"], "block_hashes")
+            return BlockRemoved(hashes)
+        return AllBlocksCleared()
+    except KeyError as exc:
+        raise KvEventsError(f"{kind} lacks field {exc.args[0]!r}") from None
+
+
+def decode_frames(frames: list[bytes]) -> KvEventBatch:
+    """One batch from the 3 frames vLLM publishes; ``KvEventsError`` if they are not that."""
+    if len(frames) != 3:
+        raise KvEventsError(f"a KV event batch has 3 frames (topic, seq, payload), got {len(frames)}")
+    _, seq_frame, payload = frames
+    if len(seq_frame) != 8:
+        raise KvEventsError(f"the sequence frame must be 8 bytes, got {len(seq_frame)}")
+    try:
+        body = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+        raise KvEventsError(f"the payload is not msgpack: {exc}") from None
+    if not isinstance(body, list) or len(body) < 2:
+        raise KvEventsError("the payload must be [ts, [event, ...], data_parallel_rank]")
+    ts, events = body[0], body[1]
+    if not isinstance(ts, int | float) or isinstance(ts, bool):
+        raise KvEventsError(f"ts must be a number, got {type(ts).__name__}")
+    if not isinstance(events, list):
+        raise KvEventsError(f"events must be a list, got {type(events).__name__}")
+    return KvEventBatch(int.from_bytes(seq_frame, "big"), float(ts), tuple(_event(e) for e in events))
+
+
+def _to_wire(event: KvEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        return {
+            "type": "BlockStored",
+            "block_hashes": list(event.block_hashes),
+            "parent_block_hash": event.parent_block_hash,
+            "token_ids": list(event.token_ids),
+            "block_size": event.block_size,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": "GPU"}
+    return {"type": "AllBlocksCleared"}
+
+
+def encode_batch(seq: int, ts: float, events: Sequence[KvEvent]) -> list[bytes]:
+    """The 3 frames vLLM would publish for these events (maps, data-parallel rank 0)."""
+    payload = msgpack.packb([ts, [_to_wire(e) for e in events], 0])
+    return [TOPIC, seq.to_bytes(8, "big"), payload]
+
+
+def apply(index: PrefixIndex, instance_id: str, batch: KvEventBatch) -> None:
+    """Feed a batch to the index; ``KvEventsError`` (before any change) on a block size it does not use."""
+    for event in batch.events:
+        if isinstance(event, BlockStored) and event.block_size != index.block_size:
+            raise KvEventsError(
+                f"instance {instance_id!r} stores {event.block_size}-token blocks, "
+                f"the index uses {index.block_size}"
+            )
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            index.stored(instance_id, event.block_hashes, event.parent_block_hash, event.token_ids)
+        elif isinstance(event, BlockRemoved):
+            index.removed(instance_id, event.block_hashes)
+        else:
+            index.cleared(instance_id)
