@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import socket
+import subprocess
 import sys
 import time
 import urllib.error
@@ -124,3 +127,14 @@ def sse_text(raw: bytes, *, chat: bool) -> str:
         for choice in json.loads(event)["choices"]:
             parts.append((choice.get("delta") or {}).get("content") or "" if chat else choice.get("text", ""))
     return "".join(parts)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
+    """SIGTERM a child that leads its process group; its exit code, or None if it had to be SIGKILLed."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return None

@@ -29,6 +29,7 @@ from tests.helpers import (
     metric_sum,
     parse_prometheus,
     sse_text,
+    stop_process_group,
 )
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
@@ -246,13 +247,7 @@ def cluster(
 
 
 def _stop(cluster: Cluster) -> int | None:
-    if cluster.proc.poll() is None:
-        cluster.proc.send_signal(signal.SIGTERM)
-    try:
-        return cluster.proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(cluster.proc.pid, signal.SIGKILL)
-        return None
+    return stop_process_group(cluster.proc, timeout=120)
 
 
 def test_reference_prompts_are_longer_than_two_kv_blocks(reference: Reference) -> None:

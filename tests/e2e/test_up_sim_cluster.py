@@ -25,6 +25,7 @@ from tests.helpers import (
     metric_sum,
     parse_prometheus,
     sse_text,
+    stop_process_group,
 )
 from vllm_disagg import jsonutil
 from vllm_disagg.sim.textgen import expected_chat_text, expected_text
@@ -106,14 +107,8 @@ def _port_free(port: int) -> bool:
     return True
 
 
-def _stop(cluster: Cluster) -> int:
-    if cluster.proc.poll() is None:
-        cluster.proc.send_signal(signal.SIGTERM)
-    try:
-        return cluster.proc.wait(timeout=60)
-    finally:
-        if cluster.proc.poll() is None:
-            os.killpg(cluster.proc.pid, signal.SIGKILL)
+def _stop(cluster: Cluster) -> int | None:
+    return stop_process_group(cluster.proc, timeout=60)
 
 
 @pytest.fixture(scope="module")
