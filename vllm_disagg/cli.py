@@ -24,6 +24,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
     ("bench gateway", "vllm_disagg.bench.gateway", "gateway overhead vs talking to engines directly"),
     ("bench pd", "vllm_disagg.bench.pd", "real vLLM: colocated vs 1P1D through the gateway (TTFT, TPOT)"),
+    ("bench scheduler", "vllm_disagg.bench.scheduler", "decision time incl. prefix lookup at N instances"),
     ("model tiny", "vllm_disagg.model.tiny", "build the tiny offline test model"),
 )
 

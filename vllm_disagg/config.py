@@ -140,6 +140,7 @@ class OrchestratorConfig:
     upstream_timeout_s: float = 600.0  # whole engine leg, so a stuck engine cannot hang a client
     max_frame_bytes: int = 1 << 20
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
+    scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
 
     def __post_init__(self) -> None:
         _port("orchestrator", "port", self.port)
@@ -176,6 +177,7 @@ class AgentConfig:
     engine_host: str = "127.0.0.1"
     engine_port: int = 8100
     attach_url: str = ""  # follow an engine someone else started instead of launching one
+    kv_events_endpoint: str = ""  # attach mode: the engine's KV-events PUB to forward; "": none
     scrape_interval_s: float = 0.25
     metrics_window_s: float = 10.0
     startup_timeout_s: float = 120.0
@@ -219,6 +221,10 @@ class AgentConfig:
         _port("agent", "nixl_side_channel_port", self.nixl_side_channel_port)
         _port("agent", "kv_events_port", self.kv_events_port)
         _positive("agent", max_model_len=self.max_model_len, kv_cache_space_gib=self.kv_cache_space_gib)
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                f"agent.kv_events_endpoint must be a ZeroMQ endpoint, got {self.kv_events_endpoint!r}"
+            )
         if self.engine_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"agent.engine_device must be 'auto', 'cpu' or 'cuda', got {self.engine_device!r}"

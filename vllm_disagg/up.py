@@ -243,6 +243,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine-base-port", type=int, default=d.engine_base_port, help="first engine port")
     parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
+    parser.add_argument(
+        "--scheduler-config", default="", metavar="FILE", help="scheduler YAML for the orchestrator"
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
     add_sim_timing_arguments(
@@ -266,6 +269,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         stop_grace_s=args.stop_grace_s,
+        extra_orchestrator_args=(
+            ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()
+        ),
         sim_timing=tuple(
             (name, str(getattr(args, name)))
             for _, name, _ in sim_timing_flags()
@@ -273,6 +279,10 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         ),
     )
     spec.plans()
+    if args.scheduler_config:  # refused here, before any process starts
+        from vllm_disagg.orchestrator.scheduling.config import load_config_file
+
+        load_config_file(args.scheduler_config)
     return spec
 
 

@@ -8,6 +8,8 @@ the same requests go through the gateway. At most two vLLM instances run at once
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -19,6 +21,8 @@ from typing import Any
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 
 from tests.helpers import (
     cli_argv,
@@ -32,6 +36,7 @@ from tests.helpers import (
     stop_process_group,
 )
 from vllm_disagg import jsonutil
+from vllm_disagg.agent.kv_events import BlockRemoved, BlockStored, decode_frames
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import engine_servers, group_members
@@ -322,6 +327,108 @@ async def test_agents_report_what_they_scrape_from_real_vllm(cluster: Cluster, p
     assert 0 <= decode["kv_cache_usage"] <= 1
     # The prefill engine generated exactly one token per request it served.
     assert metrics["prefill-0"]["generation_tokens"] == metrics["prefill-0"]["requests_finished"]
+
+
+class _EventTap:
+    """A SUB socket on an engine's KV-event publisher, counting the blocks it reports."""
+
+    def __init__(self, endpoint: str) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.connect(endpoint)
+        self.stored: set[int] = set()
+        self.removed: set[int] = set()
+        self.batches = 0
+        self._task = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            batch = decode_frames(await self._sock.recv_multipart())
+            self.batches += 1
+            for event in batch.events:
+                if isinstance(event, BlockStored):
+                    self.stored.update(event.block_hashes)
+                elif isinstance(event, BlockRemoved):
+                    self.removed.update(event.block_hashes)
+
+    def net_blocks(self) -> int:
+        return len(self.stored - self.removed)
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+async def _explained(
+    session: aiohttp.ClientSession, base: str, case: Case, request_id: str
+) -> dict[str, Any]:
+    body = case.body()
+    headers = {**JSON, "X-Request-Id": request_id}
+    async with session.post(base + case.route, data=jsonutil.dumps(body), headers=headers) as resp:
+        assert resp.status == 200, await resp.text()
+    async with session.get(f"{base}/admin/v1/requests/{request_id}") as resp:
+        assert resp.status == 200
+        return await resp.json()
+
+
+def _indexed_blocks(base: str, agent_id: str) -> float:
+    status, text = http_json(f"{base}/metrics")
+    assert status == 200 and isinstance(text, str)
+    return metric_sum(parse_prometheus(text), "vllm_disagg_kv_index_blocks", instance=agent_id)
+
+
+async def test_the_index_follows_the_prefill_engines_kv_events_and_scores_a_repeat_as_a_hit(
+    cluster: Cluster, prompts: list[str]
+) -> None:
+    prefill = cluster.instances()["prefill-0"]
+    tap = _EventTap(f"tcp://127.0.0.1:{_port_of(prefill) + 2000}")
+    try:
+        async with aiohttp.ClientSession() as session:
+            # Warm up until the gateway has loaded the tokenizer and our subscription receives events.
+            attempts = itertools.count()
+
+            async def warm() -> bool | None:
+                n, i = tap.batches, next(attempts)
+                case = Case("warm", False, False, f"Warm-up {i}. " + prompts[5])
+                record = await _explained(session, cluster.base, case, f"warm-{i}")
+                return True if record["explanation"]["request"]["tokenized"] and tap.batches > n else None
+
+            await eventually(warm, timeout=120, interval=0.5, what="tokenizer loaded and events flowing")
+            await eventually(
+                lambda: _indexed_blocks(cluster.base, "prefill-0") > 0 or None, timeout=30, what="index fed"
+            )
+            before_index, before_tap = _indexed_blocks(cluster.base, "prefill-0"), tap.net_blocks()
+            fresh = Case("fresh", False, False, "A prompt never sent before. " + prompts[6])
+            first = await _explained(session, cluster.base, fresh, "index-first")
+            prompt_tokens = first["explanation"]["request"]["prompt_tokens"]
+            full = prompt_tokens // BLOCK
+
+            def settled() -> float | None:
+                grown = _indexed_blocks(cluster.base, "prefill-0") - before_index
+                return (
+                    grown
+                    if grown == tap.net_blocks() - before_tap and tap.net_blocks() > before_tap
+                    else None
+                )
+
+            grown = await eventually(settled, timeout=30, what="the index matches P's KV events")
+            # P reported the prompt's full blocks (and nothing of it was cached before).
+            assert grown == full >= 2
+            assert "prefill-0" not in first["explanation"]["request"]["cached_tokens"]
+
+            again = await _explained(session, cluster.base, fresh, "index-repeat")
+    finally:
+        await tap.close()
+    request = again["explanation"]["request"]
+    assert request["tokenized"] is True and request["prompt_tokens"] == prompt_tokens
+    assert request["cached_tokens"]["prefill-0"] == full * BLOCK
+    (row,) = again["explanation"]["prefill"]["candidates"]
+    assert row["id"] == "prefill-0"
+    assert row["scores"]["prefix-scorer"] == pytest.approx(full * BLOCK / prompt_tokens, abs=1e-5)
 
 
 async def test_a_killed_prefill_engine_gives_clear_5xx_errors_within_seconds(

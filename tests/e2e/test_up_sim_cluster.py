@@ -7,25 +7,20 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from tests.e2e.up_support import Cluster, engine_pids, start_up, stop
 from tests.helpers import (
-    cli_argv,
     eventually,
     eventually_sync,
-    free_port,
-    http_json,
     metric_sum,
     parse_prometheus,
     sse_text,
-    stop_process_group,
 )
 from vllm_disagg import jsonutil
 from vllm_disagg.sim.textgen import expected_chat_text, expected_text
@@ -39,83 +34,11 @@ PROMPTS = [
 ]
 
 
-@dataclass
-class Cluster:
-    """A running ``up`` process and where it listens."""
-
-    proc: subprocess.Popen[bytes]
-    base: str
-    engine_ports: list[int]
-    log: Path
-
-    def instances(self) -> list[dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances")
-        assert status == 200, body
-        items = body["instances"] if isinstance(body, dict) else body
-        assert isinstance(items, list)
-        return items
-
-
-def _engine_pids(ports: list[int]) -> list[int]:
-    """Pids of every process whose command line names one of these engine ports."""
-    needles = {f"--port\x00{p}\x00" for p in ports} | {f"--engine-port\x00{p}\x00" for p in ports}
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_text(errors="replace")
-        except OSError:
-            continue
-        if any(n in cmdline + "\x00" for n in needles):
-            pids.append(int(entry))
-    return pids
-
-
-def _start_up(tmp_path: Path, prefill: int, decode: int) -> Cluster:
-    port, zmq_port, base_port = free_port(), free_port(), free_port()
-    # Engine ports follow base_port; make sure the whole range is free right now.
-    while not all(_port_free(base_port + i) for i in range(prefill + decode)):
-        base_port = free_port()
-    log = tmp_path / "up.log"
-    argv = cli_argv(
-        "up", "--engine", "sim", "--prefill", str(prefill), "--decode", str(decode),
-        "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(base_port),
-        "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "1.0", "--stop-grace-s", "5",
-    )  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    cluster = Cluster(proc, f"http://127.0.0.1:{port}", [base_port + i for i in range(prefill + decode)], log)
-    try:
-        eventually_sync(
-            lambda: "instances ready" in log.read_text(), timeout=120, what=f"up ready (log: {log})"
-        )
-    except AssertionError:
-        _stop(cluster)
-        raise AssertionError(log.read_text()) from None
-    return cluster
-
-
-def _port_free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _stop(cluster: Cluster) -> int | None:
-    return stop_process_group(cluster.proc, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = _start_up(tmp_path_factory.mktemp("up2p2d"), prefill=2, decode=2)
+    running = start_up(tmp_path_factory.mktemp("up2p2d"), prefill=2, decode=2)
     yield running
-    _stop(running)
+    stop(running)
 
 
 async def _post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, bytes, Any]:
@@ -218,12 +141,10 @@ async def test_missing_messages_on_chat_is_400(cluster: Cluster) -> None:
 
 
 async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp_path: Path) -> None:
-    running = _start_up(tmp_path, prefill=1, decode=2)
+    running = start_up(tmp_path, prefill=1, decode=2)
     try:
         victim = next(i for i in running.instances() if i["agent_id"] == "decode-0")
-        agent_pid = next(
-            pid for pid in _engine_pids([int(victim["url"].rsplit(":", 1)[1])]) if _is_agent(pid)
-        )
+        agent_pid = next(pid for pid in engine_pids([int(victim["url"].rsplit(":", 1)[1])]) if _is_agent(pid))
         os.kill(agent_pid, signal.SIGKILL)
 
         def victim_dead() -> bool:
@@ -240,9 +161,9 @@ async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp
                 assert headers["X-Disagg-Decode"] == "decode-1"
                 assert jsonutil.loads(raw)["choices"][0]["text"] == expected_text(prompt, 4)
     finally:
-        assert _stop(running) == 0
+        assert stop(running) == 0
     # Nothing outlives ``up``: no agent, no engine.
-    await eventually(lambda: not _engine_pids(running.engine_ports), timeout=15, what="no orphan processes")
+    await eventually(lambda: not engine_pids(running.engine_ports), timeout=15, what="no orphan processes")
 
 
 def _is_agent(pid: int) -> bool:
@@ -251,7 +172,7 @@ def _is_agent(pid: int) -> bool:
 
 def test_up_stops_everything_on_sigterm(cluster: Cluster) -> None:
     ports = cluster.engine_ports
-    assert len(_engine_pids(ports)) >= 2 * len(ports)  # an agent and an engine per instance
-    assert _stop(cluster) == 0
-    eventually_sync(lambda: not _engine_pids(ports), timeout=15, what="no orphan processes")
+    assert len(engine_pids(ports)) >= 2 * len(ports)  # an agent and an engine per instance
+    assert stop(cluster) == 0
+    eventually_sync(lambda: not engine_pids(ports), timeout=15, what="no orphan processes")
     assert "stopped" in cluster.log.read_text()

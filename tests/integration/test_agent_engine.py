@@ -80,6 +80,11 @@ async def test_an_engine_stuck_starting_is_killed_with_its_children_and_restarte
     cfg = config(startup_timeout_s=0.5, restart_backoff_s=0.05, restart_backoff_max_s=0.1)
     supervisor = EngineSupervisor(cfg, http, SystemClock(), command=StubbornEngine(pid_file))
     seen_states: set[str] = set()
+    # What the hook saw: were all the engines launched so far gone (the KV forwarder clears then)?
+    old_engines_gone_at_restart: list[bool] = []
+    supervisor.on_restart = lambda: old_engines_gone_at_restart.append(
+        all(gone(c) and gone(g) for c, g in pids(pid_file))
+    )
 
     def watch() -> bool:
         seen_states.add(supervisor.state)
@@ -91,6 +96,7 @@ async def test_an_engine_stuck_starting_is_killed_with_its_children_and_restarte
         (first_child, first_grandchild), *_ = pids(pid_file)
         await eventually(lambda: gone(first_child) and gone(first_grandchild), timeout=DEADLINE_S)
         assert supervisor.restarts >= 1
+        assert old_engines_gone_at_restart[: supervisor.restarts] == [True] * supervisor.restarts
         assert {"starting"} <= seen_states
         assert "ready" not in seen_states
     finally:

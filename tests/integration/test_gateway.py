@@ -499,9 +499,19 @@ async def test_request_records_explain_where_a_request_went(
         "d0",
         200,
     )
-    assert record["explanation"]["scheduler"] == "least-outstanding"
+    explanation = record["explanation"]
+    assert explanation["scheduler"] == "plugins"
+    assert (explanation["decode"]["pick"], explanation["prefill"]["pick"]) == ("d0", "p0")
+    assert explanation["decider"]["mode"] == "disaggregated"
     assert 0 <= record["schedule_s"] <= record["total_s"]
     assert 0 <= record["prefill_s"] <= record["ttfb_s"] <= record["total_s"]
+    timeline = record["timeline"]
+    order = ["scheduled", "prefill_start", "prefill_end", "decode_start", "last_token"]
+    assert list(timeline) == order, "a non-streaming answer has no separate first token"
+    assert [timeline[k] for k in order] == sorted(timeline[k] for k in order)
+    assert timeline["last_token"] <= record["total_s"]
+    assert record["stages"]["prefill_s"] == pytest.approx(record["prefill_s"], abs=1e-5)
+    assert record["stages"]["handoff_s"] >= 0
     async with http.get(f"{orch.url}/admin/v1/requests?limit=5") as resp:
         assert [r["request_id"] for r in (await resp.json())["requests"]] == ["explain-me"]
     async with http.get(f"{orch.url}/admin/v1/requests/never-seen") as resp:

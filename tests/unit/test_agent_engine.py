@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -130,6 +131,34 @@ def test_sim_engine_command_runs_the_sim_engine_subcommand_with_the_agents_setti
     flags = dict(zip(rest[::2], rest[1::2], strict=True))
     assert (flags["--model"], flags["--port"], flags["--block-size"]) == ("m1", "8123", "32")
     assert float(flags["--decode-step-s"]) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("changes", "port"),
+    [
+        pytest.param({}, "10123", id="engine port + 2000, where vLLM would publish"),
+        pytest.param({"kv_events_port": 9500}, "9500", id="the configured port"),
+    ],
+)
+def test_a_launched_sim_engine_publishes_kv_events_where_the_agent_listens(
+    changes: dict[str, object], port: str
+) -> None:
+    argv = SimEngineCommand().argv(agent(engine_port=8123, **changes))
+    rest = argv[argv.index("sim-engine") + 1 :]
+    flags = dict(zip(rest[::2], rest[1::2], strict=True))
+    assert flags["--kv-events-port"] == port
+
+
+def test_the_tokenizer_is_vllms_weights_dir_made_absolute_and_none_for_the_sim(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tiny").mkdir()
+    monkeypatch.chdir(tmp_path)
+    attached = {"engine": "vllm", "attach_url": "http://10.0.0.5:8000"}
+    assert instance_info(agent(model_path="tiny", **attached)).tokenizer == str(tmp_path / "tiny")
+    assert instance_info(agent(model_path="org/model", **attached)).tokenizer == "org/model"  # a hub id
+    assert instance_info(agent(**attached)).tokenizer == ""
+    assert instance_info(agent(model_path="tiny", engine_port=8123)).tokenizer == ""  # the sim: bytes
 
 
 def test_instance_info_of_a_launched_sim_engine() -> None:

@@ -83,6 +83,27 @@ def test_bytes_hashes_become_ints() -> None:
     assert batch.events == (BlockStored((256,), None, tuple(PROMPT[:4]), BS),)
 
 
+SHA256 = bytes(range(32))
+LOW_64 = int.from_bytes(SHA256[-8:], "big")
+
+
+@pytest.mark.parametrize(
+    ("raw", "folded"),
+    [
+        pytest.param(SHA256, LOW_64, id="a 32-byte digest keeps its low 64 bits, as vLLM converts it"),
+        pytest.param(-1, 2**64 - 1, id="a negative int is its two's complement"),
+        pytest.param(-(2**63), 2**63, id="int64 min"),
+        pytest.param(2**64 - 1, 2**64 - 1, id="uint64 max is kept"),
+        pytest.param(BIG, BIG, id="a 64-bit hash is kept"),
+    ],
+)
+def test_hashes_are_folded_to_64_bits_so_they_fit_msgpack(raw: bytes | int, folded: int) -> None:
+    removed = {"type": "BlockRemoved", "block_hashes": [raw]}
+    stored = stored_map(block_hashes=[raw], parent_block_hash=raw, token_ids=PROMPT[:4])
+    batch = decode_frames(frames([0, [stored, removed]]))
+    assert batch.events == (BlockStored((folded,), folded, tuple(PROMPT[:4]), BS), BlockRemoved((folded,)))
+
+
 @pytest.mark.parametrize(
     "raw",
     [
@@ -190,3 +211,28 @@ def test_the_sim_prefix_cache_reports_new_runs_evictions_and_clears() -> None:
 def test_the_sim_refuses_a_kv_events_port_that_is_not_a_port(port: int) -> None:
     with pytest.raises(ConfigError, match="kv_events_port"):
         SimEngineConfig(kv_events_port=port)
+
+
+@pytest.mark.parametrize(
+    ("extra", "keyed"),
+    [
+        pytest.param({}, False, id="plain-blocks-are-indexable"),
+        pytest.param({"lora_id": None, "lora_name": None, "extra_keys": [None]}, False, id="empty-extras"),
+        pytest.param({"lora_name": "adapter"}, True, id="a-lora-block"),
+        pytest.param({"lora_id": 3}, True, id="a-lora-block-by-id"),
+        pytest.param({"extra_keys": [None, ["salt"]]}, True, id="a-salted-or-multimodal-block"),
+    ],
+)
+def test_blocks_whose_hash_covers_more_than_tokens_are_marked_keyed(
+    extra: dict[str, object], keyed: bool
+) -> None:
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1],
+        "parent_block_hash": None,
+        "token_ids": [1, 2],
+        "block_size": 2,
+    }
+    payload = msgpack.packb([0.0, [event | extra], 0])
+    (stored,) = decode_frames([b"kv-events", (1).to_bytes(8, "big"), payload]).events
+    assert isinstance(stored, BlockStored) and stored.keyed is keyed

@@ -31,6 +31,8 @@ from vllm_disagg.protocol.messages import (
     Heartbeat,
     Hello,
     InstanceInfo,
+    KvEvent,
+    KvEvents,
     Message,
     MetricsSnapshot,
     Refuse,
@@ -46,6 +48,7 @@ INSTANCE = InstanceInfo(
     block_size=128,
     kv_connector="NixlConnector",
     max_model_len=512,
+    tokenizer="/models/tiny",
 )
 METRICS = MetricsSnapshot(
     scraped_at=1.7e9 + 0.5,
@@ -59,6 +62,20 @@ METRICS = MetricsSnapshot(
     requests_finished=42,
     prompt_tokens=1000,
     generation_tokens=2000,
+    queue_s=0.0625,
+    prefill_tokens_per_s=None,
+    mean_prompt_tokens=300.5,
+)
+U64_MAX = 2**64 - 1
+KV_EVENTS = KvEvents(
+    seq=3,
+    events=[
+        KvEvent("stored", [U64_MAX, 2**63], None, list(range(8)), 4),
+        KvEvent("stored", [5], U64_MAX, [9, 9, 9, 9], 4),
+        KvEvent("removed", [2**63, 5]),
+        KvEvent("cleared"),
+    ],
+    missed=2,
 )
 
 # One example of every message, each with non-default values, including nested structs and None.
@@ -76,6 +93,8 @@ EXAMPLES: list[Message] = [
     Command(id=9, kind="shutdown", args={"reason": "scale-in", "grace_s": "5"}),
     Ack(id=9, ok=False, error="engine did not stop"),
     Goodbye(reason="shutdown command"),
+    KV_EVENTS,
+    KvEvents(seq=4),
 ]
 
 
@@ -144,6 +163,37 @@ counts = st.integers(min_value=0, max_value=2**63 - 1)
 def test_any_heartbeat_round_trips(seq: int, state: Any, draining: bool, metrics: MetricsSnapshot) -> None:
     message = Heartbeat(seq=seq, engine_state=state, draining=draining, metrics=metrics)
     assert decode(encode(message)) == message
+
+
+hashes = st.lists(st.integers(min_value=0, max_value=2**64 - 1), max_size=8)
+kv_event = st.builds(
+    KvEvent,
+    kind=st.sampled_from(("stored", "removed", "cleared")),
+    block_hashes=hashes,
+    parent_block_hash=st.none() | st.integers(min_value=0, max_value=2**64 - 1),
+    token_ids=st.lists(st.integers(min_value=0, max_value=2**31), max_size=64),
+    block_size=st.integers(min_value=0, max_value=1024),
+)
+
+
+@given(seq=counts, events=st.lists(kv_event, max_size=10), missed=counts)
+def test_any_kv_events_round_trip(seq: int, events: list[KvEvent], missed: int) -> None:
+    message = KvEvents(seq=seq, events=events, missed=missed)
+    assert decode(encode(message)) == message
+
+
+def test_kv_events_decode_into_kv_event_instances_with_defaults_for_omitted_fields() -> None:
+    decoded = decode(frame("kv_events", {"seq": 1, "events": [{"kind": "cleared"}]}))
+    assert decoded == KvEvents(seq=1, events=[KvEvent("cleared", [], None, [], 0)], missed=0)
+    assert isinstance(decoded, KvEvents) and type(decoded.events[0]) is KvEvent
+
+
+def test_the_largest_kv_events_an_agent_sends_fits_the_default_frame_limit() -> None:
+    # The forwarder's limits: 2,000 events, 50,000 token ids + hashes + events; hashes are the widest.
+    events = [KvEvent("stored", [U64_MAX] * 24, U64_MAX, [], 2**31) for _ in range(2000)]
+    data = encode(KvEvents(seq=2**63, events=events, missed=2**63))
+    assert len(data) < DEFAULT_MAX_FRAME_BYTES
+    assert decode(data) == KvEvents(seq=2**63, events=events, missed=2**63)
 
 
 def test_nan_metrics_survive_a_round_trip() -> None:
@@ -255,6 +305,30 @@ REFUSALS: list[tuple[str, bytes, type[CodecError], str]] = [
         frame("hello", hello_fields(instance=...)),
         FieldTypeError,
         "['instance']",
+    ),
+    (
+        "a wrong event kind in a list of structs",
+        frame("kv_events", {"seq": 1, "events": [{"kind": "stored"}, {"kind": "moved"}]}),
+        FieldTypeError,
+        "'events[1].kind': expected one of",
+    ),
+    (
+        "a struct in a list that is not a map",
+        frame("kv_events", {"seq": 1, "events": [7]}),
+        FieldTypeError,
+        "'events[0]': expected map of fields",
+    ),
+    (
+        "an unknown field in a struct of a list",
+        frame("kv_events", {"seq": 1, "events": [{"kind": "cleared", "medium": "GPU"}]}),
+        FieldTypeError,
+        "unknown field(s) ['medium']",
+    ),
+    (
+        "a bool among the ints of a long list",
+        frame("kv_events", {"seq": 1, "events": [{"kind": "stored", "token_ids": [1] * 1000 + [True]}]}),
+        FieldTypeError,
+        "'events[0].token_ids[1000]': expected int, got bool",
     ),
     (
         "a map value of the wrong type",

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from vllm_disagg.agent.scraper import Scrape, Series, parse_exposition, push, snapshot
 from vllm_disagg.protocol.messages import MetricsSnapshot
+from vllm_disagg.sim.metrics import EngineMetrics, GaugeValues
 
 HEADER = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -29,6 +30,9 @@ def vllm_text(
     ttft: tuple[float, float] = (0.0, 0),
     tpot: tuple[float, float] = (0.0, 0),
     itl: tuple[float, float] = (0.0, 0),
+    queue: tuple[float, float] = (0.0, 0),
+    prefill: tuple[float, float] = (0.0, 0),
+    prompt_len: tuple[float, float] = (0.0, 0),
     engine: str = "0",
 ) -> str:
     """An exposition shaped like vLLM v1's (HELP/TYPE lines, labels, buckets, _created series)."""
@@ -54,6 +58,9 @@ def vllm_text(
         ("vllm:time_to_first_token_seconds", ttft),
         ("vllm:request_time_per_output_token_seconds", tpot),
         ("vllm:inter_token_latency_seconds", itl),
+        ("vllm:request_queue_time_seconds", queue),
+        ("vllm:request_prefill_time_seconds", prefill),
+        ("vllm:request_prompt_tokens", prompt_len),
     ):
         lines += [
             f"# HELP {name} Histogram.",
@@ -200,6 +207,35 @@ SNAPSHOT_CASES = [
         id="tpot falls back to inter-token latency while no request finished",
     ),
     pytest.param(
+        [
+            scrape(0, queue=(1.0, 10), prefill=(2.0, 10), prompt_len=(5000, 10)),
+            scrape(5, queue=(1.5, 14), prefill=(2.5, 14), prompt_len=(9000, 14)),
+        ],
+        dict(queue_s=0.125, prefill_tokens_per_s=8000.0, mean_prompt_tokens=1000.0),
+        id="queue time, prefill throughput and prompt length are per-request deltas over the window",
+    ),
+    pytest.param(
+        [
+            scrape(0, queue=(1.0, 10), prefill=(2.0, 10), prompt_len=(5000, 10)),
+            scrape(5, queue=(1.0, 10), prefill=(2.0, 10), prompt_len=(5000, 10)),
+        ],
+        dict(queue_s=None, prefill_tokens_per_s=None, mean_prompt_tokens=None),
+        id="no request finished in the window: no queue time, throughput or prompt length",
+    ),
+    pytest.param(
+        [
+            scrape(0, prefill=(2.0, 10), prompt_len=(5000, 10)),
+            scrape(5, prefill=(2.0, 12), prompt_len=(5200, 12)),
+        ],
+        dict(prefill_tokens_per_s=None, mean_prompt_tokens=100.0),
+        id="requests that took no prefill time (KV pulled from a prefill engine) give no throughput",
+    ),
+    pytest.param(
+        [scrape(0, queue=(3.0, 3), prefill=(1.0, 2), prompt_len=(64, 2))],
+        dict(queue_s=None, prefill_tokens_per_s=None, mean_prompt_tokens=None),
+        id="one scrape: no per-request averages yet, not lifetime ones",
+    ),
+    pytest.param(
         [scrape(0, queries=100, hits=10), scrape(1, queries=300, hits=110)],
         dict(prefix_cache_hit_rate=0.5),
         id="prefix cache hit rate is delta hits over delta queries",
@@ -298,3 +334,15 @@ def test_reads_what_prometheus_client_writes_including_awkward_label_values() ->
     assert parsed["vllm:prompt_tokens_total"] == Series(5, 1)
     assert parsed["vllm:time_to_first_token_seconds_count"] == Series(2, 1)
     assert parsed["vllm:time_to_first_token_seconds_sum"] == Series(0.75, 1)
+
+
+def test_the_simulated_engines_exposition_gives_queue_time_prefill_throughput_and_prompt_length() -> None:
+    engine = EngineMetrics("sim-model", lambda: GaugeValues(running=0, waiting=0, kv_cache_usage=0.0))
+    before = Scrape(0, 0, parse_exposition(engine.render().decode()))
+    for queue_s, prefill_s, prompt in ((0.5, 0.25, 1000), (0.25, 0.75, 3000)):
+        engine.queue_time.observe(queue_s)
+        engine.prefill_time.observe(prefill_s)
+        engine.request_prompt_tokens.observe(prompt)
+    after = Scrape(1, 1, parse_exposition(engine.render().decode()))
+    snap = snapshot((before, after))
+    assert (snap.queue_s, snap.prefill_tokens_per_s, snap.mean_prompt_tokens) == (0.375, 4000.0, 2000.0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -79,8 +80,16 @@ class SimEngineCommand(EngineCommand):
 
     @staticmethod
     def engine_config(cfg: AgentConfig) -> SimEngineConfig:
-        """The simulated engine's config for this agent."""
-        return SimEngineConfig(model=cfg.model, host=cfg.engine_host, port=cfg.engine_port, timing=cfg.sim)
+        """The simulated engine's config for this agent: KV events on the port vLLM would use."""
+        from vllm_disagg.agent.vllm_command import kv_events_port  # it imports this module
+
+        return SimEngineConfig(
+            model=cfg.model,
+            host=cfg.engine_host,
+            port=cfg.engine_port,
+            timing=cfg.sim,
+            kv_events_port=kv_events_port(cfg),
+        )
 
     def argv(self, cfg: AgentConfig) -> list[str]:
         """``vllm-disagg sim-engine`` with the agent's model, port and timing."""
@@ -126,10 +135,20 @@ def engine_command(cfg: AgentConfig) -> EngineCommand | None:
     return factory()
 
 
+def tokenizer_source(cfg: AgentConfig) -> str:
+    """Where the orchestrator can load the engine's tokenizer: vLLM's weights directory (absolute when
+    it is one here, else as given, e.g. a hub id); "" for the simulated engine, whose tokens are bytes.
+    """
+    if cfg.engine != "vllm" or not cfg.model_path:
+        return ""
+    return os.path.abspath(cfg.model_path) if os.path.isdir(cfg.model_path) else cfg.model_path
+
+
 def instance_info(cfg: AgentConfig) -> InstanceInfo:
     """What the agent tells the orchestrator about its engine."""
     command = engine_command(cfg)
-    return command.instance_info(cfg) if command is not None else _configured_instance_info(cfg)
+    info = command.instance_info(cfg) if command is not None else _configured_instance_info(cfg)
+    return dataclasses.replace(info, tokenizer=tokenizer_source(cfg))
 
 
 # --- decisions (pure) ---------------------------------------------------------------------------
@@ -222,6 +241,8 @@ class EngineSupervisor:
         self._failed_checks = 0  # consecutive failed health checks
         self.state: EngineState = "starting"
         self.restarts = 0
+        # Called once a dead or stuck engine is gone, before its replacement starts (its cache is lost).
+        self.on_restart: Callable[[], None] | None = None
 
     @property
     def attached(self) -> bool:
@@ -300,6 +321,8 @@ class EngineSupervisor:
                 code = self._proc.returncode if self._proc is not None else None
                 log.warning("engine exited unexpectedly (code %s)", code)
             await self._terminate()  # also whatever the engine left behind in its group
+            if self.on_restart is not None:
+                self.on_restart()
             self._failures += 1
             delay = restart_delay(
                 self._failures, self._cfg.restart_backoff_s, self._cfg.restart_backoff_max_s

@@ -5,7 +5,7 @@ number as 8 big-endian bytes, and msgpack of ``[ts, [event, ...], data_parallel_
 map with a ``"type"`` key (what vLLM 0.32 was seen to send, see docs/engine.md) or, as vLLM's msgspec
 structs encode with ``array_like=True, tag=True``, an array whose first item is the type name followed
 by the fields in declaration order. Fields beyond the ones used here (``lora_id``, ``medium``, ...) are
-ignored, so newer vLLM versions that add fields still decode.
+ignored, so newer vLLM versions that add fields still decode. Hashes are folded to their low 64 bits.
 """
 
 from __future__ import annotations
@@ -30,6 +30,9 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    # The engine's hash also covers a LoRA, multimodal inputs or a cache salt: the same tokens
+    # without them would not hit, so such blocks must not be indexed by their tokens.
+    keyed: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,19 +60,34 @@ class KvEventBatch:
 
 
 # Field order of vLLM's msgspec structs, for events encoded as tagged arrays.
+# Fields every version has; the rest (LoRA, medium, extra keys) were added over time.
+_REQUIRED_FIELDS = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 _ARRAY_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+    ),
     "BlockRemoved": ("block_hashes",),
     "AllBlocksCleared": (),
 }
 
 
+_HASH_MASK = (1 << 64) - 1
+
+
 def _hash(value: object, what: str) -> int:
-    # Hashes are 64-bit ints; newer vLLM may send bytes digests, which map losslessly to ints.
+    # Newer vLLM sends bytes digests (sha256: 32 bytes). Keep the low 64 bits, as vLLM itself does
+    # when it converts one to an int, so every hash fits msgpack's 64-bit integers on the way on.
     if isinstance(value, bytes):
-        return int.from_bytes(value, "big")
+        return int.from_bytes(value, "big") & _HASH_MASK
     if isinstance(value, int) and not isinstance(value, bool):
-        return value
+        return value & _HASH_MASK  # a negative or oversized int: its two's-complement low 64 bits
     raise KvEventsError(f"{what} must be an int, got {type(value).__name__}")
 
 
@@ -96,8 +114,9 @@ def _fields(raw: object) -> tuple[str, dict[str, Any]]:
     elif isinstance(raw, list) and raw:
         kind = raw[0]
         names = _ARRAY_FIELDS.get(kind) if isinstance(kind, str) else None
-        if names is not None and len(raw) - 1 < len(names):
-            raise KvEventsError(f"{kind} array has {len(raw) - 1} fields, needs {len(names)}")
+        needed = _REQUIRED_FIELDS.get(kind, 0) if isinstance(kind, str) else 0
+        if names is not None and len(raw) - 1 < needed:
+            raise KvEventsError(f"{kind} array has {len(raw) - 1} fields, needs {needed}")
         fields = dict(zip(names or (), raw[1:], strict=False))
     else:
         raise KvEventsError(f"an event must be a map or a tagged array, got {type(raw).__name__}")
@@ -117,7 +136,13 @@ def _event(raw: object) -> KvEvent:
             block_size = fields["block_size"]
             if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
                 raise KvEventsError(f"block_size must be a positive int, got {block_size!r}")
-            return BlockStored(hashes, parent, token_ids, block_size)
+            extra = fields.get("extra_keys")
+            keyed = (
+                fields.get("lora_id") is not None
+                or fields.get("lora_name") is not None
+                or (isinstance(extra, list) and any(k is not None for k in extra))
+            )
+            return BlockStored(hashes, parent, token_ids, block_size, keyed)
         if kind == "BlockRemoved":
             hashes = _hashes(fields["block_hashes"], "block_hashes")
             return BlockRemoved(hashes)

@@ -1,4 +1,6 @@
-"""``vllm-disagg agent``: one agent per engine: supervise it, scrape it, report it to the orchestrator."""
+"""``vllm-disagg agent``: one agent per engine: supervise it, scrape it, report it to the orchestrator
+(heartbeats, and the engine's KV-cache events).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 import aiohttp
 
 from vllm_disagg.agent.engine import EngineSupervisor, instance_info
+from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.agent.session import AgentSession, SessionEnd
 from vllm_disagg.clock import Clock, SystemClock
@@ -31,6 +34,12 @@ _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--engine-host", "engine_host", str, "host the launched engine listens on"),
     ("--engine-port", "engine_port", int, "port the launched engine listens on"),
     ("--attach", "attach_url", str, "follow this already running engine instead of launching one"),
+    (
+        "--kv-events-endpoint",
+        "kv_events_endpoint",
+        str,
+        "with --attach: the engine's KV-events PUB endpoint to forward (default: none)",
+    ),
     ("--scrape-interval-s", "scrape_interval_s", float, "how often /health and /metrics are read"),
     ("--metrics-window-s", "metrics_window_s", float, "window of TTFT, TPOT and hit-rate averages"),
     ("--startup-timeout-s", "startup_timeout_s", float, "a launched engine not ready by then is restarted"),
@@ -119,8 +128,12 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             engine_state=lambda: engine.state,
             metrics=scraper.latest,
         )
+        endpoint = forwarder_endpoint(cfg)
+        forwarder = KvEventForwarder(endpoint, session) if endpoint else None
+        if forwarder is not None:
+            engine.on_restart = forwarder.engine_restarted
         try:
-            end = await _until_done(engine, scraper, session, stop)
+            end = await _until_done(engine, scraper, session, forwarder, stop)
             if end is None:  # a signal: tell the orchestrator first so it stops routing to us
                 session.goodbye("agent stopping")
                 await engine.stop()
@@ -137,11 +150,17 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
 
 
 async def _until_done(
-    engine: EngineSupervisor, scraper: MetricsScraper, session: AgentSession, stop: asyncio.Event
+    engine: EngineSupervisor,
+    scraper: MetricsScraper,
+    session: AgentSession,
+    forwarder: KvEventForwarder | None,
+    stop: asyncio.Event,
 ) -> SessionEnd | None:
     """Run every loop until the session ends (its ``SessionEnd``) or ``stop`` is set (None)."""
     async with asyncio.TaskGroup() as tg:
         loops = [tg.create_task(engine.run(), name="engine"), tg.create_task(scraper.run(), name="scraper")]
+        if forwarder is not None:
+            loops.append(tg.create_task(forwarder.run(), name="kv-events"))
         talk = tg.create_task(session.run(), name="session")
         stopped = tg.create_task(stop.wait(), name="stop")
         await asyncio.wait({talk, stopped}, return_when=asyncio.FIRST_COMPLETED)

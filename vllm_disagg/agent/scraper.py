@@ -3,9 +3,10 @@
 The pure part (``parse_exposition``, ``push``, ``snapshot``) takes ``now`` as an argument so tests feed
 it handwritten expositions; ``MetricsScraper`` is the thin adapter that fetches ``/metrics``.
 
-Windowed values (TTFT, TPOT, prefix-cache hit rate) are differences between the oldest and newest
-scrape in the window, so they describe the last ``metrics_window_s`` rather than the engine's
-lifetime. A counter that goes down means the engine restarted: the window starts afresh.
+Windowed values (TTFT, TPOT, queue time, prefill throughput, prompt length, prefix-cache hit rate)
+are differences between the oldest and newest scrape in the window, so they describe the last
+``metrics_window_s`` rather than the engine's lifetime. A counter that goes down means the engine
+restarted: the window starts afresh.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ TPOT = (
     "vllm:time_per_output_token_seconds",
 )
 
-HISTOGRAM_SERIES = tuple(f"{h}{suffix}" for h in TTFT + TPOT for suffix in ("_sum", "_count"))
+QUEUE_TIME = "vllm:request_queue_time_seconds"
+PREFILL_TIME = "vllm:request_prefill_time_seconds"
+PROMPT_LENGTH = "vllm:request_prompt_tokens"  # a histogram of prompt lengths, one sample per request
+_PER_REQUEST = (QUEUE_TIME, PREFILL_TIME, PROMPT_LENGTH)
+
+HISTOGRAM_SERIES = tuple(
+    f"{h}{suffix}" for h in (*TTFT, *TPOT, *_PER_REQUEST) for suffix in ("_sum", "_count")
+)
 COUNTERS = frozenset(
     (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, *PREFIX_QUERIES, *PREFIX_HITS, *HISTOGRAM_SERIES)
 )
@@ -170,6 +178,20 @@ def _mean_latency(first: Scrape, last: Scrape, histograms: tuple[str, ...]) -> f
     return None
 
 
+def _delta(first: Scrape, last: Scrape, name: str) -> float:
+    return last.value(name) - first.value(name)
+
+
+def _prefill_rate(first: Scrape, last: Scrape) -> float | None:
+    """Prompt tokens per second of prefill over the requests finished in the window; None without any."""
+    if _delta(first, last, f"{PREFILL_TIME}_count") <= 0:
+        return None
+    seconds = _delta(first, last, f"{PREFILL_TIME}_sum")
+    if seconds <= 0:
+        return None
+    return _delta(first, last, f"{PROMPT_LENGTH}_sum") / seconds
+
+
 def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
     """The engine's state from a window of scrapes: gauges from the newest, rates over the window."""
     if not window:
@@ -191,6 +213,9 @@ def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
         requests_finished=int(last.value(REQUEST_SUCCESS)),
         prompt_tokens=int(last.value(PROMPT_TOKENS)),
         generation_tokens=int(last.value(GENERATION_TOKENS)),
+        queue_s=_mean_latency(first, last, (QUEUE_TIME,)),
+        prefill_tokens_per_s=_prefill_rate(first, last),
+        mean_prompt_tokens=_mean_latency(first, last, (PROMPT_LENGTH,)),
     )
 
 

@@ -24,6 +24,7 @@ from vllm_disagg.protocol.messages import (
     Heartbeat,
     Hello,
     InstanceInfo,
+    KvEvents,
     Message,
     MetricsSnapshot,
     Refuse,
@@ -102,6 +103,10 @@ class AgentSession:
             reader.cancel()
             talker.cancel()
         return end
+
+    def send_kv_events(self, message: KvEvents) -> bool:
+        """Forward engine KV events; False (nothing sent) while not registered or not connected."""
+        return self.registered and self._transport.send(message)
 
     def goodbye(self, reason: str) -> None:
         """Tell the orchestrator we are leaving on purpose."""

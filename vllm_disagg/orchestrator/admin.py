@@ -10,6 +10,7 @@ follows the operator even if the agent is slow to answer. ``GET requests`` and
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -17,7 +18,7 @@ from aiohttp import web
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
 from vllm_disagg.orchestrator.control import CommandError, ControlPlane
-from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import (
     DECODE_ROLES,
@@ -67,8 +68,27 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
 
 def record_json(record: RequestRecord) -> dict[str, Any]:
     """One request record as JSON."""
-    out = dataclasses.asdict(record)
-    out["explanation"] = dict(record.explanation)
+    out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
+    out["explanation"] = record.explanation.to_json() if record.explanation is not None else None
+    timeline = {stage: round(record.timeline[stage], 6) for stage in STAGES if stage in record.timeline}
+    out["timeline"] = timeline
+    out["stages"] = _stage_durations(timeline)
+    return out
+
+
+def _stage_durations(t: dict[str, float]) -> dict[str, float]:
+    """Queue, prefill, handoff, first and last token as durations, from the timeline's offsets."""
+    out: dict[str, float] = {}
+    if "scheduled" in t:
+        out["queue_s"] = t["scheduled"]
+    if "prefill_start" in t and "prefill_end" in t:
+        out["prefill_s"] = round(t["prefill_end"] - t["prefill_start"], 6)
+    if "prefill_end" in t and "decode_start" in t:
+        out["handoff_s"] = round(t["decode_start"] - t["prefill_end"], 6)
+    if "first_token" in t:
+        out["first_token_s"] = t["first_token"]
+    if "last_token" in t:
+        out["last_token_s"] = t["last_token"]
     return out
 
 
@@ -82,12 +102,14 @@ class Admin:
         metrics: OrchestratorMetrics,
         request_log: RequestLog,
         clock: Clock,
+        describe_scheduler: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._registry = registry
         self._control = control
         self._metrics = metrics
         self._request_log = request_log
         self._clock = clock
+        self._describe_scheduler = describe_scheduler
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when at least one decode-capable instance is ready, else 503 with the reason."""
@@ -169,6 +191,12 @@ class Admin:
             )
         return _json(record_json(record))
 
+    async def scheduler(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/scheduler``: config in use, tokenizer per model, KV index size per instance."""
+        if self._describe_scheduler is None:
+            return _error(404, "no scheduler is attached", "NotFoundError")
+        return _json(self._describe_scheduler())
+
     def add_routes(self, app: web.Application) -> None:
         """Register health, metrics and admin routes on ``app``."""
         app.router.add_get("/health", self.health)
@@ -177,5 +205,6 @@ class Admin:
         app.router.add_post("/admin/v1/instances/{agent_id}/drain", self.drain)
         app.router.add_post("/admin/v1/instances/{agent_id}/undrain", self.undrain)
         app.router.add_post("/admin/v1/instances/{agent_id}/shutdown", self.shutdown)
+        app.router.add_get("/admin/v1/scheduler", self.scheduler)
         app.router.add_get("/admin/v1/requests", self.requests)
         app.router.add_get("/admin/v1/requests/{request_id}", self.request_record)

@@ -20,10 +20,12 @@ from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
-from vllm_disagg.orchestrator.scheduling.scheduler import LeastOutstandingScheduler
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +38,7 @@ METRICS_KEY = web.AppKey("metrics", OrchestratorMetrics)
 CONTROL_KEY = web.AppKey("control", ControlPlane)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
+KV_INDEX_KEY = web.AppKey("kv_index", KvIndex)
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -68,6 +71,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     finally:
         await gateway.session.close()
         gateway.session = None
+        gateway.tokenizers.close()
 
 
 def build_app(
@@ -76,11 +80,13 @@ def build_app(
     """The orchestrator's application; nothing is bound until it is started."""
     clock = clock or SystemClock()
     registry = Registry(config.heartbeat_timeout_s)
-    metrics = OrchestratorMetrics(registry.snapshot)
-    control = ControlPlane(config, registry, clock, metrics)
+    kv_index = KvIndex()
+    metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of)
+    control = ControlPlane(config, registry, clock, metrics, kv_index)
     request_log = RequestLog(REQUEST_LOG_CAPACITY)
-    gateway = Gateway(config, registry, scheduler or LeastOutstandingScheduler(), metrics, clock, request_log)
-    admin = Admin(registry, control, metrics, request_log, clock)
+    scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
+    gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
+    admin = Admin(registry, control, metrics, request_log, clock, gateway.describe)
 
     app = web.Application(client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
@@ -90,6 +96,7 @@ def build_app(
     app[CONTROL_KEY] = control
     app[GATEWAY_KEY] = gateway
     app[REQUEST_LOG_KEY] = request_log
+    app[KV_INDEX_KEY] = kv_index
     gateway.add_routes(app)
     admin.add_routes(app)
     app.cleanup_ctx.append(_control_ctx)
@@ -114,6 +121,11 @@ class OrchestratorServer:
     def registry(self) -> Registry:
         """The live registry (tests read it)."""
         return self.app[REGISTRY_KEY]
+
+    @property
+    def kv_index(self) -> KvIndex:
+        """Which instance caches which prompt prefix, fed by the agents' KV events."""
+        return self.app[KV_INDEX_KEY]
 
     async def close(self) -> None:
         """Stop serving, wait for in-flight requests (bounded), release every socket and task."""

@@ -1,8 +1,12 @@
 """The agent-facing side: one ROUTER socket, one reader task, an expiry task, and commands.
 
 The reader never dies on bad input: a frame that cannot be decoded, a wrong protocol version, or a
-heartbeat from an agent without a session is answered with a ``Refuse`` carrying a code and a reason,
-counted in ``vllm_disagg_protocol_refused_total{code}``, and the loop goes on.
+heartbeat or ``KvEvents`` from an agent without a session is answered with a ``Refuse`` carrying a
+code and a reason, counted in ``vllm_disagg_protocol_refused_total{code}``, and the loop goes on.
+
+The control plane is the only writer of the ``KvIndex``: it applies each live agent's ``KvEvents`` and
+drops an instance's entries when the instance dies (expiry, Goodbye, engine stopped) or says Hello
+again (a new session may be a new engine, its cache empty).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import DisaggError, VersionMismatch
+from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.protocol.messages import (
@@ -25,6 +30,7 @@ from vllm_disagg.protocol.messages import (
     Goodbye,
     Heartbeat,
     Hello,
+    KvEvents,
     Message,
     Refuse,
     Welcome,
@@ -73,10 +79,16 @@ class ControlPlane:
     """Owns the ``RouterTransport``; feeds the registry from Hello/Heartbeat/Goodbye; sends commands."""
 
     def __init__(
-        self, config: OrchestratorConfig, registry: Registry, clock: Clock, metrics: OrchestratorMetrics
+        self,
+        config: OrchestratorConfig,
+        registry: Registry,
+        clock: Clock,
+        metrics: OrchestratorMetrics,
+        kv_index: KvIndex | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
+        self.kv_index = kv_index if kv_index is not None else KvIndex()
         self._clock = clock
         self._metrics = metrics
         self._transport: RouterTransport | None = None
@@ -141,6 +153,7 @@ class ControlPlane:
                     "instance %s is dead: no heartbeat for %.2fs", agent_id, self._config.heartbeat_timeout_s
                 )
                 self._forget_peer(agent_id)
+                self.kv_index.drop(agent_id)
 
     def handle(self, incoming: Incoming) -> None:
         """Dispatch one frame (synchronous: every registry call is)."""
@@ -151,6 +164,8 @@ class ControlPlane:
         msg = incoming.message
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(peer, msg)
+        elif isinstance(msg, KvEvents):
+            self._on_kv_events(peer, msg)
         elif isinstance(msg, Hello):
             self._on_hello(peer, msg)
         elif isinstance(msg, Ack):
@@ -186,6 +201,7 @@ class ControlPlane:
             self._peer_to_agent.pop(old_peer, None)
         self._peer_to_agent[peer] = msg.agent_id
         self._agent_to_peer[msg.agent_id] = peer
+        self.kv_index.drop(msg.agent_id)  # a new session: maybe a new engine, whose cache is empty
         view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic())
         log.info(
             "hello from %s (session %d): %s %s at %s",
@@ -207,11 +223,23 @@ class ControlPlane:
 
     def _on_heartbeat(self, peer: bytes, msg: Heartbeat) -> None:
         agent_id = self._peer_to_agent.get(peer)
-        if (
-            agent_id is not None
-            and self._registry.heartbeat(agent_id, msg, self._clock.monotonic()) is not None
-        ):
+        if agent_id is not None:
+            view = self._registry.heartbeat(agent_id, msg, self._clock.monotonic())
+            if view is not None:
+                if view.state == "dead":  # its engine stopped: nothing it cached is there any more
+                    self.kv_index.drop(agent_id)
+                return
+        self._refuse_unknown(peer, agent_id)
+
+    def _on_kv_events(self, peer: bytes, msg: KvEvents) -> None:
+        agent_id = self._peer_to_agent.get(peer)
+        if agent_id is None or not self._registry.is_live(agent_id):
+            self._refuse_unknown(peer, agent_id)
             return
+        applied = self.kv_index.apply(agent_id, msg.events)
+        self._metrics.kv_events(agent_id, applied, msg.missed)
+
+    def _refuse_unknown(self, peer: bytes, agent_id: str | None) -> None:
         if agent_id is not None:
             self._forget_peer(agent_id)
         self._refuse(
@@ -236,6 +264,7 @@ class ControlPlane:
             return
         self._registry.goodbye(agent_id, msg.reason)
         self._forget_peer(agent_id)
+        self.kv_index.drop(agent_id)
         log.info("goodbye from %s: %s", agent_id, msg.reason or "no reason given")
 
     def _forget_peer(self, agent_id: str) -> None:

@@ -9,6 +9,8 @@ import sys
 
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.app import start_orchestrator
+from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.runtime import run_service
 
 _DEFAULTS = OrchestratorConfig()
@@ -41,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="on SIGTERM, wait this long for in-flight requests",
     )
+    parser.add_argument(
+        "--scheduler-config",
+        default=d.scheduler_config,
+        metavar="FILE",
+        help="scheduler YAML (plugins, profiles, weights; see docs/scheduler.md); default: the shipped one",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -56,18 +64,22 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         connect_timeout_s=args.connect_timeout_s,
         upstream_timeout_s=args.upstream_timeout_s,
         max_frame_bytes=args.max_frame_bytes,
+        scheduler_config=args.scheduler_config,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM; returns the exit code."""
     config = config_from_args(args)  # before anything starts: a bad flag exits 2 via the CLI
+    scheduler = PluginScheduler(load_scheduler_config(config))  # so is a bad scheduler config
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
 
     async def main(stop: asyncio.Event) -> int:
-        server = await start_orchestrator(config, shutdown_timeout_s=args.shutdown_timeout_s)
+        server = await start_orchestrator(
+            config, scheduler=scheduler, shutdown_timeout_s=args.shutdown_timeout_s
+        )
         try:
             print(f"orchestrator: http {server.url}  agents {server.zmq_endpoint}", flush=True)
             await stop.wait()

@@ -31,8 +31,11 @@ Leg = str  # "prefill" | "decode"
 class _InstanceCollector(Collector):
     """Per-instance gauges, read from the registry at scrape time."""
 
-    def __init__(self, snapshot: Callable[[], RegistrySnapshot]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], RegistrySnapshot], kv_blocks: Callable[[str], int] | None
+    ) -> None:
         self._snapshot = snapshot
+        self._kv_blocks = kv_blocks
 
     def describe(self) -> list[Metric]:
         # Empty: stops prometheus_client from calling collect() at registration.
@@ -51,6 +54,11 @@ class _InstanceCollector(Collector):
         kv = _gauge("kv_cache_usage", "Engine KV cache usage, 0..1 (last heartbeat)")
         ttft = _gauge("ttft_seconds", "Engine mean time to first token over the agent's window")
         tpot = _gauge("tpot_seconds", "Engine mean time per output token over the agent's window")
+        blocks = GaugeMetricFamily(
+            "vllm_disagg_kv_index_blocks",
+            "Blocks of the instance's prefix cache the orchestrator's KV index holds",
+            labels=["instance"],
+        )
         for v in snap.instances:
             labels = [v.agent_id]
             up.add_metric([v.agent_id, v.info.role, v.state], 0.0 if v.state == "dead" else 1.0)
@@ -63,7 +71,11 @@ class _InstanceCollector(Collector):
                 ttft.add_metric(labels, m.ttft_s)
             if m.tpot_s is not None:
                 tpot.add_metric(labels, m.tpot_s)
+            if self._kv_blocks is not None:
+                blocks.add_metric(labels, float(self._kv_blocks(v.agent_id)))
         yield from (up, in_flight, running, waiting, kv, ttft, tpot)
+        if self._kv_blocks is not None:
+            yield blocks
 
 
 def _gauge(suffix: str, doc: str) -> GaugeMetricFamily:
@@ -86,7 +98,10 @@ class _Bound(dict[tuple[object, ...], Any]):
 class OrchestratorMetrics:
     """The orchestrator's metrics and the cheap recording calls the gateway and control plane use."""
 
-    def __init__(self, snapshot: Callable[[], RegistrySnapshot]) -> None:
+    def __init__(
+        self, snapshot: Callable[[], RegistrySnapshot], kv_blocks: Callable[[str], int] | None = None
+    ) -> None:
+        """``kv_blocks(agent_id)``: the KV index's blocks of an instance, read at scrape time."""
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self._requests = Counter(
@@ -133,11 +148,25 @@ class OrchestratorMetrics:
             ["leg", "kind"],
             registry=r,
         )
-        r.register(_InstanceCollector(snapshot))
+        self._kv_events = Counter(
+            "vllm_disagg_kv_events",
+            "KV-cache events from the instance's agent applied to the KV index",
+            ["instance"],
+            registry=r,
+        )
+        self._kv_missed = Counter(
+            "vllm_disagg_kv_events_missed",
+            "Engine KV event batches the instance's agent reported lost (sequence gaps, full buffer)",
+            ["instance"],
+            registry=r,
+        )
+        r.register(_InstanceCollector(snapshot, kv_blocks))
         self._request_children = _Bound(self._requests)
         self._duration_children = _Bound(self._duration)
         self._refused_children = _Bound(self._refused)
         self._upstream_children = _Bound(self._upstream_errors)
+        self._kv_events_children = _Bound(self._kv_events)
+        self._kv_missed_children = _Bound(self._kv_missed)
 
     def request_done(
         self,
@@ -165,6 +194,11 @@ class OrchestratorMetrics:
     def upstream_error(self, leg: Leg, kind: str) -> None:
         """Count a failed engine leg."""
         self._upstream_children[leg, kind].inc()
+
+    def kv_events(self, agent_id: str, applied: int, missed: int) -> None:
+        """Count one ``KvEvents`` message from an instance's agent (both series appear with the first)."""
+        self._kv_events_children[(agent_id,)].inc(applied)
+        self._kv_missed_children[(agent_id,)].inc(missed)
 
     def render(self) -> bytes:
         """The text exposition of every metric."""

@@ -57,6 +57,7 @@ class RegistrySnapshot:
     by_id: Mapping[str, InstanceView]
     in_flight: Mapping[str, int]
     known_models: frozenset[str]  # served by an instance in any state, dead included
+    by_model: Mapping[str, tuple[InstanceView, ...]]  # model -> its instances in any state, by agent id
     ready_prefill: Mapping[str, tuple[InstanceView, ...]]  # model -> ready instances that can prefill
     ready_decode: Mapping[str, tuple[InstanceView, ...]]  # model -> ready instances that can decode
 
@@ -240,6 +241,9 @@ class Registry:
         views = tuple(inst.view() for inst in self._instances.values())
         prefill: dict[str, list[InstanceView]] = {}
         decode: dict[str, list[InstanceView]] = {}
+        by_model: dict[str, list[InstanceView]] = {}
+        for v in sorted(views, key=lambda v: v.agent_id):
+            by_model.setdefault(v.info.model, []).append(v)
         for v in views:
             if v.state != "ready":
                 continue
@@ -253,6 +257,7 @@ class Registry:
             by_id=MappingProxyType({v.agent_id: v for v in views}),
             in_flight=MappingProxyType({}),
             known_models=frozenset(v.info.model for v in views),
+            by_model=_freeze(by_model),
             ready_prefill=_freeze(prefill),
             ready_decode=_freeze(decode),
         )
@@ -270,6 +275,7 @@ def _with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> Regist
         by_id=snap.by_id,
         in_flight=MappingProxyType(in_flight),
         known_models=snap.known_models,
+        by_model=snap.by_model,
         ready_prefill=snap.ready_prefill,
         ready_decode=snap.ready_decode,
     )

@@ -73,10 +73,14 @@ def _checker(tp: Any) -> Check:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         item = _checker(item_tp)
+        ints = item_tp is int
 
         def check_list(v: Any, p: str) -> list[Any]:
             if not isinstance(v, list):
                 _fail(p, "list", v)
+            # Token ids and block hashes come by the ten thousand: one pass for the common case.
+            if ints and all(type(x) is int for x in v):
+                return v
             return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
 
         return check_list
@@ -109,11 +113,7 @@ class _StructCodec:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         )
         self.checks = {f.name: _checker(hints[f.name]) for f in self.fields}
-        self.nested = {
-            f.name: _StructCodec(hints[f.name])
-            for f in self.fields
-            if dataclasses.is_dataclass(hints[f.name])
-        }
+        self.encoders = {f.name: enc for f in self.fields if (enc := _encoder(hints[f.name])) is not None}
 
     def decode_fields(self, raw: Any, path: str = "") -> Any:
         if not isinstance(raw, dict):
@@ -132,10 +132,21 @@ class _StructCodec:
         out: dict[str, Any] = {}
         for f in self.fields:
             value = getattr(obj, f.name)
-            if f.name in self.nested:
-                value = self.nested[f.name].encode_fields(value)
-            out[f.name] = value
+            encoder = self.encoders.get(f.name)
+            out[f.name] = value if encoder is None else encoder(value)
         return out
+
+
+def _encoder(tp: Any) -> Callable[[Any], Any] | None:
+    """How to write one annotation's value as msgpack data; None when it is written as it is."""
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _StructCodec(tp).encode_fields
+    if typing.get_origin(tp) is list:
+        (item_tp,) = typing.get_args(tp)
+        item = _encoder(item_tp)
+        if item is not None:
+            return lambda v: [item(x) for x in v]
+    return None
 
 
 _BY_TAG: dict[str, _StructCodec] = {cls.TAG: _StructCodec(cls) for cls in MESSAGE_TYPES}

@@ -4,8 +4,9 @@ Every message is a frozen dataclass with a ``TAG``. New fields are appended with
 older peer's frame still decodes; anything that changes meaning bumps ``PROTOCOL_VERSION``.
 
 A session: agent -> ``Hello``; orchestrator -> ``Welcome`` or ``Refuse``; then agent -> ``Heartbeat``
-every ``Welcome.heartbeat_interval_s``; orchestrator -> ``Command``, agent -> ``Ack``; either side
--> ``Goodbye`` when it leaves. See docs/protocol.md for an example of each.
+every ``Welcome.heartbeat_interval_s`` (and ``KvEvents`` as its engine's prefix cache changes);
+orchestrator -> ``Command``, agent -> ``Ack``; either side -> ``Goodbye`` when it leaves. See
+docs/protocol.md for an example of each.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ CommandKind = Literal["drain", "undrain", "shutdown"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unhealthy", "restarting", "stopped")
 COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown")
+KvEventKind = Literal["stored", "removed", "cleared"]
+KV_EVENT_KINDS: tuple[KvEventKind, ...] = ("stored", "removed", "cleared")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,7 @@ class InstanceInfo:
     block_size: int = 16
     kv_connector: str = ""  # e.g. NixlConnector; P and D must match to exchange KV
     max_model_len: int = 0
+    tokenizer: str = ""  # where the orchestrator can load the tokenizer (vLLM: weights dir); "": bytes (sim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,9 @@ class MetricsSnapshot:
     requests_finished: int = 0  # engine's lifetime count of finished requests
     prompt_tokens: int = 0  # engine's lifetime counters
     generation_tokens: int = 0
+    queue_s: float | None = None  # mean time a request waited in the engine's queue over the window
+    prefill_tokens_per_s: float | None = None  # prompt tokens prefilled per second of prefill time
+    mean_prompt_tokens: float | None = None  # mean prompt length of requests over the window
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,5 +130,40 @@ class Goodbye:
     reason: str = ""
 
 
-Message = Hello | Welcome | Refuse | Heartbeat | Command | Ack | Goodbye
-MESSAGE_TYPES: tuple[type[Message], ...] = (Hello, Welcome, Refuse, Heartbeat, Command, Ack, Goodbye)
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    """One change to an engine's prefix cache (vLLM's ``BlockStored``/``BlockRemoved``/``AllBlocksCleared``).
+
+    ``stored``: full blocks entered the cache, ``token_ids`` covering one block of ``block_size`` per
+    hash, chained to ``parent_block_hash`` (None: the prompt's first block). ``removed``: these blocks
+    left it. ``cleared``: it was emptied. Hashes are the engine's, folded to 64 bits.
+    """
+
+    kind: KvEventKind
+    block_hashes: list[int] = field(default_factory=list)
+    parent_block_hash: int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    block_size: int = 0  # only ``stored`` events carry one
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvents:
+    """Agent -> orchestrator: its engine's prefix-cache changes since the last one, in order."""
+
+    TAG: ClassVar[str] = "kv_events"
+    seq: int  # the agent's batch counter; grows for the agent process's whole life
+    events: list[KvEvent] = field(default_factory=list)
+    missed: int = 0  # engine batches lost (gaps in the engine's sequence, buffer overflow) since the last
+
+
+Message = Hello | Welcome | Refuse | Heartbeat | Command | Ack | Goodbye | KvEvents
+MESSAGE_TYPES: tuple[type[Message], ...] = (
+    Hello,
+    Welcome,
+    Refuse,
+    Heartbeat,
+    Command,
+    Ack,
+    Goodbye,
+    KvEvents,
+)

@@ -5,6 +5,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from vllm_disagg.orchestrator.scheduling.framework import Explanation
+
+# Stages of a request's timeline, in the order they happen.
+STAGES = ("scheduled", "prefill_start", "prefill_end", "decode_start", "first_token", "last_token")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +30,9 @@ class RequestRecord:
     prefill_s: float | None  # the prefill leg
     ttfb_s: float | None  # arrival -> first decode body byte
     total_s: float
-    explanation: Mapping[str, object] = field(default_factory=dict)
+    explanation: Explanation | None = None
+    # stage (see STAGES) -> seconds after arrival; a stage the request never reached is absent.
+    timeline: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
 
 class RequestLog:

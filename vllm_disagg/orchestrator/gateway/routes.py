@@ -4,6 +4,12 @@
 OpenAI-style JSON with the status from ``vllm_disagg.errors.http_status``. Every request carries an
 ``X-Request-Id`` (the client's, or a new one) on both engine legs and back to the client, with
 ``X-Disagg-Mode``, ``X-Disagg-Prefill`` and ``X-Disagg-Decode`` saying where it went.
+
+Before scheduling, the prompt is tokenized with the model's tokenizer (cached) and its full blocks
+are looked up in the KV index, so the scheduler knows how much of it each instance has cached. A
+client may pin the prefill instance with the ``X-Disagg-Prefill`` request header or a
+``prefill_endpoint`` body field (an agent id, an engine URL, or host:port); the field is removed
+before the body goes to an engine.
 """
 
 from __future__ import annotations
@@ -25,13 +31,19 @@ from vllm_disagg.errors import BadRequest, PayloadTooLarge, RequestError, Upstre
 from vllm_disagg.orchestrator.gateway.handoff import Target, decode_body, prefill_body, run_prefill
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming, run_decode
+from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
+from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
-from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.framework import NO_CACHE, Explanation, Scheduler, SchedulingRequest
 
 log = logging.getLogger(__name__)
 
 Route = Literal["completions", "chat_completions"]
+PIN_FIELD = "prefill_endpoint"  # body field pinning the prefill instance
+PIN_HEADER = (
+    "X-Disagg-Prefill"  # request header pinning it (the response header of the same name says where it ran)
+)
 PATHS: dict[Route, str] = {"completions": "/v1/completions", "chat_completions": "/v1/chat/completions"}
 _URL_CACHE_MAX = 1024  # (engine url, path) pairs; instances come and go, so keep it bounded
 
@@ -44,6 +56,8 @@ class ParsedRequest:
     model: str
     stream: bool
     prompt_len: int  # token estimate for the scheduler
+    pinned_prefill: str | None = None  # the body's ``prefill_endpoint``, removed from ``body``
+    max_tokens: int | None = None
 
 
 def _text_len(value: object) -> int:
@@ -94,7 +108,11 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
         raise BadRequest(f"'stream' must be a boolean, got {stream!r}", param="stream")
     _check_optional_int(body, "max_tokens")
     _check_optional_int(body, "max_completion_tokens")
-    return ParsedRequest(body=body, model=model, stream=bool(stream), prompt_len=prompt_len)
+    pinned = body.pop(PIN_FIELD, None)
+    if pinned is not None and (not isinstance(pinned, str) or not pinned):
+        raise BadRequest(f"'{PIN_FIELD}' must be a non-empty string, got {pinned!r}", param=PIN_FIELD)
+    max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+    return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens)
 
 
 def error_response(error: RequestError, headers: dict[str, str]) -> web.Response:
@@ -118,6 +136,8 @@ class Gateway:
         metrics: OrchestratorMetrics,
         clock: Clock,
         request_log: RequestLog,
+        kv_index: KvIndex | None = None,
+        tokenizers: Tokenizers | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
@@ -125,6 +145,9 @@ class Gateway:
         self._metrics = metrics
         self._clock = clock
         self.request_log = request_log
+        self.kv_index = kv_index or KvIndex()
+        self.tokenizers = tokenizers or Tokenizers()
+        self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
         self.session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], URL] = {}
 
@@ -148,6 +171,40 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes") from None
 
+    def scheduling_request(
+        self,
+        request_id: str,
+        route: Route,
+        parsed: ParsedRequest,
+        snapshot: RegistrySnapshot,
+        pin: str | None,
+    ) -> SchedulingRequest:
+        """What the scheduler needs: exact prompt tokens when the tokenizer is loaded, and the cache map."""
+        model = parsed.model
+        population = snapshot.by_model.get(model)
+        if population:
+            info = population[0].info
+            wanted = (info.engine, info.tokenizer)
+            if self._tokenizer_of.get(model) != wanted:
+                self._tokenizer_of[model] = wanted
+                try:
+                    self.tokenizers.register(model, info.engine, info.tokenizer)
+                except ValueError as exc:  # an engine kind we cannot tokenize for: estimates only
+                    log.warning("model %s: no tokenizer (%s)", model, exc)
+        tokens = self.tokenizers.tokenize(model, route, parsed.body)
+        cached = self.kv_index.cached_tokens(tokens) if tokens else NO_CACHE
+        return SchedulingRequest(
+            request_id,
+            model,
+            len(tokens) if tokens is not None else parsed.prompt_len,
+            route == "chat_completions",
+            parsed.stream,
+            cached,
+            tokens is not None,
+            pin,
+            parsed.max_tokens,
+        )
+
     async def serve(self, request: web.Request, route: Route) -> web.StreamResponse:
         """One completions or chat request, end to end."""
         clock = self._clock
@@ -158,24 +215,30 @@ class Gateway:
         model, mode, status, error = "", "none", 500, ""
         prefill_id: str | None = None
         decode_id: str | None = None
-        explanation: Any = {}
+        explanation: Explanation | None = None
         t_decided = t0
         prefill_s: float | None = None
+        stamps: dict[str, float] = {}
+        streaming = False
         engine_s = 0.0
         timing = LegTiming()
         try:
             raw = await self._read_body(request)
             parsed = parse_request(raw, route)
-            model = parsed.model
+            model, streaming = parsed.model, parsed.stream
+            pin = request.headers.get(PIN_HEADER) or None
+            if pin and parsed.pinned_prefill and pin != parsed.pinned_prefill:
+                raise BadRequest(
+                    f"the {PIN_HEADER} header ({pin!r}) and '{PIN_FIELD}' "
+                    f"({parsed.pinned_prefill!r}) disagree",
+                    param=PIN_FIELD,
+                )
             snapshot = registry.snapshot()
-            decision = self._scheduler.decide(
-                SchedulingRequest(
-                    request_id, model, parsed.prompt_len, route == "chat_completions", parsed.stream
-                ),
-                snapshot,
-                t0,
+            scheduling = self.scheduling_request(
+                request_id, route, parsed, snapshot, pin or parsed.pinned_prefill
             )
-            t_decided = clock.monotonic()
+            decision = self._scheduler.decide(scheduling, snapshot, t0)
+            t_decided = stamps["scheduled"] = clock.monotonic()
             mode, prefill_id, decode_id = decision.mode, decision.prefill, decision.decode
             explanation = decision.explanation
             out_headers["X-Disagg-Mode"] = mode
@@ -193,19 +256,20 @@ class Gateway:
                 target = self._target("prefill", prefill_id, snapshot, path)
                 body = prefill_body(parsed.body)
                 registry.acquire(prefill_id)
-                t_prefill = clock.monotonic()
+                t_prefill = stamps["prefill_start"] = clock.monotonic()
                 try:
                     kv = await run_prefill(session, target, body, up_headers, self._metrics)
                 finally:
                     registry.release(prefill_id)
-                    prefill_s = clock.monotonic() - t_prefill
+                    stamps["prefill_end"] = t_prefill_end = clock.monotonic()
+                    prefill_s = t_prefill_end - t_prefill
                     engine_s += prefill_s
                 decode = decode_body(parsed.body, kv)
             else:
                 decode = raw  # colocated: the client's bytes, unchanged
             target = self._target("decode", decode_id, snapshot, path)
             registry.acquire(decode_id)
-            t_decode = clock.monotonic()
+            t_decode = stamps["decode_start"] = clock.monotonic()
             try:
                 response = await run_decode(
                     request,
@@ -235,6 +299,11 @@ class Gateway:
             now = clock.monotonic()
             total = now - t0
             ttfb = timing.first_byte - t0 if timing.first_byte is not None else None
+            # Only a stream shows when the first token came; a whole body arrives at the last one.
+            if timing.first_byte is not None and streaming:
+                stamps["first_token"] = timing.first_byte
+            if timing.finished is not None and status < 400:
+                stamps["last_token"] = timing.finished
             self._metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb)
             self.request_log.add(
                 RequestRecord(
@@ -252,10 +321,27 @@ class Gateway:
                     ttfb_s=ttfb,
                     total_s=total,
                     explanation=explanation,
+                    timeline={stage: t - t0 for stage, t in stamps.items()},
                 )
             )
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%s %s %s -> %s in %.4fs (%s)", request_id, route, mode, status, total, error)
+
+    def describe(self) -> dict[str, Any]:
+        """Scheduler config, tokenizer status per model, KV index size: for the admin API."""
+        index = self.kv_index
+        snapshot = self._registry.snapshot()
+        config = getattr(self._scheduler, "config", None)
+        return {
+            "scheduler": getattr(self._scheduler, "name", type(self._scheduler).__name__),
+            "config": getattr(config, "source", None),
+            "tokenizers": self.tokenizers.status(),
+            "kv_index": {
+                "blocks": index.total_blocks(),
+                "block_sizes": index.block_sizes(),
+                "instances": {v.agent_id: index.blocks_of(v.agent_id) for v in snapshot.instances},
+            },
+        }
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """``POST /v1/completions``."""

@@ -1,31 +1,58 @@
-"""The scheduling contract: what a request looks like to a scheduler, and what it decides.
+"""The scheduling contract: requests, decisions, and the plugin protocols profiles are made of.
 
-Schedulers are pure: ``decide(request, snapshot, now)`` reads an immutable registry snapshot and
-returns a ``Decision``; the gateway does the I/O. The plugin framework (filters, scorers, pickers per
-profile) will implement the same ``Scheduler`` protocol.
+A scheduler is pure: ``decide(request, snapshot, now)`` reads an immutable registry snapshot (and the
+prefix matches the gateway looked up for this request) and returns a ``Decision``; the gateway does
+the I/O. The plugin scheduler (``scheduler.py``) runs two profiles, ``decode`` then ``prefill``, each
+made of filters -> weighted scorers -> one picker, and a decider between them that chooses
+disaggregated or colocated. Plugins are registered by ``TYPE`` name (``registry.py``) and built from
+the YAML config (``config.py``).
+
+Randomness is a pure function of the request id (``ProfileContext.random``), so a decision can be
+replayed and explained; there is no shared random state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import builtins
+import hashlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, Protocol
 
-from vllm_disagg.orchestrator.registry import RegistrySnapshot
+from vllm_disagg.orchestrator.registry import InstanceView, RegistrySnapshot
 
 Mode = Literal["disaggregated", "colocated"]
 MODES: tuple[Mode, ...] = ("disaggregated", "colocated")
+ProfileName = Literal["decode", "prefill"]
+PROFILE_NAMES: tuple[ProfileName, ...] = ("decode", "prefill")
+
+NO_CACHE: Mapping[str, int] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulingRequest:
-    """What the scheduler may know about a request, parsed once by the gateway."""
+    """What the scheduler may know about a request, worked out once by the gateway."""
 
     request_id: str
     model: str
-    prompt_len: int  # an estimate in tokens (characters / 4 for text); good enough to compare requests
+    prompt_len: int  # tokens: exact when ``tokenized``, else an estimate (characters / 4)
     is_chat: bool
     stream: bool
+    # instance id -> how many leading prompt tokens its prefix cache holds (from the prefix index);
+    # instances holding nothing are absent.
+    cached_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHE)
+    tokenized: bool = False
+    pinned_prefill: str | None = None  # the client's pick: an agent id or an engine URL
+    max_tokens: int | None = None
+
+
+class Explanation(Protocol):
+    """Why a decision was made; rendered only when someone asks (the admin API), not per request."""
+
+    def to_json(self) -> dict[str, object]:
+        """A JSON-ready description."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,16 +62,109 @@ class Decision:
     mode: Mode
     prefill: str | None
     decode: str
-    explanation: Mapping[str, object] = field(default_factory=dict)
+    explanation: Explanation | None = None
 
 
 class Scheduler(Protocol):
     """Picks instances for a request.
 
-    Raises ``vllm_disagg.errors.ModelNotFound`` when no instance in any state serves the model, and
-    ``vllm_disagg.errors.NoCapacity`` when none that could decode it is ready.
+    Raises ``vllm_disagg.errors.ModelNotFound`` when no instance in any state serves the model,
+    ``vllm_disagg.errors.NoCapacity`` when none that could decode it is ready, and
+    ``vllm_disagg.errors.BadRequest`` when the client pinned a prefill instance that cannot be used.
     """
 
     def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:
         """The decision for one request; pure in (request, snapshot, now)."""
         ...
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileContext:
+    """What a plugin sees besides the candidates: the request, the snapshot, and the profile's place."""
+
+    request: SchedulingRequest
+    snapshot: RegistrySnapshot
+    now: float
+    profile: ProfileName
+    # The instance the candidate must exchange KV with: the chosen decode instance while the prefill
+    # profile runs; the client's pinned prefill instance while the decode profile runs; else None.
+    partner: InstanceView | None = None
+
+    def random(self, salt: int) -> float:
+        """A uniform number in [0, 1) that depends only on the request id, the profile and ``salt``."""
+        # blake2b, not crc32: crc32 of keys that differ only in the salt are linearly related, which
+        # made the two draws of power-of-two choices nearly fixed pairs.
+        key = f"{self.request.request_id}/{self.profile}/{salt}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") / 18446744073709551616.0
+
+
+class Plugin(Protocol):
+    """Every plugin: its registered type name and the name the config gave this instance of it."""
+
+    TYPE: ClassVar[str]
+    name: str
+
+
+class Filter(Plugin, Protocol):
+    """Keeps the candidates that may serve the request in this profile (order preserved).
+
+    Filters are predicates, so their order never changes the result. ``PER_REQUEST`` False says the
+    result depends only on the snapshot and the profile: the scheduler then runs it once per snapshot
+    version, not once per request.
+    """
+
+    PER_REQUEST: ClassVar[bool]
+
+    def filter(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[InstanceView]:
+        """The subset of ``candidates`` that passes."""
+        ...
+
+
+class Scorer(Plugin, Protocol):
+    """Rates each candidate in [0, 1]; higher is better. The profile weights and sums the scores."""
+
+    def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
+        """One score per candidate, in the candidates' order, each in [0, 1]."""
+        ...
+
+
+class Picker(Plugin, Protocol):
+    """Chooses one candidate from the weighted totals."""
+
+    def pick(self, ctx: ProfileContext, totals: Sequence[float]) -> int:
+        """The index of the chosen candidate; ``totals`` is non-empty."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ModeChoice:
+    """The decider's answer and why."""
+
+    mode: Mode
+    reason: str
+
+
+class Decider(Plugin, Protocol):
+    """Chooses disaggregated or colocated once the decode instance is known."""
+
+    def choose(self, ctx: ProfileContext, decode: InstanceView, prefill_ready: bool) -> ModeChoice:
+        """``prefill_ready``: at least one compatible prefill instance passed the prefill filters."""
+        ...
+
+
+AnyPlugin = Filter | Scorer | Picker | Decider
+
+
+@dataclass(frozen=True, slots=True)
+class PluginSpec:
+    """How the config builds a plugin of one type: its parameters class and a factory.
+
+    ``params`` is a frozen dataclass whose ``__post_init__`` raises ``ValueError`` with a reason on a
+    bad value; every field has a default. The YAML config names parameters in camelCase
+    (``ceiling``, ``maxQueue``), mapped to the snake_case fields.
+    """
+
+    type: str
+    params: builtins.type[Any]
+    factory: Callable[[str, Any], AnyPlugin]  # (instance name, params) -> plugin
+    kind: Literal["filter", "scorer", "picker", "decider"]

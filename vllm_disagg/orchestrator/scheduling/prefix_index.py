@@ -21,10 +21,11 @@ def chain_hash(parent: int, block: Sequence[int]) -> int:
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """The chained keys of a prompt's full blocks (a partial last block is never cached)."""
+    tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)  # slices are then tuples
     keys = []
     parent = ROOT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_hash(parent, token_ids[start : start + block_size])
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tokens[start : start + block_size]))  # chain_hash, inlined: hot path
         keys.append(parent)
     return keys
 

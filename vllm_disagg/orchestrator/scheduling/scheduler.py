@@ -1,102 +1,343 @@
-"""The first scheduler: least outstanding requests per role.
+"""The plugin scheduler: the decode profile picks D, the decider picks the mode, the prefill profile P.
 
-Decode first: among ready instances that can decode the model, the one with the fewest gateway
-requests in flight; ties go to the smaller engine queue (running + waiting from the last heartbeat),
-then to a stable hash of the request id (spreads load without shared mutable state, so ``decide``
-stays pure). Then prefill the same way, among ready prefill-capable instances other than the chosen
-decode one whose KV layout matches it (revision, block size, connector). No such instance: the
-request runs colocated on the decode instance.
+A profile turns the model's instances into one pick:
+
+1. filters that read only the snapshot (``PER_REQUEST = False``) run once per snapshot version;
+2. when more than ``max_candidates`` survive, the instances holding the longest cached prefix of the
+   prompt come first and a window at a request-seeded offset fills the rest (power-of-d sampling: it
+   keeps the decision O(max_candidates) at 1,024 instances and balances load almost as well as
+   scoring everyone);
+3. the per-request filters run on those candidates (on all survivors if none pass in the sample);
+4. each scorer rates the candidates in [0, 1]; the weighted sum goes to the picker.
+
+A client may pin the prefill instance; then the decode profile's partner is that instance, so only a
+D that can exchange KV with it is picked, and the mode is disaggregated. Nothing here does I/O or
+keeps state beyond a memo of step 1 keyed by snapshot version, so ``decide`` is pure.
 """
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
-from vllm_disagg.errors import ModelNotFound, NoCapacity
-from vllm_disagg.orchestrator.registry import InstanceView, RegistrySnapshot
-from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
+from vllm_disagg.orchestrator.registry import PREFILL_ROLES, InstanceView, RegistrySnapshot
+from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, build_plugins, default_config
+from vllm_disagg.orchestrator.scheduling.framework import (
+    Decider,
+    Decision,
+    Filter,
+    ModeChoice,
+    Picker,
+    ProfileContext,
+    ProfileName,
+    SchedulingRequest,
+    Scorer,
+)
 
-NAME = "least-outstanding"
-
-
-def _kv_compatible(a: InstanceView, b: InstanceView) -> bool:
-    ia, ib = a.info, b.info
-    return (
-        ia.revision == ib.revision and ia.block_size == ib.block_size and ia.kv_connector == ib.kv_connector
-    )
-
-
-def pick_least_outstanding(
-    candidates: Sequence[InstanceView], snapshot: RegistrySnapshot, request_id: str
-) -> InstanceView:
-    """The least loaded of ``candidates`` (non-empty): in-flight, then engine queue, then hash."""
-    if len(candidates) == 1:
-        return candidates[0]
-    in_flight = snapshot.in_flight
-    best_key: tuple[int, int] | None = None
-    tied: list[InstanceView] = []
-    for c in candidates:
-        key = (in_flight.get(c.agent_id, 0), c.metrics.num_running + c.metrics.num_waiting)
-        if best_key is None or key < best_key:
-            best_key, tied = key, [c]
-        elif key == best_key:
-            tied.append(c)
-    if len(tied) == 1:
-        return tied[0]
-    return tied[zlib.crc32(request_id.encode()) % len(tied)]
+NAME = "plugins"
+_MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation
 
 
-def _load(view: InstanceView, snapshot: RegistrySnapshot) -> dict[str, object]:
-    m = view.metrics
-    return {
-        "id": view.agent_id,
-        "in_flight": snapshot.in_flight.get(view.agent_id, 0),
-        "engine_queue": m.num_running + m.num_waiting,
-    }
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    filter: str
+    kept_in: Sequence[InstanceView]
+    kept_out: Sequence[InstanceView]
 
 
-class LeastOutstandingScheduler:
-    """Least outstanding requests for decode, then for prefill; colocated when no prefill is ready."""
+@dataclass(frozen=True, slots=True)
+class ProfileTrace:
+    """How one profile reached its pick; rendered to JSON only when asked."""
+
+    profile: ProfileName
+    population: int  # instances of the model, any state
+    stages: tuple[_Stage, ...]
+    eligible: int  # after the snapshot-only filters
+    sampled: bool
+    candidates: Sequence[InstanceView]
+    scorers: tuple[tuple[str, float], ...]
+    scores: tuple[Sequence[float], ...]
+    totals: Sequence[float]
+    picker: str
+    picked: int  # index into candidates; -1 when none
+
+    def to_json(self) -> dict[str, object]:
+        """Candidates with each scorer's score and the total (best first), the filtered, the pick."""
+        rows = []
+        for i, view in enumerate(self.candidates):
+            rows.append(
+                {
+                    "id": view.agent_id,
+                    "scores": {
+                        name: round(s[i], 6) for (name, _), s in zip(self.scorers, self.scores, strict=True)
+                    },
+                    "total": round(self.totals[i], 6),
+                }
+            )
+        rows.sort(key=lambda r: -float(r["total"]))  # type: ignore[arg-type]
+        filtered: list[dict[str, str]] = []
+        for stage in self.stages:
+            kept = {id(v) for v in stage.kept_out}
+            filtered.extend(
+                {"id": v.agent_id, "filter": stage.filter} for v in stage.kept_in if id(v) not in kept
+            )
+        return {
+            "population": self.population,
+            "eligible": self.eligible,
+            "sampled": self.sampled,
+            "filtered": filtered[:_MAX_FILTERED_SHOWN],
+            "filtered_count": len(filtered),
+            "weights": dict(self.scorers),
+            "candidates": rows,
+            "picker": self.picker,
+            "pick": self.candidates[self.picked].agent_id if self.picked >= 0 else None,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PluginExplanation:
+    """A whole decision: the request as the scheduler saw it, both profiles, and the decider."""
+
+    config: str
+    request: SchedulingRequest
+    decode: ProfileTrace
+    choice: ModeChoice
+    decider: str
+    prefill: ProfileTrace | None
+    pinned: str | None
+
+    def to_json(self) -> dict[str, object]:
+        """The explanation the admin API returns."""
+        req = self.request
+        top = sorted(req.cached_tokens.items(), key=lambda kv: -kv[1])[:16]
+        return {
+            "scheduler": NAME,
+            "config": self.config,
+            "request": {
+                "prompt_tokens": req.prompt_len,
+                "tokenized": req.tokenized,
+                "cached_tokens": dict(top),
+                "pinned_prefill": req.pinned_prefill,
+            },
+            "decode": self.decode.to_json(),
+            "decider": {"plugin": self.decider, "mode": self.choice.mode, "reason": self.choice.reason},
+            "prefill": self.prefill.to_json() if self.prefill is not None else None,
+            "pinned_prefill": self.pinned,
+        }
+
+
+class _Profile:
+    """One configured profile, built."""
+
+    def __init__(
+        self,
+        name: ProfileName,
+        filters: Sequence[Filter],
+        scorers: Sequence[tuple[Scorer, float]],
+        picker: Picker,
+        max_candidates: int,
+    ) -> None:
+        self.name = name
+        self.static = tuple(f for f in filters if not f.PER_REQUEST)
+        self.dynamic = tuple(f for f in filters if f.PER_REQUEST)
+        self.scorers = tuple(scorers)
+        self.weights = tuple((s.name, w) for s, w in scorers)
+        self.picker = picker
+        self.max_candidates = max_candidates
+        # model -> (survivors, their stages, their ids) for the snapshot whose instance tuple is
+        # ``_memo_of``: identity, not the version number, so snapshots of different registries (or a
+        # registry rebuilt) never share an entry. Only the newest snapshot is kept.
+        self._memo: dict[str, tuple[Sequence[InstanceView], tuple[_Stage, ...], frozenset[str]]] = {}
+        self._memo_of: tuple[InstanceView, ...] | None = None
+
+    def _eligible(
+        self, ctx: ProfileContext, population: Sequence[InstanceView]
+    ) -> tuple[Sequence[InstanceView], tuple[_Stage, ...], frozenset[str]]:
+        instances = ctx.snapshot.instances
+        if instances is not self._memo_of:
+            self._memo.clear()
+            self._memo_of = instances
+        model = ctx.request.model
+        hit = self._memo.get(model)
+        if hit is not None:
+            return hit
+        stages = []
+        current: Sequence[InstanceView] = population
+        for f in self.static:
+            kept = f.filter(ctx, current)
+            stages.append(_Stage(f.name, current, kept))
+            current = kept
+        result = (current, tuple(stages), frozenset(v.agent_id for v in current))
+        self._memo[model] = result
+        return result
+
+    def _sample(
+        self, ctx: ProfileContext, eligible: Sequence[InstanceView], ids: frozenset[str]
+    ) -> list[InstanceView]:
+        k = self.max_candidates
+        cached = ctx.request.cached_tokens
+        n = len(eligible)
+        start = int(ctx.random(7) * n)
+        window = list(eligible[start : start + k])
+        if len(window) < k:
+            window += eligible[: k - len(window)]
+        if not cached:
+            return window
+        by_id = ctx.snapshot.by_id
+        holders = sorted((i for i in cached if i in ids), key=cached.__getitem__, reverse=True)[: k // 2]
+        if not holders:
+            return window
+        taken = set(holders)
+        out = [by_id[i] for i in holders]
+        out += [v for v in window if v.agent_id not in taken][: k - len(out)]
+        return out
+
+    def run(self, ctx: ProfileContext, population: Sequence[InstanceView]) -> ProfileTrace:
+        """Filter, sample, score and pick; ``picked`` is -1 when no candidate is left."""
+        eligible, stages, ids = self._eligible(ctx, population)
+        sampled = len(eligible) > self.max_candidates
+        pool: Sequence[InstanceView] = self._sample(ctx, eligible, ids) if sampled else eligible
+        candidates, dyn = self._dynamic(ctx, pool)
+        if not candidates and sampled:
+            pool, sampled = eligible, False
+            candidates, dyn = self._dynamic(ctx, pool)
+        if not candidates:
+            return ProfileTrace(
+                self.name,
+                len(population),
+                stages + dyn,
+                len(eligible),
+                sampled,
+                (),
+                self.weights,
+                (),
+                (),
+                self.picker.name,
+                -1,
+            )
+        scores = tuple(s.score(ctx, candidates) for s, _ in self.scorers)
+        if scores:
+            weighted = [
+                column if weight == 1.0 else [weight * x for x in column]
+                for (_, weight), column in zip(self.scorers, scores, strict=True)
+            ]
+            totals: list[float] = list(map(sum, zip(*weighted, strict=True)))
+        else:
+            totals = [0.0] * len(candidates)
+        picked = self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
+        return ProfileTrace(
+            self.name,
+            len(population),
+            stages + dyn,
+            len(eligible),
+            sampled,
+            candidates,
+            self.weights,
+            scores,
+            totals,
+            self.picker.name,
+            picked,
+        )
+
+    def _dynamic(
+        self, ctx: ProfileContext, pool: Sequence[InstanceView]
+    ) -> tuple[Sequence[InstanceView], tuple[_Stage, ...]]:
+        stages = []
+        current = pool
+        for f in self.dynamic:
+            kept = f.filter(ctx, current)
+            stages.append(_Stage(f.name, current, kept))
+            current = kept
+        return current, tuple(stages)
+
+
+def _resolve_pin(pin: str, snapshot: RegistrySnapshot, model: str) -> InstanceView:
+    """The instance a client pinned (by agent id, engine URL, or host:port), checked usable for prefill."""
+    view = snapshot.by_id.get(pin)
+    if view is None:
+        wanted = pin.rstrip("/")
+        if "://" not in wanted:
+            wanted = f"http://{wanted}"
+        view = next((v for v in snapshot.instances if v.info.url.rstrip("/") == wanted), None)
+    param = "prefill_endpoint"
+    if view is None:
+        raise BadRequest(f"the pinned prefill instance {pin!r} is not registered", param=param)
+    problem = ""
+    if view.info.model != model:
+        problem = f"serves model {view.info.model!r}, not {model!r}"
+    elif view.info.role not in PREFILL_ROLES:
+        problem = f"has role {view.info.role!r} and cannot prefill"
+    elif view.state != "ready":
+        problem = f"is {view.state}, not ready"
+    if problem:
+        raise BadRequest(f"the pinned prefill instance {view.agent_id!r} {problem}", param=param)
+    return view
+
+
+def _no_decode(model: str, trace: ProfileTrace, pinned: InstanceView | None) -> Exception:
+    kept = ", ".join(f"{s.filter} kept {len(s.kept_out)} of {len(s.kept_in)}" for s in trace.stages)
+    if pinned is not None:
+        i = pinned.info
+        return BadRequest(
+            f"no ready decode instance can exchange KV with the pinned prefill instance {pinned.agent_id!r} "
+            f"(model {i.model!r}, revision {i.revision!r}, block size {i.block_size}, "
+            f"connector {i.kv_connector!r}): {kept}",
+            param="prefill_endpoint",
+        )
+    return NoCapacity(f"no ready instance can decode model '{model}' ({trace.population} registered: {kept})")
+
+
+class PluginScheduler:
+    """The configured profiles and decider, run for each request."""
 
     name = NAME
 
-    def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:
-        """Pick D, then P (or colocated); raises ``ModelNotFound`` / ``NoCapacity``."""
-        model = request.model
-        decoders = snapshot.ready_decode.get(model)
-        if not decoders:
-            if model not in snapshot.known_models:
-                raise ModelNotFound(f"the model '{model}' does not exist", param="model")
-            raise NoCapacity(f"no ready instance can decode model '{model}'")
-        d = pick_least_outstanding(decoders, snapshot, request.request_id)
-        prefillers = [
-            p
-            for p in snapshot.ready_prefill.get(model, ())
-            if p.agent_id != d.agent_id and _kv_compatible(p, d)
-        ]
-        if not prefillers:
-            return Decision(
-                mode="colocated",
-                prefill=None,
-                decode=d.agent_id,
-                explanation={
-                    "scheduler": NAME,
-                    "reason": "no ready prefill instance compatible with the decode instance",
-                    "decode": _load(d, snapshot),
-                    "decode_candidates": len(decoders),
-                },
+    def __init__(self, config: SchedulerConfig | None = None) -> None:
+        config = config or default_config()
+        self.config = config
+        plugins: Mapping[str, Any] = build_plugins(config)
+        self._profiles = {
+            name: _Profile(
+                name,
+                [plugins[f] for f in p.filters],
+                [(plugins[s], w) for s, w in p.scorers],
+                plugins[p.picker],
+                p.max_candidates,
             )
-        p = pick_least_outstanding(prefillers, snapshot, request.request_id)
-        return Decision(
-            mode="disaggregated",
-            prefill=p.agent_id,
-            decode=d.agent_id,
-            explanation={
-                "scheduler": NAME,
-                "decode": _load(d, snapshot),
-                "decode_candidates": len(decoders),
-                "prefill": _load(p, snapshot),
-                "prefill_candidates": len(prefillers),
-            },
+            for name, p in config.profiles.items()
+        }
+        self._decider: Decider = plugins[config.decider]
+
+    def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:
+        """Pick D, then the mode, then P; raises ``ModelNotFound``, ``NoCapacity`` or ``BadRequest``."""
+        model = request.model
+        population = snapshot.by_model.get(model)
+        if not population:
+            raise ModelNotFound(f"the model '{model}' does not exist", param="model")
+        pinned = _resolve_pin(request.pinned_prefill, snapshot, model) if request.pinned_prefill else None
+        dctx = ProfileContext(request, snapshot, now, "decode", pinned)
+        dtrace = self._profiles["decode"].run(dctx, population)
+        if dtrace.picked < 0:
+            raise _no_decode(model, dtrace, pinned)
+        d = dtrace.candidates[dtrace.picked]
+        if pinned is not None:
+            choice = ModeChoice("disaggregated", f"the client pinned prefill instance {pinned.agent_id!r}")
+            explanation = PluginExplanation(
+                self.config.source, request, dtrace, choice, "client", None, pinned.agent_id
+            )
+            return Decision("disaggregated", pinned.agent_id, d.agent_id, explanation)
+        pctx = ProfileContext(request, snapshot, now, "prefill", d)
+        ptrace = self._profiles["prefill"].run(pctx, population)
+        choice = self._decider.choose(pctx, d, ptrace.picked >= 0)
+        if choice.mode == "colocated" or ptrace.picked < 0:
+            explanation = PluginExplanation(
+                self.config.source, request, dtrace, choice, self._decider.name, ptrace, None
+            )
+            return Decision("colocated", None, d.agent_id, explanation)
+        p = ptrace.candidates[ptrace.picked]
+        explanation = PluginExplanation(
+            self.config.source, request, dtrace, choice, self._decider.name, ptrace, None
         )
+        return Decision("disaggregated", p.agent_id, d.agent_id, explanation)

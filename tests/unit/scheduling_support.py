@@ -1,0 +1,114 @@
+"""In-memory instances, snapshots and contexts for the scheduling plugin tests (no Registry involved)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from vllm_disagg.orchestrator.registry import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    InstanceState,
+    InstanceView,
+    RegistrySnapshot,
+)
+from vllm_disagg.orchestrator.scheduling.framework import (
+    NO_CACHE,
+    ProfileContext,
+    ProfileName,
+    SchedulingRequest,
+)
+from vllm_disagg.protocol.messages import InstanceInfo, MetricsSnapshot, Role
+
+MODEL = "m"
+
+
+def view(
+    agent_id: str,
+    *,
+    role: Role = "both",
+    state: InstanceState = "ready",
+    agent_draining: bool = False,
+    admin_draining: bool = False,
+    model: str = MODEL,
+    revision: str = "r1",
+    block_size: int = 16,
+    kv_connector: str = "NixlConnector",
+    metrics: MetricsSnapshot | None = None,
+) -> InstanceView:
+    """One instance as a snapshot shows it; everything not given is a healthy, idle default."""
+    return InstanceView(
+        agent_id=agent_id,
+        info=InstanceInfo(
+            url=f"http://{agent_id}",
+            role=role,
+            model=model,
+            revision=revision,
+            block_size=block_size,
+            kv_connector=kv_connector,
+        ),
+        state=state,
+        session=1,
+        engine_state="ready" if state == "ready" else "starting",
+        agent_draining=agent_draining,
+        admin_draining=admin_draining,
+        joined_at=0.0,
+        last_heartbeat=0.0,
+        heartbeats=1,
+        metrics=metrics if metrics is not None else MetricsSnapshot(),
+        dead_reason="",
+    )
+
+
+def snapshot(*views: InstanceView, in_flight: Mapping[str, int] | None = None) -> RegistrySnapshot:
+    """A snapshot holding ``views`` with the gateway's in-flight counts."""
+    by_model: dict[str, list[InstanceView]] = {}
+    prefill: dict[str, list[InstanceView]] = {}
+    decode: dict[str, list[InstanceView]] = {}
+    for v in sorted(views, key=lambda v: v.agent_id):
+        by_model.setdefault(v.info.model, []).append(v)
+        if v.state == "ready" and v.info.role in PREFILL_ROLES:
+            prefill.setdefault(v.info.model, []).append(v)
+        if v.state == "ready" and v.info.role in DECODE_ROLES:
+            decode.setdefault(v.info.model, []).append(v)
+    return RegistrySnapshot(
+        version=1,
+        instances=tuple(views),
+        by_id=MappingProxyType({v.agent_id: v for v in views}),
+        in_flight=MappingProxyType(dict(in_flight or {})),
+        known_models=frozenset(v.info.model for v in views),
+        by_model=MappingProxyType({m: tuple(vs) for m, vs in by_model.items()}),
+        ready_prefill=MappingProxyType({m: tuple(vs) for m, vs in prefill.items()}),
+        ready_decode=MappingProxyType({m: tuple(vs) for m, vs in decode.items()}),
+    )
+
+
+def request(
+    request_id: str = "req-1", *, prompt_len: int = 1000, cached: Mapping[str, int] | None = None
+) -> SchedulingRequest:
+    """A chat request for ``MODEL`` with the given prefix-cache matches."""
+    return SchedulingRequest(
+        request_id=request_id,
+        model=MODEL,
+        prompt_len=prompt_len,
+        is_chat=True,
+        stream=False,
+        cached_tokens=MappingProxyType(dict(cached)) if cached else NO_CACHE,
+    )
+
+
+def context(
+    snap: RegistrySnapshot,
+    *,
+    profile: ProfileName = "decode",
+    partner: InstanceView | None = None,
+    req: SchedulingRequest | None = None,
+) -> ProfileContext:
+    """A profile context over ``snap`` for ``req`` (default: ``request()``)."""
+    return ProfileContext(
+        request=req if req is not None else request(),
+        snapshot=snap,
+        now=0.0,
+        profile=profile,
+        partner=partner,
+    )

@@ -1,0 +1,405 @@
+"""The plugin scheduler with the shipped config: profiles, decider, pinning, sampling, explanations."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
+from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
+from vllm_disagg.orchestrator.scheduling.config import default_config_text, load_config
+from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
+
+NOW = 1000.0
+SCHEDULER = PluginScheduler()
+
+
+@dataclass(frozen=True)
+class Inst:
+    """One instance of a table row: id, role, and how it looks to the scheduler."""
+
+    id: str
+    role: Role
+    model: str = "m"
+    state: str = "ready"  # ready | starting | draining | dead
+    in_flight: int = 0
+    queue: int = 0  # engine running + waiting
+    block_size: int = 16
+    kv_connector: str = ""
+    revision: str = ""
+    kv_usage: float = 0.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+def snapshot(*instances: Inst, registry: Registry | None = None) -> RegistrySnapshot:
+    reg = registry or Registry(heartbeat_timeout_s=1.0)
+    for i in instances:
+        reg.hello(
+            i.id,
+            InstanceInfo(
+                url=f"http://{i.id}:8000",
+                role=i.role,
+                model=i.model,
+                block_size=i.block_size,
+                kv_connector=i.kv_connector,
+                revision=i.revision,
+            ),
+            NOW,
+        )
+        engine: EngineState = "starting" if i.state == "starting" else "ready"
+        reg.heartbeat(
+            i.id,
+            Heartbeat(
+                seq=1,
+                engine_state=engine,
+                draining=i.state == "draining",
+                metrics=MetricsSnapshot(num_running=i.queue, kv_cache_usage=i.kv_usage),
+            ),
+            NOW,
+        )
+        if i.state == "dead":
+            reg.goodbye(i.id)
+        for _ in range(i.in_flight):
+            reg.acquire(i.id)
+    return reg.snapshot()
+
+
+def decide(
+    snap: RegistrySnapshot,
+    model: str = "m",
+    request_id: str = "r1",
+    *,
+    cached: Mapping[str, int] | None = None,
+    prompt_len: int = 10,
+    pin: str | None = None,
+    scheduler: PluginScheduler = SCHEDULER,
+) -> Decision:
+    request = SchedulingRequest(
+        request_id=request_id,
+        model=model,
+        prompt_len=prompt_len,
+        is_chat=False,
+        stream=False,
+        cached_tokens=cached or {},
+        tokenized=cached is not None,
+        pinned_prefill=pin,
+    )
+    return scheduler.decide(request, snap, NOW)
+
+
+def explain(decision: Decision) -> dict[str, Any]:
+    assert decision.explanation is not None
+    return decision.explanation.to_json()
+
+
+@pytest.mark.parametrize(
+    ("instances", "mode", "prefill", "decode"),
+    [
+        pytest.param(
+            [Inst("p", "prefill"), Inst("d", "decode")], "disaggregated", "p", "d", id="1p1d-disaggregates"
+        ),
+        pytest.param([Inst("d", "decode")], "colocated", None, "d", id="no-prefill-instance-runs-colocated"),
+        pytest.param(
+            [Inst("p", "prefill", state="starting"), Inst("d", "decode")],
+            "colocated",
+            None,
+            "d",
+            id="prefill-not-ready-runs-colocated",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", state="draining"), Inst("d", "decode")],
+            "colocated",
+            None,
+            "d",
+            id="draining-prefill-is-skipped",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", state="dead"), Inst("d", "decode")],
+            "colocated",
+            None,
+            "d",
+            id="dead-prefill-is-skipped",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", model="other"), Inst("d", "decode")],
+            "colocated",
+            None,
+            "d",
+            id="prefill-of-another-model-is-skipped",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", block_size=32), Inst("d", "decode")],
+            "colocated",
+            None,
+            "d",
+            id="prefill-with-another-block-size-is-skipped",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", kv_connector="NixlConnector"), Inst("d", "decode")],
+            "colocated",
+            None,
+            "d",
+            id="prefill-with-another-kv-connector-is-skipped",
+        ),
+        pytest.param(
+            [Inst("d1", "decode", in_flight=3), Inst("d2", "decode", in_flight=1)],
+            "colocated",
+            None,
+            "d2",
+            id="fewest-in-flight-decode-wins",
+        ),
+        pytest.param(
+            [Inst("d1", "decode", in_flight=1, queue=9), Inst("d2", "decode", in_flight=1, queue=2)],
+            "colocated",
+            None,
+            "d2",
+            id="in-flight-tie-broken-by-engine-queue",
+        ),
+        pytest.param(
+            [Inst("d1", "decode", in_flight=0, queue=20), Inst("d2", "decode", in_flight=1, queue=0)],
+            "colocated",
+            None,
+            "d2",
+            id="engine-queue-and-in-flight-add-up",
+        ),
+        pytest.param(
+            [Inst("d1", "decode", kv_usage=0.97), Inst("d2", "decode", queue=5)],
+            "colocated",
+            None,
+            "d2",
+            id="decode-above-the-kv-usage-ceiling-is-skipped",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", revision="v2"), Inst("d", "decode", revision="v1")],
+            "colocated",
+            None,
+            "d",
+            id="prefill-of-another-revision-is-never-paired",
+        ),
+        pytest.param(
+            [Inst("p1", "prefill", in_flight=2), Inst("p2", "prefill"), Inst("d", "decode")],
+            "disaggregated",
+            "p2",
+            "d",
+            id="fewest-in-flight-prefill-wins",
+        ),
+        pytest.param(
+            [Inst("b", "both", in_flight=1), Inst("d", "decode")],
+            "disaggregated",
+            "b",
+            "d",
+            id="role-both-can-prefill",
+        ),
+        pytest.param(
+            [Inst("b", "both")], "colocated", None, "b", id="one-both-instance-never-prefills-for-itself"
+        ),
+        pytest.param(
+            [Inst("p", "prefill"), Inst("d", "decode", state="draining"), Inst("b", "both", in_flight=5)],
+            "disaggregated",
+            "p",
+            "b",
+            id="role-both-decodes-when-decode-drains",
+        ),
+        pytest.param(
+            [Inst("p", "prefill"), Inst("d", "decode", model="other"), Inst("d2", "decode")],
+            "disaggregated",
+            "p",
+            "d2",
+            id="decode-of-another-model-is-skipped",
+        ),
+    ],
+)
+def test_decisions(instances: list[Inst], mode: str, prefill: str | None, decode: str) -> None:
+    decision = decide(snapshot(*instances))
+    assert (decision.mode, decision.prefill, decision.decode) == (mode, prefill, decode)
+
+
+@pytest.mark.parametrize(
+    ("instances", "error"),
+    [
+        pytest.param([], ModelNotFound, id="no-instances-at-all-is-unknown-model"),
+        pytest.param(
+            [Inst("d", "decode", model="other")], ModelNotFound, id="only-other-models-is-unknown-model"
+        ),
+        pytest.param([Inst("d", "decode", state="dead")], NoCapacity, id="only-dead-decode-is-no-capacity"),
+        pytest.param(
+            [Inst("d", "decode", state="draining")], NoCapacity, id="only-draining-decode-is-no-capacity"
+        ),
+        pytest.param(
+            [Inst("d", "decode", state="starting")], NoCapacity, id="only-starting-decode-is-no-capacity"
+        ),
+        pytest.param([Inst("p", "prefill")], NoCapacity, id="prefill-only-cluster-is-no-capacity"),
+    ],
+)
+def test_errors(instances: list[Inst], error: type[Exception]) -> None:
+    with pytest.raises(error) as info:
+        decide(snapshot(*instances))
+    assert "'m'" in str(info.value), "the message names the model"
+
+
+def test_ties_spread_over_equal_instances_by_request_id() -> None:
+    snap = snapshot(*(Inst(f"d{i}", "decode") for i in range(4)))
+    picks = Counter(decide(snap, request_id=f"req-{n}").decode for n in range(400))
+    assert set(picks) == {"d0", "d1", "d2", "d3"}
+    assert min(picks.values()) > 50, picks
+
+
+def test_the_same_request_gets_the_same_decision() -> None:
+    snap = snapshot(
+        *(Inst(f"d{i}", "decode") for i in range(4)), Inst("p1", "prefill"), Inst("p2", "prefill")
+    )
+    assert (
+        len(
+            {
+                (decide(snap, request_id="same").decode, decide(snap, request_id="same").prefill)
+                for _ in range(10)
+            }
+        )
+        == 1
+    )
+
+
+def test_explanation_lists_candidates_with_each_plugins_score_and_the_pick() -> None:
+    snap = snapshot(
+        Inst("p", "prefill", in_flight=2), Inst("d", "decode", queue=4), Inst("x", "decode", state="draining")
+    )
+    exp = explain(decide(snap))
+    assert exp["scheduler"] == "plugins"
+    decode = exp["decode"]
+    assert decode["pick"] == "d"
+    (row,) = decode["candidates"]
+    assert row["id"] == "d"
+    assert set(row["scores"]) == {"queue-scorer", "kv-usage-scorer", "tpot-scorer", "prefix-scorer"}
+    assert row["scores"]["queue-scorer"] < 1.0, "4 requests in the engine lower the queue score"
+    assert row["total"] == pytest.approx(sum(row["scores"].values()), abs=1e-5), "all weights are 1"
+    assert {"id": "x", "filter": "ready-filter"} in decode["filtered"]
+    assert exp["prefill"]["pick"] == "p"
+    assert exp["decider"]["mode"] == "disaggregated"
+
+
+def test_colocated_explanation_says_why() -> None:
+    exp = explain(decide(snapshot(Inst("d", "decode"))))
+    assert exp["decider"]["mode"] == "colocated"
+    assert "no prefill instance is ready" in exp["decider"]["reason"]
+
+
+def test_prefill_goes_to_the_instance_holding_the_longest_prefix() -> None:
+    snap = snapshot(
+        Inst("p1", "prefill"), Inst("p2", "prefill", in_flight=1), Inst("p3", "prefill"), Inst("d", "decode")
+    )
+    decision = decide(snap, cached={"p2": 480, "p3": 64}, prompt_len=512)
+    assert decision.prefill == "p2", "most of the prompt cached outweighs one request in flight"
+    scores = {r["id"]: r["scores"]["prefix-scorer"] for r in explain(decision)["prefill"]["candidates"]}
+    assert scores == {"p1": 0.0, "p2": pytest.approx(480 / 512), "p3": pytest.approx(64 / 512)}
+
+
+def test_a_busy_prefix_holder_loses_to_idle_instances() -> None:
+    snap = snapshot(Inst("p1", "prefill"), Inst("p2", "prefill", in_flight=30, queue=10), Inst("d", "decode"))
+    assert decide(snap, cached={"p2": 32}, prompt_len=512).prefill == "p1"
+
+
+@pytest.mark.parametrize(
+    ("pin", "expected_prefill"),
+    [
+        pytest.param("p2", "p2", id="by-agent-id"),
+        pytest.param("http://p2:8000", "p2", id="by-engine-url"),
+        pytest.param("http://p2:8000/", "p2", id="by-engine-url-with-slash"),
+        pytest.param("p2:8000", "p2", id="by-host-port"),
+    ],
+)
+def test_a_client_may_pin_the_prefill_instance(pin: str, expected_prefill: str) -> None:
+    snap = snapshot(Inst("p1", "prefill"), Inst("p2", "prefill", in_flight=9), Inst("d", "decode"))
+    decision = decide(snap, pin=pin)
+    assert (decision.mode, decision.prefill, decision.decode) == ("disaggregated", expected_prefill, "d")
+    assert explain(decision)["pinned_prefill"] == "p2"
+
+
+def test_pinning_picks_a_decode_instance_compatible_with_the_pinned_prefill() -> None:
+    snap = snapshot(
+        Inst("p", "prefill", revision="v2"),
+        Inst("d1", "decode", revision="v1"),
+        Inst("d2", "decode", revision="v2", queue=9),
+    )
+    assert decide(snap, pin="p").decode == "d2"
+
+
+@pytest.mark.parametrize(
+    ("instances", "pin", "reason"),
+    [
+        pytest.param([Inst("d", "decode")], "nope", "'nope' is not registered", id="unknown-id"),
+        pytest.param([Inst("d", "decode")], "http://10.9.9.9:1", "is not registered", id="unknown-url"),
+        pytest.param(
+            [Inst("p", "prefill", model="o"), Inst("d", "decode")], "p", "serves model 'o'", id="other-model"
+        ),
+        pytest.param(
+            [Inst("p", "decode"), Inst("d", "decode")],
+            "p",
+            "role 'decode' and cannot prefill",
+            id="decode-role",
+        ),
+        pytest.param(
+            [Inst("p", "prefill", state="draining"), Inst("d", "decode")], "p", "is draining", id="draining"
+        ),
+        pytest.param([Inst("p", "prefill", state="dead"), Inst("d", "decode")], "p", "is dead", id="dead"),
+        pytest.param(
+            [Inst("p", "prefill", block_size=32), Inst("d", "decode")],
+            "p",
+            "no ready decode instance can exchange KV",
+            id="no-compatible-decode",
+        ),
+    ],
+)
+def test_an_unusable_pin_is_a_bad_request_with_the_reason(
+    instances: list[Inst], pin: str, reason: str
+) -> None:
+    with pytest.raises(BadRequest) as info:
+        decide(snapshot(*instances), pin=pin)
+    assert info.value.status == 400
+    assert reason in str(info.value)
+    assert info.value.param == "prefill_endpoint"
+
+
+def test_many_candidates_are_sampled_but_the_prefix_holder_is_always_scored() -> None:
+    config = load_config(default_config_text().replace("maxCandidates: 16", "maxCandidates: 8"), "test")
+    scheduler = PluginScheduler(config)
+    snap = snapshot(*(Inst(f"p{i:03}", "prefill") for i in range(200)), Inst("d", "decode"))
+    picks = Counter()
+    for n in range(50):
+        decision = decide(snap, request_id=f"r{n}", cached={"p123": 320}, prompt_len=400, scheduler=scheduler)
+        prefill = explain(decision)["prefill"]
+        assert prefill["sampled"] is True and len(prefill["candidates"]) == 8
+        assert prefill["eligible"] == 200
+        picks[decision.prefill] += 1
+    assert picks == {"p123": 50}
+
+
+def test_sampling_spreads_load_across_all_eligible_instances() -> None:
+    config = load_config(default_config_text().replace("maxCandidates: 16", "maxCandidates: 4"), "test")
+    scheduler = PluginScheduler(config)
+    snap = snapshot(*(Inst(f"d{i:02}", "decode") for i in range(40)))
+    seen = {decide(snap, request_id=f"r{n}", scheduler=scheduler).decode for n in range(400)}
+    assert len(seen) >= 30, "a request-seeded window reaches (nearly) every instance"
+
+
+def test_a_drain_takes_effect_on_the_next_snapshot_despite_the_filter_memo() -> None:
+    registry = Registry(heartbeat_timeout_s=1.0)
+    snap = snapshot(Inst("d1", "decode"), Inst("d2", "decode", queue=3), registry=registry)
+    assert decide(snap).decode == "d1"
+    registry.set_admin_drain("d1", True)
+    assert decide(registry.snapshot()).decode == "d2"
+
+
+def test_the_decider_colocates_when_the_decode_instance_holds_almost_all_the_prompt() -> None:
+    text = default_config_text().replace("threshold: 0 ", "threshold: 64 ")
+    scheduler = PluginScheduler(load_config(text, "test"))
+    snap = snapshot(Inst("p", "prefill"), Inst("d", "decode"))
+    colocated = decide(snap, cached={"d": 480}, prompt_len=500, scheduler=scheduler)
+    assert (colocated.mode, colocated.prefill) == ("colocated", None)
+    assert "20 uncached" in explain(colocated)["decider"]["reason"]
+    assert decide(snap, cached={"d": 256}, prompt_len=500, scheduler=scheduler).mode == "disaggregated"

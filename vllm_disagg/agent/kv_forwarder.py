@@ -1,0 +1,249 @@
+"""Forwarding the engine's KV-cache events to the orchestrator, which indexes who caches what.
+
+A SUB socket on the engine's KV-events PUB (vLLM's ``--kv-events-config``, the sim's
+``--kv-events-port``). Each loop drains everything readable: every engine batch is decoded
+(``decode_frames``), turned into protocol ``KvEvent``s and queued; then, while the session is
+registered, the queue goes out as ``KvEvents`` messages of at most ``MAX_MESSAGE_EVENTS`` events and
+``MAX_MESSAGE_ITEMS`` token ids plus hashes, far below the orchestrator's 1 MiB frame limit (an event
+too big for one message is split into chained pieces first).
+
+Nothing here is fatal. A batch that does not decode is logged and counted (``bad_batches``); a gap in
+the engine's sequence numbers, and an engine batch dropped because the queue is full (it is bounded
+while the session is not registered or not connected), add to the next message's ``missed``. A
+dropped ``removed``/``cleared`` would leave the orchestrator believing in blocks that are gone, so
+such a drop queues a ``cleared`` first: the orchestrator's view may miss blocks, never invent them. An
+engine restart (the supervisor's ``on_restart``, or the engine's sequence going back) queues a
+``cleared`` too: the new engine's cache starts empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from vllm_disagg.agent import kv_events
+from vllm_disagg.agent.session import AgentSession
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.errors import KvEventsError
+from vllm_disagg.protocol.messages import KvEvent, KvEvents
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_ITEMS = 50_000  # token ids + block hashes in one KvEvents (~450 KB at worst)
+MAX_MESSAGE_EVENTS = 2_000
+MAX_QUEUED_ITEMS = 1_000_000  # held while not registered; beyond it the oldest engine batches go
+POLL_MS = 100  # a queue held back (not registered, not connected) is retried this often
+MAX_DRAIN = 10_000  # engine batches read per loop before sending, so a flood cannot starve the sends
+_RCV_HWM = 10_000  # engine batches the SUB socket holds before libzmq drops (seen as sequence gaps)
+_CLEARED = KvEvent(kind="cleared")
+
+
+def forwarder_endpoint(cfg: AgentConfig) -> str:
+    """The engine's KV-events endpoint the agent subscribes to; "" for none (attach mode without one)."""
+    if cfg.attach_url:
+        return cfg.kv_events_endpoint
+    from vllm_disagg.agent.vllm_command import kv_events_port  # it imports the agent's engine module
+
+    # The agent launched the engine on this host: vLLM binds every interface, the sim loopback only.
+    return f"tcp://127.0.0.1:{kv_events_port(cfg)}"
+
+
+def _items(event: KvEvent) -> int:
+    return len(event.block_hashes) + len(event.token_ids) + 1
+
+
+def to_protocol(event: kv_events.KvEvent, max_items: int = MAX_MESSAGE_ITEMS) -> Iterator[KvEvent]:
+    """One engine event as protocol events of at most ``max_items`` items each (chained pieces)."""
+    if isinstance(event, kv_events.BlockStored):
+        if event.keyed:
+            return  # not indexable by tokens; its children then have an unknown parent and are skipped too
+        size = event.block_size
+        per_piece = max(1, (max_items - 1) // (size + 1))
+        parent = event.parent_block_hash
+        hashes = event.block_hashes
+        for start in range(0, len(hashes), per_piece):
+            piece = hashes[start : start + per_piece]
+            tokens = event.token_ids[start * size : (start + len(piece)) * size]
+            yield KvEvent("stored", list(piece), parent, list(tokens), size)
+            parent = piece[-1]  # the next piece chains to this one's last block
+    elif isinstance(event, kv_events.BlockRemoved):
+        hashes = event.block_hashes
+        per_piece = max(1, max_items - 1)
+        for start in range(0, len(hashes), per_piece):
+            yield KvEvent("removed", list(hashes[start : start + per_piece]))
+    else:
+        yield _CLEARED
+
+
+@dataclass(slots=True)
+class _Batch:
+    """Queued events of one engine batch (or one the forwarder made up: ``engine`` False)."""
+
+    events: list[KvEvent]
+    items: int
+    engine: bool = True
+
+
+class KvEventForwarder:
+    """Subscribes to the engine's KV events and sends them through the agent's session."""
+
+    def __init__(
+        self,
+        endpoint: str,
+        session: AgentSession,
+        *,
+        max_message_items: int = MAX_MESSAGE_ITEMS,
+        max_message_events: int = MAX_MESSAGE_EVENTS,
+        max_queued_items: int = MAX_QUEUED_ITEMS,
+    ) -> None:
+        self.endpoint = endpoint
+        self._session = session
+        self._max_items = max_message_items
+        self._max_events = max_message_events
+        self._max_queued = max_queued_items
+        self._queue: deque[_Batch] = deque()
+        self._offset = 0  # events of the front batch already sent
+        self._queued_items = 0
+        self._missed = 0  # not yet reported
+        self._last_seq: int | None = None  # the engine's, of the last batch read
+        self._sub: zmq.Socket[bytes] | None = None  # a blocking view of the SUB socket, for draining
+        self.seq = 0  # of the last KvEvents sent; grows for the agent's whole life
+        self.batches = 0  # engine batches decoded
+        self.bad_batches = 0  # engine batches that did not decode
+        self.missed_total = 0  # engine batches lost, over the agent's life
+        self.events_sent = 0
+
+    @property
+    def engine_seq(self) -> int | None:
+        """The engine's sequence number of the last batch read (None before one, and after a restart)."""
+        return self._last_seq
+
+    @property
+    def queued_events(self) -> int:
+        """Events waiting to be sent."""
+        return sum(len(b.events) for b in self._queue) - self._offset
+
+    async def run(self) -> None:
+        """Subscribe, then drain and forward until cancelled."""
+        ctx = zmq.asyncio.Context()
+        sock = ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, _RCV_HWM)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(self.endpoint)  # connects whenever the engine binds, and again after restarts
+            self._sub = zmq.Socket.shadow(sock.underlying)
+            log.info("forwarding KV events from %s", self.endpoint)
+            while True:
+                await sock.poll(timeout=POLL_MS)
+                self.drain()
+                self.flush()
+                await asyncio.sleep(0)  # a flood keeps the socket readable: let the session talk
+        finally:
+            self._sub = None
+            sock.close(linger=0)
+            ctx.term()
+
+    def drain(self) -> int:
+        """Read and queue every engine batch readable now (at most ``MAX_DRAIN``); how many were read."""
+        sub = self._sub
+        read = 0
+        while sub is not None and read < MAX_DRAIN:
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            read += 1
+            self.feed(frames)
+        return read
+
+    def feed(self, frames: list[bytes]) -> None:
+        """Queue one engine batch as the engine published it."""
+        try:
+            batch = kv_events.decode_frames(frames)
+        except KvEventsError as exc:
+            self.bad_batches += 1
+            if self.bad_batches & (self.bad_batches - 1) == 0:  # the 1st, 2nd, 4th, 8th...: no flood
+                log.warning(
+                    "dropped a KV event batch that does not decode (%d so far): %s", self.bad_batches, exc
+                )
+            return
+        self.batches += 1
+        last, self._last_seq = self._last_seq, batch.seq
+        if last is not None and batch.seq <= last:
+            log.info("the engine's KV event sequence went back (%d -> %d): it restarted", last, batch.seq)
+            self._enqueue(_Batch([_CLEARED], 1, engine=False))
+        elif last is not None and batch.seq > last + 1:
+            self._lost(batch.seq - last - 1)
+        events = [piece for event in batch.events for piece in to_protocol(event, self._max_items)]
+        if events:
+            self._enqueue(_Batch(events, sum(map(_items, events))))
+
+    def engine_restarted(self) -> None:
+        """The supervisor replaced the engine: what the old one published is read first, then cleared."""
+        self.drain()
+        self._last_seq = None  # the new engine counts from 0
+        self._enqueue(_Batch([_CLEARED], 1, engine=False))
+
+    def _lost(self, batches: int) -> None:
+        self._missed += batches
+        self.missed_total += batches
+
+    def _enqueue(self, batch: _Batch) -> None:
+        self._queue.append(batch)
+        self._queued_items += batch.items
+        lost_removals = False
+        while self._queued_items > self._max_queued and self._queue:
+            dropped = self._queue.popleft()
+            unsent = dropped.events[self._offset :]
+            self._offset = 0
+            self._queued_items -= sum(map(_items, unsent))
+            if dropped.engine:
+                self._lost(1)
+            lost_removals = lost_removals or any(e.kind != "stored" for e in unsent)
+        if lost_removals:  # the orchestrator could keep blocks that are gone: make it forget them all
+            self._queue.appendleft(_Batch([_CLEARED], 1, engine=False))
+            self._queued_items += 1
+
+    def flush(self) -> int:
+        """Send what is queued, while the session is registered and connected; messages sent."""
+        sent = 0
+        while (self._queue or self._missed) and self._session.registered:
+            events, items, batches, offset = self._next_message()
+            message = KvEvents(seq=self.seq + 1, events=events, missed=self._missed)
+            if not self._session.send_kv_events(message):
+                break  # not connected, or its queue is full: keep everything for the next try
+            self.seq += 1
+            self.events_sent += len(events)
+            self._missed = 0
+            for _ in range(batches):
+                self._queue.popleft()
+            self._offset = offset
+            self._queued_items -= items
+            sent += 1
+        return sent
+
+    def _next_message(self) -> tuple[list[KvEvent], int, int, int]:
+        """The next message's events, their items, the batches it finishes and the new front offset."""
+        events: list[KvEvent] = []
+        items = 0
+        offset = self._offset
+        batches = 0
+        for batch in self._queue:
+            while offset < len(batch.events):
+                event = batch.events[offset]
+                cost = _items(event)
+                if events and (len(events) >= self._max_events or items + cost > self._max_items):
+                    return events, items, batches, offset
+                events.append(event)
+                items += cost
+                offset += 1
+            batches += 1
+            offset = 0
+        return events, items, batches, offset

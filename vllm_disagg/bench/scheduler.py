@@ -1,0 +1,189 @@
+"""``vllm-disagg bench scheduler``: the time of one scheduling decision, prefix lookup included.
+
+Builds, in-process, a registry of N ready instances (half prefill, half decode, metrics drawn at
+random) and a KV index holding M instance-blocks, fed through ``KvIndex.apply`` with the same
+``KvEvent`` records agents forward. The cached prompts are documents of ``--prompt-blocks`` blocks,
+each held by ``--holders`` instances. A decision is what the gateway does per request once the
+prompt is tokenized: take the registry snapshot, hash the prompt's blocks and match them in the
+index, and run the shipped (or given) scheduler config. Requests are 80% a cached document plus a
+new question, 20% a cold prompt; the gateway's in-flight counts move as a concurrency-64 load would.
+
+Tokenization is not included (see docs/benchmarks.md for its cost). With ``--heartbeats-per-decision
+H``, H instances report new metrics between decisions, so the snapshot is rebuilt inside the timed
+region as it is in a live cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+
+from vllm_disagg import jsonutil
+from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.scheduling.config import default_config, load_config_file
+from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, MetricsSnapshot, Role
+
+MODEL = "bench-model"
+CONCURRENCY = 64
+
+
+@dataclass(frozen=True)
+class Result:
+    """Decision time percentiles, in microseconds."""
+
+    instances: int
+    indexed_blocks: int
+    decisions: int
+    heartbeats_per_decision: int
+    lookup_p50_us: float
+    lookup_p99_us: float
+    decide_p50_us: float
+    decide_p99_us: float
+    total_p50_us: float
+    total_p99_us: float
+    hit_share: float  # decisions whose prefill pick held part of the prompt
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``vllm-disagg bench scheduler``."""
+    parser.add_argument("--instances", type=int, default=1024, help="instances (half prefill, half decode)")
+    parser.add_argument("--blocks", type=int, default=1_000_000, help="instance-blocks in the KV index")
+    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prompt-blocks", type=int, default=32, help="blocks of a cached document")
+    parser.add_argument("--holders", type=int, default=8, help="instances caching each document")
+    parser.add_argument("--heartbeats-per-decision", type=int, default=0, help="registry churn")
+    parser.add_argument("--config", default="", help="scheduler YAML (default: the shipped one)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _metrics(rng: random.Random) -> MetricsSnapshot:
+    return MetricsSnapshot(
+        num_running=rng.randrange(0, 16),
+        num_waiting=rng.randrange(0, 4),
+        kv_cache_usage=rng.random() * 0.9,
+        ttft_s=0.05 + rng.random() * 0.5,
+        tpot_s=0.01 + rng.random() * 0.04,
+        queue_s=rng.random() * 0.2,
+        prefill_tokens_per_s=2000 + rng.random() * 8000,
+        mean_prompt_tokens=200 + rng.random() * 800,
+    )
+
+
+def _registry(n: int, block_size: int, rng: random.Random) -> tuple[Registry, list[str]]:
+    registry = Registry(heartbeat_timeout_s=1e9)
+    ids = []
+    for i in range(n):
+        role: Role = "prefill" if i < n // 2 else "decode"
+        agent_id = f"{role}-{i}"
+        info = InstanceInfo(
+            url=f"http://10.0.{i // 250}.{i % 250}:8000",
+            role=role,
+            model=MODEL,
+            block_size=block_size,
+            kv_connector="NixlConnector",
+        )
+        registry.hello(agent_id, info, 0.0)
+        registry.heartbeat(agent_id, Heartbeat(seq=1, engine_state="ready", metrics=_metrics(rng)), 0.0)
+        ids.append(agent_id)
+    return registry, ids
+
+
+def _documents(
+    args: argparse.Namespace, ids: list[str], rng: random.Random
+) -> tuple[KvIndex, list[list[int]]]:
+    index = KvIndex()
+    bs, nblocks = args.block_size, args.prompt_blocks
+    count = max(1, args.blocks // (nblocks * args.holders))
+    docs = []
+    for _ in range(count):
+        tokens = [rng.randrange(50_000) for _ in range(nblocks * bs)]
+        docs.append(tokens)
+        for holder in rng.sample(ids, min(args.holders, len(ids))):
+            hashes = [rng.getrandbits(63) for _ in range(nblocks)]
+            index.apply(holder, [KvEvent("stored", hashes, None, tokens, bs)])
+    return index, docs
+
+
+def run_bench(args: argparse.Namespace) -> Result:
+    """Build the cluster picture, then time ``--decisions`` decisions."""
+    rng = random.Random(args.seed)
+    registry, ids = _registry(args.instances, args.block_size, rng)
+    index, docs = _documents(args, ids, rng)
+    config = load_config_file(args.config) if args.config else default_config()
+    scheduler = PluginScheduler(config)
+    in_flight: deque[str] = deque()
+    lookup, decide, total = [], [], []
+    hits = 0
+    perf = time.perf_counter
+    for n in range(args.decisions + 200):
+        for _ in range(args.heartbeats_per_decision):
+            agent_id = ids[rng.randrange(len(ids))]
+            registry.heartbeat(agent_id, Heartbeat(seq=2, engine_state="ready", metrics=_metrics(rng)), 0.0)
+        if rng.random() < 0.8:
+            tokens = docs[rng.randrange(len(docs))] + [rng.randrange(50_000) for _ in range(24)]
+        else:
+            tokens = [rng.randrange(50_000) for _ in range(args.prompt_blocks * args.block_size + 24)]
+        t0 = perf()
+        snapshot = registry.snapshot()
+        cached = index.cached_tokens(tokens)
+        t1 = perf()
+        request = SchedulingRequest(f"r{n}", MODEL, len(tokens), False, True, cached, True)
+        decision = scheduler.decide(request, snapshot, 0.0)
+        t2 = perf()
+        registry.acquire(decision.decode)
+        in_flight.append(decision.decode)
+        if len(in_flight) > CONCURRENCY:
+            registry.release(in_flight.popleft())
+        if n < 200:  # warm-up
+            continue
+        lookup.append(t1 - t0)
+        decide.append(t2 - t1)
+        total.append(t2 - t0)
+        hits += decision.prefill is not None and cached.get(decision.prefill, 0) > 0
+    return Result(
+        instances=args.instances,
+        indexed_blocks=sum(index.blocks_of(i) for i in ids),
+        decisions=args.decisions,
+        heartbeats_per_decision=args.heartbeats_per_decision,
+        lookup_p50_us=_us(lookup, 50),
+        lookup_p99_us=_us(lookup, 99),
+        decide_p50_us=_us(decide, 50),
+        decide_p99_us=_us(decide, 99),
+        total_p50_us=_us(total, 50),
+        total_p99_us=_us(total, 99),
+        hit_share=round(hits / max(1, args.decisions), 3),
+    )
+
+
+def _us(samples: list[float], pct: int) -> float:
+    if pct == 50:
+        return round(statistics.median(samples) * 1e6, 1)
+    return round(statistics.quantiles(samples, n=100)[pct - 1] * 1e6, 1)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the table (or JSON)."""
+    result = run_bench(args)
+    if args.json:
+        print(jsonutil.dumps(asdict(result)).decode())
+        return 0
+    print(
+        f"instances {result.instances}, indexed instance-blocks {result.indexed_blocks:,}, "
+        f"{result.decisions:,} decisions, {result.heartbeats_per_decision} heartbeats per decision"
+    )
+    print("| part | p50 µs | p99 µs |")
+    print("|---|---|---|")
+    print(f"| snapshot + prefix lookup | {result.lookup_p50_us} | {result.lookup_p99_us} |")
+    print(f"| profiles + decider | {result.decide_p50_us} | {result.decide_p99_us} |")
+    print(f"| decision (total) | {result.total_p50_us} | {result.total_p99_us} |")
+    print(f"prefill picks holding part of the prompt: {result.hit_share:.1%} of decisions (80% were cached)")
+    return 0

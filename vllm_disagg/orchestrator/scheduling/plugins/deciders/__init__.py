@@ -1,0 +1,1 @@
+"""Deciders: choose disaggregated or colocated once the decode instance is known."""

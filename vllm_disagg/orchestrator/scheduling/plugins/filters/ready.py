@@ -1,0 +1,39 @@
+"""ready-filter: keeps instances that are ready and that neither the agent nor an operator drains."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from vllm_disagg.orchestrator.registry import InstanceView
+from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+
+TYPE = "ready-filter"
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """ready-filter has no parameters."""
+
+
+class ReadyFilter:
+    """Keeps candidates in state ``ready`` with no drain flag set."""
+
+    TYPE: ClassVar[str] = TYPE
+    # Depends only on the snapshot, so the scheduler may cache it per snapshot.
+    PER_REQUEST: ClassVar[bool] = False
+    __slots__ = ("name", "params")
+
+    def __init__(self, name: str, params: Params) -> None:
+        self.name = name
+        self.params = params
+
+    def filter(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[InstanceView]:
+        """Ready, undrained candidates."""
+        # The drain flags are checked too, not only the state: a snapshot taken between an admin drain
+        # and the state update must still never route to the instance.
+        return [c for c in candidates if c.state == "ready" and not c.agent_draining and not c.admin_draining]
+
+
+PLUGIN = PluginSpec(TYPE, Params, ReadyFilter, "filter")

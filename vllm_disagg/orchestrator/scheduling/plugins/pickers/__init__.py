@@ -1,0 +1,1 @@
+"""Pickers: choose one candidate from the weighted totals, with randomness from the request id."""
