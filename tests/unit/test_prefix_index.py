@@ -125,3 +125,4 @@ def test_match_equals_a_naive_model_of_cached_prefixes(
         if depth:
             expected[instance] = depth
     assert index.match(prompt_block_hashes(query, BS)) == expected
+    assert index.match_prompt(query) == expected, "hashing lazily finds the same prefixes"

@@ -135,3 +135,35 @@ class PrefixIndex:
                 gone ^= low
             alive = nxt
         return matched
+
+    def match_prompt(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """``match`` of the prompt's full blocks, hashing a block only while someone holds the prefix.
+
+        The same answer as ``match(prompt_block_hashes(token_ids, block_size))``; a prompt nobody
+        has cached costs one block hash instead of one per block.
+        """
+        size = self.block_size
+        tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        last_start = len(tokens) - size
+        matched: dict[str, int] = {}
+        if last_start < 0:
+            return matched
+        holders = self._holders
+        key = hash((ROOT, tokens[:size]))  # chain_hash, inlined: hot path
+        alive = holders.get(key, 0)
+        depth, start = 0, size
+        while alive:
+            depth += 1
+            if start <= last_start:
+                key = hash((key, tokens[start : start + size]))
+                start += size
+                nxt = holders.get(key, 0) & alive
+            else:
+                nxt = 0
+            gone = alive & ~nxt
+            while gone:  # instances whose prefix ends at this depth
+                low = gone & -gone
+                matched[self._ids[low.bit_length() - 1]] = depth
+                gone ^= low
+            alive = nxt
+        return matched
