@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
@@ -403,3 +405,54 @@ def test_the_decider_colocates_when_the_decode_instance_holds_almost_all_the_pro
     assert (colocated.mode, colocated.prefill) == ("colocated", None)
     assert "20 uncached" in explain(colocated)["decider"]["reason"]
     assert decide(snap, cached={"d": 256}, prompt_len=500, scheduler=scheduler).mode == "disaggregated"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["prefill", "decode", "both"]),
+            st.sampled_from(["rev-a", "rev-b"]),
+            st.sampled_from([16, 32]),
+            st.sampled_from(["NixlConnector", "P2pNcclConnector"]),
+            st.sampled_from(["ready", "draining", "starting"]),
+            st.integers(min_value=0, max_value=3),
+        ),
+        min_size=1,
+        max_size=12,
+    ),
+    st.text(min_size=1, max_size=8),
+)
+def test_a_prefill_and_a_decode_instance_that_cannot_exchange_kv_are_never_paired(
+    rows: list[tuple[Role, str, int, str, str, int]], request_id: str
+) -> None:
+    instances = [
+        Inst(f"i{n}", role, revision=rev, block_size=bs, kv_connector=conn, state=state, in_flight=load)
+        for n, (role, rev, bs, conn, state, load) in enumerate(rows)
+    ]
+    snap = snapshot(*instances)
+    try:
+        decision = decide(snap, request_id=request_id)
+    except NoCapacity:
+        assert not any(i.state == "ready" and i.role != "prefill" for i in instances)
+        return
+    d = snap.by_id[decision.decode].info
+    assert d.role != "prefill" and snap.by_id[decision.decode].state == "ready"
+    if decision.prefill is None:
+        # Colocated only when no ready prefill-capable instance other than D could take the KV.
+        assert not any(
+            i.state == "ready"
+            and i.role != "decode"
+            and i.id != decision.decode
+            and (i.revision, i.block_size, i.kv_connector) == (d.revision, d.block_size, d.kv_connector)
+            for i in instances
+        )
+        return
+    p = snap.by_id[decision.prefill].info
+    assert decision.prefill != decision.decode
+    assert (p.model, p.revision, p.block_size, p.kv_connector) == (
+        d.model,
+        d.revision,
+        d.block_size,
+        d.kv_connector,
+    )
