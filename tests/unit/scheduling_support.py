@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
 
@@ -21,6 +22,8 @@ from vllm_disagg.orchestrator.scheduling.framework import (
 from vllm_disagg.protocol.messages import InstanceInfo, MetricsSnapshot, Role
 
 MODEL = "m"
+
+_SNAPSHOT_IDS = itertools.count(10_000)
 
 
 def view(
@@ -73,6 +76,8 @@ def snapshot(*views: InstanceView, in_flight: Mapping[str, int] | None = None) -
             decode.setdefault(v.info.model, []).append(v)
     return RegistrySnapshot(
         version=1,
+        membership=1,
+        registry_id=next(_SNAPSHOT_IDS),  # each made-up snapshot is its own registry: no shared cache
         instances=tuple(views),
         by_id=MappingProxyType({v.agent_id: v for v in views}),
         in_flight=MappingProxyType(dict(in_flight or {})),

@@ -456,3 +456,14 @@ def test_a_prefill_and_a_decode_instance_that_cannot_exchange_kv_are_never_paire
         d.block_size,
         d.kv_connector,
     )
+
+
+def test_memoized_filters_still_score_with_the_newest_metrics() -> None:
+    registry = Registry(heartbeat_timeout_s=1.0)
+    snap = snapshot(Inst("d1", "decode"), Inst("d2", "decode", queue=3), registry=registry)
+    assert decide(snap).decode == "d1"
+    busy = Heartbeat(seq=2, engine_state="ready", metrics=MetricsSnapshot(num_running=20))
+    registry.heartbeat("d1", busy, NOW)
+    fresh = registry.snapshot()
+    assert fresh.membership == snap.membership, "only metrics changed: the filter memo is reused"
+    assert decide(fresh).decode == "d2"

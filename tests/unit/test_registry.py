@@ -220,3 +220,42 @@ def test_a_late_expiry_tick_means_the_orchestrator_was_starved(lag_s: float, sta
     # Period 0.125 s (heartbeat every 0.25 s). A starved orchestrator has heartbeats unread in its
     # socket; that tick is skipped so they are read before anyone is declared dead.
     assert (lag_s > starved_after(0.125)) is starved
+
+
+def test_a_metrics_only_heartbeat_changes_the_view_but_not_the_membership(reg: Registry) -> None:
+    reg.hello("a", info(), 0.0)
+    reg.heartbeat("a", hb("ready"), 0.1)
+    before = reg.snapshot()
+    reg.heartbeat("a", Heartbeat(seq=2, engine_state="ready", metrics=MetricsSnapshot(num_waiting=7)), 0.2)
+    after = reg.snapshot()
+    assert after.version > before.version
+    assert after.membership == before.membership, "the same instances in the same states"
+    assert after.by_id["a"].metrics.num_waiting == 7
+    assert after.ready_decode["m"][0] is after.by_id["a"], "every index holds the new view"
+    assert after.by_model["m"][0] is after.by_id["a"]
+    assert before.by_id["a"].metrics.num_waiting == 0, "an old snapshot never changes"
+
+
+@pytest.mark.parametrize(
+    "step",
+    [
+        pytest.param(lambda r: r.heartbeat("a", hb("ready", draining=True), 0.2), id="agent-drains"),
+        pytest.param(lambda r: r.set_admin_drain("a", True), id="operator-drains"),
+        pytest.param(lambda r: r.heartbeat("a", hb("starting"), 0.2), id="engine-no-longer-ready"),
+        pytest.param(lambda r: r.goodbye("a"), id="goodbye"),
+        pytest.param(lambda r: r.hello("b", info(), 0.2), id="another-instance-joins"),
+        pytest.param(lambda r: r.hello("a", info(), 0.2), id="a-new-session"),
+    ],
+)
+def test_joining_leaving_or_changing_state_changes_the_membership(
+    reg: Registry, step: Callable[[Registry], object]
+) -> None:
+    reg.hello("a", info(), 0.0)
+    reg.heartbeat("a", hb("ready"), 0.1)
+    before = reg.snapshot().membership
+    step(reg)
+    assert reg.snapshot().membership > before
+
+
+def test_two_registries_never_share_an_identity() -> None:
+    assert Registry(1.0).snapshot().registry_id != Registry(1.0).snapshot().registry_id

@@ -212,10 +212,12 @@ def test_kv_usage_filter_params_reject_bad_values(kwargs: dict[str, Any], messag
 @pytest.mark.parametrize(
     ("module", "type_name", "per_request"),
     [
-        pytest.param(role, "role-filter", False, id="role-filter depends only on the snapshot"),
-        pytest.param(ready, "ready-filter", False, id="ready-filter depends only on the snapshot"),
+        pytest.param(role, "role-filter", False, id="role-filter depends only on membership"),
+        pytest.param(ready, "ready-filter", False, id="ready-filter depends only on membership"),
         pytest.param(kv_compat, "kv-compat-filter", True, id="kv-compat-filter depends on the partner"),
-        pytest.param(kv_usage, "kv-usage-filter", False, id="kv-usage-filter depends only on the snapshot"),
+        pytest.param(
+            kv_usage, "kv-usage-filter", True, id="kv-usage-filter reads metrics that every heartbeat moves"
+        ),
     ],
 )
 def test_every_filter_is_registered_under_its_type(

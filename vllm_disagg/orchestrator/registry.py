@@ -13,6 +13,7 @@ cheap: the control plane calls them per frame, the gateway per request.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -28,6 +29,7 @@ PREFILL_ROLES: frozenset[Role] = frozenset(("prefill", "both"))
 DECODE_ROLES: frozenset[Role] = frozenset(("decode", "both"))
 
 _EMPTY_METRICS = MetricsSnapshot()
+_REGISTRY_IDS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,11 @@ class InstanceView:
 class RegistrySnapshot:
     """What the scheduler and the admin API see: instances, in-flight counts, and per-model indexes."""
 
-    version: int
+    version: int  # changes with every change to any instance (a heartbeat's metrics included)
+    # Changes only when an instance joins, leaves, or changes state (ready, draining, dead...); with
+    # ``registry_id`` it keys caches of anything that depends on who is there, not on metrics.
+    membership: int
+    registry_id: int
     instances: tuple[InstanceView, ...]
     by_id: Mapping[str, InstanceView]
     in_flight: Mapping[str, int]
@@ -121,6 +127,12 @@ class Registry:
         self._in_flight: dict[str, int] = {}
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._version = 0
+        self._membership = 0
+        self._id = next(_REGISTRY_IDS)
+        # Views are rebuilt per changed instance, not per snapshot: a snapshot of 1,024 instances after
+        # one heartbeat costs a few dict/tuple copies, not 1,024 new views.
+        self._views: dict[str, InstanceView] = {}
+        self._groups: _Groups | None = None  # agent ids per model / ready role; rebuilt on membership
         self._cached: RegistrySnapshot | None = None
         self._cached_in_flight: dict[str, int] | None = None
 
@@ -129,9 +141,13 @@ class Registry:
         """No heartbeat for this long and an instance is dead."""
         return self._timeout
 
-    def _changed(self) -> None:
+    def _changed(self, inst: _Instance, membership: bool) -> None:
+        self._views[inst.agent_id] = inst.view()
         self._version += 1
         self._cached = None
+        if membership:
+            self._membership += 1
+            self._groups = None
 
     def hello(self, agent_id: str, info: InstanceInfo, now: float) -> InstanceView:
         """Start a new session for ``agent_id`` (first time, after death, or an agent that restarted)."""
@@ -144,14 +160,15 @@ class Registry:
             last_heartbeat=now,
         )
         self._instances[agent_id] = inst
-        self._changed()
-        return inst.view()
+        self._changed(inst, membership=True)
+        return self._views[agent_id]
 
     def heartbeat(self, agent_id: str, hb: Heartbeat, now: float) -> InstanceView | None:
         """Record a heartbeat; None when ``agent_id`` has no live session (it must say Hello again)."""
         inst = self._instances.get(agent_id)
         if inst is None or inst.state == "dead":
             return None
+        before = (inst.state, inst.agent_draining)
         inst.last_heartbeat = now
         inst.heartbeats += 1
         inst.metrics = hb.metrics
@@ -160,8 +177,8 @@ class Registry:
         inst.state = inst.derive_state()
         if inst.state == "dead":
             inst.dead_reason = "engine stopped"
-        self._changed()
-        return inst.view()
+        self._changed(inst, membership=(inst.state, inst.agent_draining) != before)
+        return self._views[agent_id]
 
     def goodbye(self, agent_id: str, reason: str = "") -> InstanceView | None:
         """The agent left on purpose; None when it was not known."""
@@ -170,7 +187,7 @@ class Registry:
             return None
         if inst.state != "dead":
             self._kill(inst, f"goodbye: {reason}" if reason else "goodbye")
-        return inst.view()
+        return self._views[agent_id]
 
     def expire(self, now: float) -> list[str]:
         """Mark dead every live instance silent for ``heartbeat_timeout_s`` or more; their ids."""
@@ -186,7 +203,7 @@ class Registry:
     def _kill(self, inst: _Instance, reason: str) -> None:
         inst.state = "dead"
         inst.dead_reason = reason
-        self._changed()
+        self._changed(inst, membership=True)
 
     def set_admin_drain(self, agent_id: str, draining: bool) -> InstanceView:
         """An operator drains (or undrains) an instance; takes effect for the very next request."""
@@ -194,13 +211,12 @@ class Registry:
         inst.admin_draining = draining
         if inst.state != "dead":
             inst.state = inst.derive_state()
-        self._changed()
-        return inst.view()
+        self._changed(inst, membership=True)
+        return self._views[agent_id]
 
     def get(self, agent_id: str) -> InstanceView | None:
         """One instance, or None."""
-        inst = self._instances.get(agent_id)
-        return inst.view() if inst else None
+        return self._views.get(agent_id)
 
     def is_live(self, agent_id: str) -> bool:
         """True when ``agent_id`` has a session that is not dead."""
@@ -238,39 +254,62 @@ class Registry:
         return cached
 
     def _build(self) -> RegistrySnapshot:
-        views = tuple(inst.view() for inst in self._instances.values())
-        prefill: dict[str, list[InstanceView]] = {}
-        decode: dict[str, list[InstanceView]] = {}
-        by_model: dict[str, list[InstanceView]] = {}
-        for v in sorted(views, key=lambda v: v.agent_id):
-            by_model.setdefault(v.info.model, []).append(v)
-        for v in views:
-            if v.state != "ready":
-                continue
-            if v.info.role in PREFILL_ROLES:
-                prefill.setdefault(v.info.model, []).append(v)
-            if v.info.role in DECODE_ROLES:
-                decode.setdefault(v.info.model, []).append(v)
+        views = self._views
+        groups = self._groups
+        if groups is None:
+            groups = self._groups = _Groups.of(views.values())
+        pick = views.__getitem__
         return RegistrySnapshot(
             version=self._version,
-            instances=views,
-            by_id=MappingProxyType({v.agent_id: v for v in views}),
+            membership=self._membership,
+            registry_id=self._id,
+            instances=tuple(views.values()),
+            by_id=MappingProxyType(dict(views)),
             in_flight=MappingProxyType({}),
-            known_models=frozenset(v.info.model for v in views),
-            by_model=_freeze(by_model),
-            ready_prefill=_freeze(prefill),
-            ready_decode=_freeze(decode),
+            known_models=groups.known_models,
+            by_model=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.by_model.items()}),
+            ready_prefill=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.prefill.items()}),
+            ready_decode=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.decode.items()}),
         )
 
 
-def _freeze(groups: Mapping[str, Iterable[InstanceView]]) -> Mapping[str, tuple[InstanceView, ...]]:
-    return MappingProxyType({model: tuple(vs) for model, vs in groups.items()})
+@dataclass(frozen=True, slots=True)
+class _Groups:
+    """Agent ids grouped the ways snapshots index them; valid until membership changes."""
+
+    known_models: frozenset[str]
+    by_model: Mapping[str, tuple[str, ...]]  # every state, sorted by agent id
+    prefill: Mapping[str, tuple[str, ...]]  # ready and prefill-capable
+    decode: Mapping[str, tuple[str, ...]]  # ready and decode-capable
+
+    @staticmethod
+    def of(views: Iterable[InstanceView]) -> _Groups:
+        by_model: dict[str, list[str]] = {}
+        prefill: dict[str, list[str]] = {}
+        decode: dict[str, list[str]] = {}
+        for v in views:
+            model = v.info.model
+            by_model.setdefault(model, []).append(v.agent_id)
+            if v.state != "ready":
+                continue
+            if v.info.role in PREFILL_ROLES:
+                prefill.setdefault(model, []).append(v.agent_id)
+            if v.info.role in DECODE_ROLES:
+                decode.setdefault(model, []).append(v.agent_id)
+        return _Groups(
+            known_models=frozenset(by_model),
+            by_model={m: tuple(sorted(ids)) for m, ids in by_model.items()},
+            prefill={m: tuple(ids) for m, ids in prefill.items()},
+            decode={m: tuple(ids) for m, ids in decode.items()},
+        )
 
 
 def _with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> RegistrySnapshot:
     # A new outer object sharing the (immutable) instance indexes: O(1) apart from the count copy.
     return RegistrySnapshot(
         version=snap.version,
+        membership=snap.membership,
+        registry_id=snap.registry_id,
         instances=snap.instances,
         by_id=snap.by_id,
         in_flight=MappingProxyType(in_flight),

@@ -109,8 +109,9 @@ class Filter(Plugin, Protocol):
     """Keeps the candidates that may serve the request in this profile (order preserved).
 
     Filters are predicates, so their order never changes the result. ``PER_REQUEST`` False says the
-    result depends only on the snapshot and the profile: the scheduler then runs it once per snapshot
-    version, not once per request.
+    result depends only on the profile and the instances' membership fields (model, role, revision,
+    block size, connector, state, drain flags) — not on metrics or the request: the scheduler then runs
+    it once per registry membership version (``RegistrySnapshot.membership``), not once per request.
     """
 
     PER_REQUEST: ClassVar[bool]

@@ -2,7 +2,8 @@
 
 A profile turns the model's instances into one pick:
 
-1. filters that read only the snapshot (``PER_REQUEST = False``) run once per snapshot version;
+1. filters that read only membership fields (``PER_REQUEST = False``: role, state) run once per
+   registry membership version, and their result is kept as agent ids;
 2. when more than ``max_candidates`` survive, the instances holding the longest cached prefix of the
    prompt come first and a window at a request-seeded offset fills the rest (power-of-d sampling: it
    keeps the decision O(max_candidates) at 1,024 instances and balances load almost as well as
@@ -12,7 +13,7 @@ A profile turns the model's instances into one pick:
 
 A client may pin the prefill instance; then the decode profile's partner is that instance, so only a
 D that can exchange KV with it is picked, and the mode is disaggregated. Nothing here does I/O or
-keeps state beyond a memo of step 1 keyed by snapshot version, so ``decide`` is pure.
+keeps state beyond a memo of step 1 keyed by membership version, so ``decide`` is pure.
 """
 
 from __future__ import annotations
@@ -42,9 +43,15 @@ _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an expl
 
 @dataclass(frozen=True, slots=True)
 class _Stage:
+    """One filter's input and output: agent ids for the memoized filters, views for the others."""
+
     filter: str
-    kept_in: Sequence[InstanceView]
-    kept_out: Sequence[InstanceView]
+    kept_in: Sequence[InstanceView] | Sequence[str]
+    kept_out: Sequence[InstanceView] | Sequence[str]
+
+
+def _id(item: InstanceView | str) -> str:
+    return item if isinstance(item, str) else item.agent_id
 
 
 # Traces are built for every decision and read only when the admin API asks: plain (not frozen)
@@ -81,9 +88,9 @@ class ProfileTrace:
         rows.sort(key=lambda r: -float(r["total"]))  # type: ignore[arg-type]
         filtered: list[dict[str, str]] = []
         for stage in self.stages:
-            kept = {id(v) for v in stage.kept_out}
+            kept = {_id(v) for v in stage.kept_out}
             filtered.extend(
-                {"id": v.agent_id, "filter": stage.filter} for v in stage.kept_in if id(v) not in kept
+                {"id": _id(v), "filter": stage.filter} for v in stage.kept_in if _id(v) not in kept
             )
         return {
             "population": self.population,
@@ -148,19 +155,19 @@ class _Profile:
         self.weights = tuple((s.name, w) for s, w in scorers)
         self.picker = picker
         self.max_candidates = max_candidates
-        # model -> (survivors, their stages, their ids) for the snapshot whose instance tuple is
-        # ``_memo_of``: identity, not the version number, so snapshots of different registries (or a
-        # registry rebuilt) never share an entry. Only the newest snapshot is kept.
-        self._memo: dict[str, tuple[Sequence[InstanceView], tuple[_Stage, ...], frozenset[str]]] = {}
-        self._memo_of: tuple[InstanceView, ...] | None = None
+        # model -> (eligible agent ids, the stages, the id set) for one registry membership: the
+        # static filters read only membership fields, so their result holds until it changes.
+        self._memo: dict[str, tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str]]] = {}
+        self._memo_of: tuple[int, int] = (0, -1)  # (registry id, membership version)
 
     def _eligible(
         self, ctx: ProfileContext, population: Sequence[InstanceView]
-    ) -> tuple[Sequence[InstanceView], tuple[_Stage, ...], frozenset[str]]:
-        instances = ctx.snapshot.instances
-        if instances is not self._memo_of:
+    ) -> tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str]]:
+        snapshot = ctx.snapshot
+        key = (snapshot.registry_id, snapshot.membership)
+        if key != self._memo_of:
             self._memo.clear()
-            self._memo_of = instances
+            self._memo_of = key
         model = ctx.request.model
         hit = self._memo.get(model)
         if hit is not None:
@@ -169,15 +176,14 @@ class _Profile:
         current: Sequence[InstanceView] = population
         for f in self.static:
             kept = f.filter(ctx, current)
-            stages.append(_Stage(f.name, current, kept))
+            stages.append(_Stage(f.name, tuple(v.agent_id for v in current), tuple(v.agent_id for v in kept)))
             current = kept
-        result = (current, tuple(stages), frozenset(v.agent_id for v in current))
+        ids = tuple(v.agent_id for v in current)
+        result = (ids, tuple(stages), frozenset(ids))
         self._memo[model] = result
         return result
 
-    def _sample(
-        self, ctx: ProfileContext, eligible: Sequence[InstanceView], ids: frozenset[str]
-    ) -> list[InstanceView]:
+    def _sample(self, ctx: ProfileContext, eligible: tuple[str, ...], ids: frozenset[str]) -> list[str]:
         k = self.max_candidates
         cached = ctx.request.cached_tokens
         n = len(eligible)
@@ -187,24 +193,23 @@ class _Profile:
             window += eligible[: k - len(window)]
         if not cached:
             return window
-        by_id = ctx.snapshot.by_id
         holders = sorted((i for i in cached if i in ids), key=cached.__getitem__, reverse=True)[: k // 2]
         if not holders:
             return window
         taken = set(holders)
-        out = [by_id[i] for i in holders]
-        out += [v for v in window if v.agent_id not in taken][: k - len(out)]
-        return out
+        return holders + [i for i in window if i not in taken][: k - len(holders)]
 
     def run(self, ctx: ProfileContext, population: Sequence[InstanceView]) -> ProfileTrace:
         """Filter, sample, score and pick; ``picked`` is -1 when no candidate is left."""
         eligible, stages, ids = self._eligible(ctx, population)
+        by_id = ctx.snapshot.by_id
         sampled = len(eligible) > self.max_candidates
-        pool: Sequence[InstanceView] = self._sample(ctx, eligible, ids) if sampled else eligible
+        chosen = self._sample(ctx, eligible, ids) if sampled else eligible
+        pool = [by_id[i] for i in chosen]  # this snapshot's views: current metrics
         candidates, dyn = self._dynamic(ctx, pool)
         if not candidates and sampled:
-            pool, sampled = eligible, False
-            candidates, dyn = self._dynamic(ctx, pool)
+            sampled = False
+            candidates, dyn = self._dynamic(ctx, [by_id[i] for i in eligible])
         if not candidates:
             return ProfileTrace(
                 self.name,

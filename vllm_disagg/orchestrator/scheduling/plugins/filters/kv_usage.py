@@ -27,8 +27,8 @@ class KvUsageFilter:
     """Keeps candidates with ``metrics.kv_cache_usage < ceiling``."""
 
     TYPE: ClassVar[str] = TYPE
-    # Depends only on the snapshot, so the scheduler may cache it per snapshot.
-    PER_REQUEST: ClassVar[bool] = False
+    # Reads metrics, which every heartbeat moves: run per request, on the sampled candidates.
+    PER_REQUEST: ClassVar[bool] = True
     __slots__ = ("name", "params")
 
     def __init__(self, name: str, params: Params) -> None:

@@ -21,7 +21,7 @@ class ReadyFilter:
     """Keeps candidates in state ``ready`` with no drain flag set."""
 
     TYPE: ClassVar[str] = TYPE
-    # Depends only on the snapshot, so the scheduler may cache it per snapshot.
+    # Reads only state and drain flags: cached until the registry's membership changes.
     PER_REQUEST: ClassVar[bool] = False
     __slots__ = ("name", "params")
 

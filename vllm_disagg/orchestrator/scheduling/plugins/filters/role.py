@@ -21,7 +21,7 @@ class RoleFilter:
     """Keeps candidates whose role may serve the running profile."""
 
     TYPE: ClassVar[str] = TYPE
-    # Depends only on the profile and the candidates, so the scheduler may cache it per snapshot.
+    # Reads only role and state: the scheduler caches it until the registry's membership changes.
     PER_REQUEST: ClassVar[bool] = False
     __slots__ = ("name", "params")
 
