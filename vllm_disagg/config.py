@@ -141,6 +141,9 @@ class OrchestratorConfig:
     max_frame_bytes: int = 1 << 20
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
     scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
+    # Import transformers (and the torch it pulls in) before serving: imported later, mid-traffic, its
+    # native libraries load while holding the GIL and freeze the event loop for seconds.
+    preload_tokenizer_libs: bool = True
 
     def __post_init__(self) -> None:
         _port("orchestrator", "port", self.port)

@@ -97,6 +97,8 @@ class ClusterSpec:
             "--zmq-endpoint", f"tcp://127.0.0.1:{self.zmq_port}",
             "--heartbeat-interval-s", str(self.heartbeat_interval_s),
             "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+            # Simulated engines tokenize as bytes: the orchestrator needs no transformers.
+            *(("--no-preload-tokenizer-libs",) if self.engine == "sim" else ()),
             *self.extra_orchestrator_args,
         ]  # fmt: skip
 

@@ -13,7 +13,7 @@ from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, fake_engine
 from tests.integration.test_gateway import KV_FROM_PREFILL, wait_ready
 from vllm_disagg import jsonutil
-from vllm_disagg.orchestrator.app import OrchestratorServer
+from vllm_disagg.orchestrator.app import GATEWAY_KEY, OrchestratorServer
 from vllm_disagg.sim.textgen import tokenize
 
 
@@ -171,3 +171,12 @@ async def test_the_admin_api_shows_the_scheduler_tokenizers_and_index(
     assert body["config"] == "default.yaml"
     assert body["tokenizers"] == {MODEL: "bytes"}
     assert set(body["kv_index"]["instances"]) == {"p0", "p1", "d0"}
+
+
+async def test_a_models_tokenizer_is_registered_when_its_first_instance_says_hello(
+    orch: OrchestratorServer, fake_agent: AgentFactory, sim_engine: EngineFactory
+) -> None:
+    engine = await sim_engine()
+    await fake_agent("d0", engine.url, "decode")
+    gateway = orch.app[GATEWAY_KEY]
+    await eventually(lambda: gateway.tokenizers.status() == {MODEL: "bytes"}, what="tokenizer registered")

@@ -635,3 +635,17 @@ def test_content_format_matches_vllm(template: str | None, expected: str, tiny_t
     template = template or (tiny_tokenizer_dir / "chat_template.jinja").read_text()
     assert hf_renderer._detect_content_format.__wrapped__(template, default="string") == expected
     assert content_format(template) == expected
+
+
+def test_preloading_imports_what_a_tokenizer_load_would_so_loading_later_cannot_stall() -> None:
+    import sys
+
+    from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
+
+    took = preload_tokenizer_libs()
+    if took is None:  # transformers is not installed here: nothing to preload, nothing to stall
+        assert "transformers.generation.logits_process" not in sys.modules
+        return
+    assert took >= 0
+    assert "torch" in sys.modules, "torch, the slow native import, is loaded before serving"
+    assert "transformers.generation.logits_process" in sys.modules

@@ -82,10 +82,10 @@ def build_app(
     registry = Registry(config.heartbeat_timeout_s)
     kv_index = KvIndex()
     metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of)
-    control = ControlPlane(config, registry, clock, metrics, kv_index)
     request_log = RequestLog(REQUEST_LOG_CAPACITY)
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
+    control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
     admin = Admin(registry, control, metrics, request_log, clock, gateway.describe)
 
     app = web.Application(client_max_size=config.max_body_bytes)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_disagg.clock import Clock
@@ -30,6 +31,7 @@ from vllm_disagg.protocol.messages import (
     Goodbye,
     Heartbeat,
     Hello,
+    InstanceInfo,
     KvEvents,
     Message,
     Refuse,
@@ -85,8 +87,10 @@ class ControlPlane:
         clock: Clock,
         metrics: OrchestratorMetrics,
         kv_index: KvIndex | None = None,
+        on_hello: Callable[[InstanceInfo], None] | None = None,
     ) -> None:
         self._config = config
+        self._hello_hook = on_hello  # e.g. the gateway loads the model's tokenizer before traffic comes
         self._registry = registry
         self.kv_index = kv_index if kv_index is not None else KvIndex()
         self._clock = clock
@@ -203,6 +207,8 @@ class ControlPlane:
         self._agent_to_peer[msg.agent_id] = peer
         self.kv_index.drop(msg.agent_id)  # a new session: maybe a new engine, whose cache is empty
         view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic())
+        if self._hello_hook is not None:
+            self._hello_hook(msg.instance)
         log.info(
             "hello from %s (session %d): %s %s at %s",
             msg.agent_id,

@@ -9,6 +9,7 @@ import sys
 
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.app import start_orchestrator
+from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.runtime import run_service
@@ -49,6 +50,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="scheduler YAML (plugins, profiles, weights; see docs/scheduler.md); default: the shipped one",
     )
+    parser.add_argument(
+        "--no-preload-tokenizer-libs",
+        dest="preload_tokenizer_libs",
+        action="store_false",
+        help="do not import transformers at start (saves memory and seconds when no engine is vLLM)",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -65,6 +72,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         upstream_timeout_s=args.upstream_timeout_s,
         max_frame_bytes=args.max_frame_bytes,
         scheduler_config=args.scheduler_config,
+        preload_tokenizer_libs=args.preload_tokenizer_libs,
     )
 
 
@@ -75,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+
+    if config.preload_tokenizer_libs:
+        preload_tokenizer_libs()
 
     async def main(stop: asyncio.Event) -> int:
         server = await start_orchestrator(

@@ -36,6 +36,7 @@ from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import NO_CACHE, Explanation, Scheduler, SchedulingRequest
+from vllm_disagg.protocol.messages import InstanceInfo
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +172,17 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(f"the request body is over the limit of {limit} bytes") from None
 
+    def instance_joined(self, info: InstanceInfo) -> None:
+        """An instance said Hello: start loading its model's tokenizer now, before its traffic."""
+        wanted = (info.engine, info.tokenizer)
+        if self._tokenizer_of.get(info.model) == wanted:
+            return
+        self._tokenizer_of[info.model] = wanted
+        try:
+            self.tokenizers.register(info.model, info.engine, info.tokenizer)
+        except ValueError as exc:  # an engine kind we cannot tokenize for: estimates only
+            log.warning("model %s: no tokenizer (%s)", info.model, exc)
+
     def scheduling_request(
         self,
         request_id: str,
@@ -182,15 +194,8 @@ class Gateway:
         """What the scheduler needs: exact prompt tokens when the tokenizer is loaded, and the cache map."""
         model = parsed.model
         population = snapshot.by_model.get(model)
-        if population:
-            info = population[0].info
-            wanted = (info.engine, info.tokenizer)
-            if self._tokenizer_of.get(model) != wanted:
-                self._tokenizer_of[model] = wanted
-                try:
-                    self.tokenizers.register(model, info.engine, info.tokenizer)
-                except ValueError as exc:  # an engine kind we cannot tokenize for: estimates only
-                    log.warning("model %s: no tokenizer (%s)", model, exc)
+        if population and model not in self._tokenizer_of:
+            self.instance_joined(population[0].info)
         tokens = self.tokenizers.tokenize(model, route, parsed.body)
         cached = self.kv_index.cached_tokens(tokens) if tokens else NO_CACHE
         return SchedulingRequest(

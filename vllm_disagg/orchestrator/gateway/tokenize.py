@@ -17,6 +17,7 @@ import importlib
 import inspect
 import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -355,6 +356,27 @@ def _model_type(path: Path) -> str:
     except (OSError, ValueError):
         return ""
     return str(config.get("model_type", "")) if isinstance(config, dict) else ""
+
+
+def preload_tokenizer_libs() -> float | None:
+    """Import transformers' tokenizer machinery now, before serving; seconds taken, None if absent.
+
+    ``AutoTokenizer.from_pretrained`` imports torch (through transformers' generation config), whose
+    native libraries load while holding the GIL: done lazily on the loading thread mid-traffic, that
+    froze this process's event loop for 15 s at a time on a busy 2-core machine, and heartbeats went
+    unread long enough for a live instance to be declared dead. Done before the loop starts, it costs
+    start-up time and memory only.
+    """
+    started = time.monotonic()
+    try:
+        importlib.import_module("transformers.generation.logits_process")
+        importlib.import_module("transformers").AutoTokenizer  # noqa: B018 - the lazy attribute loads it
+    except Exception as exc:  # not installed, or broken: the loading thread reports it per model
+        log.info("tokenizer libraries not preloaded: %s", _reason(exc))
+        return None
+    took = time.monotonic() - started
+    log.info("tokenizer libraries preloaded in %.1fs", took)
+    return took
 
 
 def load_hf_tokenizer(directory: str) -> _HfTokenizer:
