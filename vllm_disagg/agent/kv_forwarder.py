@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 MAX_MESSAGE_ITEMS = 50_000  # token ids + block hashes in one KvEvents (~450 KB at worst)
 MAX_MESSAGE_EVENTS = 2_000
 MAX_QUEUED_ITEMS = 1_000_000  # held while not registered; beyond it the oldest engine batches go
+FLUSH_INTERVAL_S = 0.01  # engine batches published within this long go out as one message
 POLL_MS = 100  # a queue held back (not registered, not connected) is retried this often
 MAX_DRAIN = 10_000  # engine batches read per loop before sending, so a flood cannot starve the sends
 _RCV_HWM = 10_000  # engine batches the SUB socket holds before libzmq drops (seen as sequence gaps)
@@ -101,8 +102,10 @@ class KvEventForwarder:
         max_message_items: int = MAX_MESSAGE_ITEMS,
         max_message_events: int = MAX_MESSAGE_EVENTS,
         max_queued_items: int = MAX_QUEUED_ITEMS,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
     ) -> None:
         self.endpoint = endpoint
+        self._flush_interval_s = flush_interval_s
         self._session = session
         self._max_items = max_message_items
         self._max_events = max_message_events
@@ -141,7 +144,11 @@ class KvEventForwarder:
             self._sub = zmq.Socket.shadow(sock.underlying)
             log.info("forwarding KV events from %s", self.endpoint)
             while True:
-                await sock.poll(timeout=POLL_MS)
+                if await sock.poll(timeout=POLL_MS) and self._flush_interval_s > 0:
+                    # Gather what the engine publishes in the next moment into one message: a
+                    # busy engine publishes a batch per step, and each message costs the
+                    # orchestrator a frame to decode. The index lags by this much at most.
+                    await asyncio.sleep(self._flush_interval_s)
                 self.drain()
                 self.flush()
                 await asyncio.sleep(0)  # a flood keeps the socket readable: let the session talk
