@@ -64,6 +64,7 @@ class ClusterSpec:
     engine_base_port: int = 8100
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0  # the gateway's, to an engine
     stop_grace_s: float = 10.0
     sim_timing: tuple[tuple[str, str], ...] = ()  # (flag name, value) passed to every sim agent
     extra_orchestrator_args: tuple[str, ...] = field(default=())
@@ -97,6 +98,7 @@ class ClusterSpec:
             "--zmq-endpoint", f"tcp://127.0.0.1:{self.zmq_port}",
             "--heartbeat-interval-s", str(self.heartbeat_interval_s),
             "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
+            "--connect-timeout-s", str(self.connect_timeout_s),
             # Simulated engines tokenize as bytes: the orchestrator needs no transformers.
             *(("--no-preload-tokenizer-libs",) if self.engine == "sim" else ()),
             *self.extra_orchestrator_args,
@@ -246,6 +248,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument(
+        "--connect-timeout-s", type=float, default=d.connect_timeout_s, help="gateway to engine; then 504"
+    )
+    parser.add_argument(
         "--scheduler-config", default="", metavar="FILE", help="scheduler YAML for the orchestrator"
     )
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
@@ -270,6 +275,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_base_port=args.engine_base_port,
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
         stop_grace_s=args.stop_grace_s,
         extra_orchestrator_args=(
             ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()

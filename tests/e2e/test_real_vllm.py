@@ -232,9 +232,10 @@ def cluster(
         "--prefill", "1", "--decode", "1",
         "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
         "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
-        # The first NIXL handshakes of the CPU build stall this whole 2-core machine, agents included,
-        # for up to 22 s (seen in CI); failure detection is tested on simulated engines.
-        "--heartbeat-timeout-s", "60",
+        # The first NIXL handshakes of the CPU build stall this whole 2-core machine, agents and
+        # engines' accept loops included, for up to 22 s (seen in CI): this test proves correctness,
+        # not latency. Failure detection and timeouts are tested on simulated engines.
+        "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60",
     )  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
