@@ -187,6 +187,8 @@ class AgentConfig:
     restart_backoff_s: float = 1.0
     restart_backoff_max_s: float = 30.0
     stop_grace_s: float = 10.0  # SIGTERM, then SIGKILL to the engine's process group after this
+    # One /health check waits this long; 3 failed in a row and a ready engine is reported unhealthy.
+    health_timeout_s: float = 5.0
     engine_nice: int = 0  # added niceness of the launched engine (keeps the control plane responsive)
     sim: SimTiming = field(default_factory=SimTiming)
     # --- real vLLM (engine "vllm"); see docs/engine.md. --max-num-seqs is sim.max_num_seqs for both.
@@ -217,6 +219,7 @@ class AgentConfig:
             startup_timeout_s=self.startup_timeout_s,
             restart_backoff_s=self.restart_backoff_s,
             restart_backoff_max_s=self.restart_backoff_max_s,
+            health_timeout_s=self.health_timeout_s,
         )
         _non_negative("agent", stop_grace_s=self.stop_grace_s)
         if not 0 <= self.engine_nice <= 19:

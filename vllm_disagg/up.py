@@ -65,6 +65,7 @@ class ClusterSpec:
     heartbeat_interval_s: float = 0.25
     heartbeat_timeout_s: float = 1.0
     connect_timeout_s: float = 2.0  # the gateway's, to an engine
+    health_timeout_s: float = 5.0  # each agent's /health check of its engine
     stop_grace_s: float = 10.0
     sim_timing: tuple[tuple[str, str], ...] = ()  # (flag name, value) passed to every sim agent
     extra_orchestrator_args: tuple[str, ...] = field(default=())
@@ -115,6 +116,7 @@ class ClusterSpec:
             "--orchestrator", f"tcp://127.0.0.1:{self.zmq_port}",
             "--model", self.model,
             "--engine-port", str(plan.engine_port),
+            "--health-timeout-s", str(self.health_timeout_s),
         ]  # fmt: skip
         if self.engine == "vllm":
             cores = os.cpu_count() or 1
@@ -248,6 +250,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
     parser.add_argument(
+        "--health-timeout-s",
+        type=float,
+        default=d.health_timeout_s,
+        help="each agent's /health check of its engine (3 failed in a row: unhealthy)",
+    )
+    parser.add_argument(
         "--connect-timeout-s", type=float, default=d.connect_timeout_s, help="gateway to engine; then 504"
     )
     parser.add_argument(
@@ -276,6 +284,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         heartbeat_interval_s=args.heartbeat_interval_s,
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         connect_timeout_s=args.connect_timeout_s,
+        health_timeout_s=args.health_timeout_s,
         stop_grace_s=args.stop_grace_s,
         extra_orchestrator_args=(
             ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()

@@ -235,7 +235,7 @@ def cluster(
         # The first NIXL handshakes of the CPU build stall this whole 2-core machine, agents and
         # engines' accept loops included, for up to 22 s (seen in CI): this test proves correctness,
         # not latency. Failure detection and timeouts are tested on simulated engines.
-        "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60",
+        "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60", "--health-timeout-s", "20",
     )  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

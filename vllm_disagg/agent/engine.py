@@ -37,7 +37,6 @@ from vllm_disagg.runtime import SELF_ARGV, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
 
-HEALTH_TIMEOUT_S = 5.0  # a saturated CPU host can take seconds to answer; a dead one refuses at once
 UNHEALTHY_AFTER_CHECKS = 3  # failed /health checks in a row before a ready engine is reported unhealthy
 _GROUP_EXIT_POLLS = 250
 _GROUP_EXIT_POLL_S = 0.02  # up to 5 s in all for the kernel to finish SIGKILLed processes
@@ -277,7 +276,7 @@ class EngineSupervisor:
     async def _healthy(self) -> bool:
         try:
             async with self._http.get(
-                self._health_url, timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)
+                self._health_url, timeout=aiohttp.ClientTimeout(total=self._cfg.health_timeout_s)
             ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):

@@ -46,6 +46,7 @@ _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--restart-backoff-s", "restart_backoff_s", float, "first restart delay, doubled per failed restart"),
     ("--restart-backoff-max-s", "restart_backoff_max_s", float, "longest restart delay"),
     ("--stop-grace-s", "stop_grace_s", float, "SIGTERM to the engine, then SIGKILL after this"),
+    ("--health-timeout-s", "health_timeout_s", float, "one /health check; 3 failed in a row: unhealthy"),
     ("--engine-nice", "engine_nice", int, "niceness added to the launched engine (0..19)"),
 )
 # Real vLLM (--engine vllm): see docs/engine.md.
