@@ -24,6 +24,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from tests.e2e.vllm_support import START_TIMEOUT_S, free_engine_ports, running_vllm
 from tests.helpers import (
     cli_argv,
     eventually,
@@ -37,17 +38,14 @@ from tests.helpers import (
 )
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.kv_events import BlockRemoved, BlockStored, decode_frames
-from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import engine_servers, group_members
-from vllm_disagg.runtime import die_with_parent
 
 pytestmark = pytest.mark.timeout(1800)
 MODEL = "tiny"
 BLOCK = 128  # vLLM's block size on CPU
 MAX_TOKENS = 16
 JSON = {"Content-Type": "application/json"}
-START_TIMEOUT_S = 900.0  # two cold vLLM starts side by side on 2 cores took 92 s; leave room
 
 
 def _words() -> list[str]:
@@ -119,24 +117,6 @@ async def _ask(session: aiohttp.ClientSession, base: str, case: Case) -> tuple[s
     return (choice["message"]["content"] if case.chat else choice["text"]), body["usage"], headers
 
 
-def _free_engine_ports(n: int) -> int:
-    """A base port where n engines, their NIXL side channels (+1000) and KV event ports (+2000) are free."""
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
-    while True:
-        base = free_port()
-        if base + 2000 + n < 65535 and all(free(base + k + d) for k in range(n) for d in (0, 1000, 2000)):
-            return base
-
-
 def _port_of(instance: dict[str, Any]) -> int:
     return int(str(instance["url"]).rsplit(":", 1)[1])
 
@@ -164,24 +144,13 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    port = _free_engine_ports(1)
+    port = free_engine_ports(1)
     cfg = AgentConfig(
         agent_id="reference", role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
         engine_port=port, kv_connector="",
     )  # fmt: skip
-    command = VllmEngineCommand()
     log = tmp_path_factory.mktemp("reference") / "vllm.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            command.argv(cfg), env={**os.environ, **command.env(cfg)}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        eventually_sync(
-            lambda: proc.poll() is None and http_json(f"{base}/health")[0] == 200,
-            timeout=START_TIMEOUT_S, interval=0.5, what=f"reference vLLM ready (log {log})",
-        )  # fmt: skip
+    with running_vllm(cfg, log) as base:
 
         async def collect() -> Reference:
             ref = Reference({}, {})
@@ -194,13 +163,6 @@ def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.Tem
             return ref
 
         return asyncio.run(collect())
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        eventually_sync(lambda: not group_members({proc.pid}), timeout=30, what="reference vLLM gone")
 
 
 def _concurrent_cases(prompts: list[str]) -> list[Case]:
@@ -225,7 +187,7 @@ class Cluster:
 def cluster(
     tiny_model: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
-    port, zmq_port, engine_base = free_port(), free_port(), _free_engine_ports(2)
+    port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
     argv = cli_argv(
         "up", "--engine", "vllm", "--model", str(tiny_model), "--served-model-name", MODEL,

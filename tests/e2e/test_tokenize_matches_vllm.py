@@ -10,11 +10,7 @@ parts (vLLM's "openai" content format); our side loads a copy of the tokenizer w
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import signal
-import socket
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,13 +18,11 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import eventually_sync, free_port, http_json
+from tests.e2e.vllm_support import free_engine_ports, running_vllm
+from tests.helpers import eventually_sync, http_json
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.vllm_command import KV_EVENTS_PORT_OFFSET, VllmEngineCommand
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.orchestrator.gateway.tokenize import Route, Tokenizers
-from vllm_disagg.procfs import group_members
-from vllm_disagg.runtime import die_with_parent
 
 pytestmark = [
     pytest.mark.slow,
@@ -38,7 +32,6 @@ pytestmark = [
 MODEL = "tiny"
 OPENAI_MODEL = "tiny-openai"  # our name for the same tokenizer with OPENAI_TEMPLATE
 BOS_ID = 0
-START_TIMEOUT_S = 600.0
 OPENAI_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n"
     "{% for part in message['content'] %}[{{ part['text'] }}]{% endfor %}\n{% endfor %}"
@@ -107,18 +100,6 @@ CASES = [
 ]
 
 
-def _engine_port() -> int | None:
-    """A free port whose KV events port (vLLM binds it too) is free as well; None if not this time."""
-    port = free_port()
-    for p in (port, port + KV_EVENTS_PORT_OFFSET):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                return None
-    return port
-
-
 @dataclass(frozen=True)
 class Dirs:
     model: Path  # the tiny model with a BOS-adding tokenizer: what vLLM serves
@@ -166,33 +147,15 @@ def ours(dirs: Dirs) -> Iterator[Tokenizers]:
 @pytest.fixture(scope="module")
 def vllm(dirs: Dirs, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL of one colocated vLLM; its process group is gone after the module."""
-    port = eventually_sync(_engine_port, what="free ports")
+    port = free_engine_ports(1)
     cfg = AgentConfig(
         agent_id="tokenize", role="both", engine="vllm", model=MODEL, model_path=str(dirs.model),
         engine_port=port, kv_connector="", max_model_len=1024,
         extra_engine_args=("--trust-request-chat-template",),
     )  # fmt: skip
-    command = VllmEngineCommand()
     log = tmp_path_factory.mktemp("tokenize-vllm") / "vllm.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            command.argv(cfg), env={**os.environ, **command.env(cfg)}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    base = f"http://127.0.0.1:{port}"
-    try:
-        eventually_sync(
-            lambda: proc.poll() is None and http_json(f"{base}/health")[0] == 200,
-            timeout=START_TIMEOUT_S, interval=0.5, what=f"vLLM ready (log {log})",
-        )  # fmt: skip
+    with running_vllm(cfg, log) as base:
         yield base
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        eventually_sync(lambda: not group_members({proc.pid}), timeout=30, what="vLLM's process group gone")
 
 
 def _post(url: str, body: dict[str, Any]) -> Any:
