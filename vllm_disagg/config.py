@@ -137,10 +137,19 @@ class OrchestratorConfig:
     heartbeat_timeout_s: float = 1.0  # no heartbeat for this long: the instance is dead
     max_body_bytes: int = 16 << 20
     connect_timeout_s: float = 2.0  # to an engine
-    upstream_timeout_s: float = 600.0  # whole engine leg, so a stuck engine cannot hang a client
+    # No byte from an engine for this long fails the leg (a prefill's or a non-streamed answer's whole
+    # wait counts as one gap). Never a total: a healthy stream may run for hours.
+    idle_timeout_s: float = 300.0
     max_frame_bytes: int = 1 << 20
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
     scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
+    # --- recovery (docs/operations.md "Failures") ---
+    suspect_after_s: float = 0.5  # no heartbeat this long: stop routing (dead after heartbeat_timeout_s)
+    prefill_attempts: int = 2  # prefill instances tried per request before running it colocated
+    decode_attempts: int = 3  # decode instances tried per request before its first byte
+    max_resumes: int = 3  # mid-stream resumes of one request on another instance
+    breaker_failures: int = 3  # consecutive failed legs that open an instance's or a P→D link's breaker
+    breaker_open_s: float = 1.0  # first open period before a half-open probe; doubles, up to 30 s
     # Import transformers (and the torch it pulls in) before serving: imported later, mid-traffic, its
     # native libraries load while holding the GIL and freeze the event loop for seconds.
     preload_tokenizer_libs: bool = True
@@ -153,10 +162,16 @@ class OrchestratorConfig:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             max_body_bytes=self.max_body_bytes,
             connect_timeout_s=self.connect_timeout_s,
-            upstream_timeout_s=self.upstream_timeout_s,
+            idle_timeout_s=self.idle_timeout_s,
             max_frame_bytes=self.max_frame_bytes,
             command_timeout_s=self.command_timeout_s,
+            suspect_after_s=self.suspect_after_s,
+            prefill_attempts=self.prefill_attempts,
+            decode_attempts=self.decode_attempts,
+            breaker_failures=self.breaker_failures,
+            breaker_open_s=self.breaker_open_s,
         )
+        _non_negative("orchestrator", max_resumes=self.max_resumes)
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 "orchestrator.heartbeat_timeout_s must exceed heartbeat_interval_s "

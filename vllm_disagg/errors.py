@@ -17,8 +17,9 @@ Hierarchy::
         ├── ModelNotFound       404 no instance serves the model
         ├── PayloadTooLarge     413 body over the gateway limit
         ├── NoCapacity          503 no ready instance can take the request
-        ├── UpstreamError       502 an engine failed or answered garbage
-        └── UpstreamTimeout     504 an engine did not answer in time
+        ├── UpstreamError       502 an engine failed or answered garbage (``cause`` says how)
+        │   └── UpstreamTimeout 504 an engine did not answer in time
+        └── EngineRejected      4xx an engine refused the request itself (its status, its reason)
 
 Errors leave the gateway as OpenAI-style JSON: ``{"error": {"message", "type", "param", "code"}}``.
 """
@@ -128,18 +129,44 @@ class NoCapacity(RequestError):
     type = "ServiceUnavailableError"
 
 
+# How an engine leg failed: the label of the retry, fallback and resume metrics.
+UPSTREAM_CAUSES = ("connect", "timeout", "status", "invalid_response", "disconnect", "lost")
+
+
 class UpstreamError(RequestError):
-    """An engine failed, refused, or answered something the gateway cannot use."""
+    """An engine failed, or answered something the gateway cannot use; the gateway may retry elsewhere.
+
+    ``cause`` is one of ``UPSTREAM_CAUSES``: ``connect`` (refused, unreachable), ``timeout`` (connect or
+    idle read), ``status`` (a 5xx, 408 or 429), ``invalid_response`` (not JSON, no ``kv_transfer_params``),
+    ``disconnect`` (the connection broke), ``lost`` (the orchestrator declared the instance lost).
+    """
 
     status = 502
     type = "BadGatewayError"
 
+    def __init__(self, message: str, *, cause: str = "status", param: str | None = None) -> None:
+        super().__init__(message, param=param)
+        self.cause = cause
 
-class UpstreamTimeout(RequestError):
+
+class UpstreamTimeout(UpstreamError):
     """An engine did not answer within the configured time."""
 
     status = 504
     type = "GatewayTimeoutError"
+
+    def __init__(self, message: str, *, cause: str = "timeout", param: str | None = None) -> None:
+        super().__init__(message, cause=cause, param=param)
+
+
+class EngineRejected(RequestError):
+    """An engine answered 4xx: the request itself is at fault, so no other engine would take it."""
+
+    type = "BadRequestError"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def http_status(error: BaseException) -> int:

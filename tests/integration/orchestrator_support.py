@@ -23,6 +23,7 @@ from vllm_disagg.protocol.messages import (
     Heartbeat,
     Hello,
     InstanceInfo,
+    MetricsSnapshot,
     Refuse,
     Role,
     Welcome,
@@ -40,7 +41,7 @@ def orch_config(**overrides: Any) -> OrchestratorConfig:
         "heartbeat_interval_s": 0.1,
         "heartbeat_timeout_s": 1.5,
         "connect_timeout_s": 2.0,
-        "upstream_timeout_s": 20.0,
+        "idle_timeout_s": 20.0,
         "command_timeout_s": 5.0,
     }
     values.update(overrides)
@@ -69,6 +70,7 @@ class FakeAgent:
         self.auto_ack = auto_ack
         self.engine_state: EngineState = "ready"
         self.draining = False
+        self.metrics = MetricsSnapshot()  # what the heartbeats report
         self.transport = DealerTransport(endpoint, agent_id)
         self.inbox: asyncio.Queue[Welcome | Refuse] = asyncio.Queue()
         self.commands: list[Command] = []
@@ -114,7 +116,11 @@ class FakeAgent:
     def heartbeat_now(self) -> None:
         """Send one heartbeat."""
         self._seq += 1
-        self.transport.send(Heartbeat(seq=self._seq, engine_state=self.engine_state, draining=self.draining))
+        self.transport.send(
+            Heartbeat(
+                seq=self._seq, engine_state=self.engine_state, draining=self.draining, metrics=self.metrics
+            )
+        )
 
     def start_heartbeats(self) -> None:
         """Heartbeat every ``interval_s`` until stopped."""

@@ -467,3 +467,53 @@ def test_memoized_filters_still_score_with_the_newest_metrics() -> None:
     fresh = registry.snapshot()
     assert fresh.membership == snap.membership, "only metrics changed: the filter memo is reused"
     assert decide(fresh).decode == "d2"
+
+
+def _request(exclude: frozenset[str] = frozenset(), request_id: str = "r1") -> SchedulingRequest:
+    return SchedulingRequest(request_id, "m", 10, False, False, exclude=exclude)
+
+
+@pytest.mark.parametrize(
+    ("exclude", "decode"),
+    [
+        pytest.param(frozenset(), {"d1", "d2"}, id="nothing-excluded-either-decode"),
+        pytest.param(frozenset({"d1"}), {"d2"}, id="a-failed-decode-is-never-picked-again"),
+    ],
+)
+def test_instances_that_failed_a_request_are_excluded_from_its_retries(
+    exclude: frozenset[str], decode: set[str]
+) -> None:
+    snap = snapshot(Inst("p1", "prefill"), Inst("p2", "prefill"), Inst("d1", "decode"), Inst("d2", "decode"))
+    picks = {SCHEDULER.decide(_request(exclude, f"r{n}"), snap, NOW).decode for n in range(40)}
+    assert picks == decode
+    retry = SCHEDULER.pick_prefill(_request(frozenset({"p1"})), snap, NOW, "d2")
+    assert retry == "p2", "a prefill retry never lands on the instance that failed"
+    assert SCHEDULER.pick_prefill(_request(frozenset({"p1", "p2"})), snap, NOW, "d2") is None
+    explained = explain(SCHEDULER.decide(_request(frozenset({"d1"})), snap, NOW))
+    assert {"id": "d1", "filter": "excluded"} in explained["decode"]["filtered"]
+
+
+def test_a_decode_retry_keeps_kv_compatibility_with_the_prefill_instance() -> None:
+    snap = snapshot(
+        Inst("p", "prefill", kv_connector="Nixl"),
+        Inst("d-other", "decode", kv_connector="Other"),
+        Inst("d-nixl", "decode", kv_connector="Nixl"),
+        Inst("d-failed", "decode", kv_connector="Nixl"),
+    )
+    request = _request(frozenset({"d-failed"}))
+    assert SCHEDULER.pick_decode(request, snap, NOW, "p") == "d-nixl"
+    only_other = _request(frozenset({"d-failed", "d-nixl"}))
+    assert SCHEDULER.pick_decode(only_other, snap, NOW, "p") is None, "no D can take p's KV"
+    assert SCHEDULER.pick_decode(only_other, snap, NOW, None) == "d-other", "colocated: any decode"
+
+
+def test_a_pairing_whose_link_breaker_is_open_is_not_made() -> None:
+    registry = Registry(heartbeat_timeout_s=1.0)
+    snap = snapshot(Inst("p1", "prefill"), Inst("p2", "prefill"), Inst("d", "decode"), registry=registry)
+    for _ in range(3):  # d answered, but could not use p1's KV
+        registry.leg_failed("d", NOW, partner="p1", instance_fault=False)
+    snap = registry.snapshot()
+    assert {decide(snap, request_id=f"r{n}").prefill for n in range(40)} == {"p2"}
+    assert registry.get("d") is not None and registry.get("d").state == "ready"  # type: ignore[union-attr]
+    registry.leg_failed("d", NOW, partner="p2", instance_fault=False)  # one failure: still usable
+    assert {decide(registry.snapshot(), request_id=f"r{n}").prefill for n in range(10)} == {"p2"}

@@ -48,6 +48,15 @@ ADMIN_DRAIN: Step = lambda r, now: r.set_admin_drain("a", True)  # noqa: E731
 ADMIN_UNDRAIN: Step = lambda r, now: r.set_admin_drain("a", False)  # noqa: E731
 GOODBYE: Step = lambda r, now: r.goodbye("a", "bye")  # noqa: E731
 EXPIRE_LATER: Step = lambda r, now: r.expire(now + TIMEOUT)  # noqa: E731
+RESTARTING: Step = lambda r, now: r.heartbeat("a", hb("restarting"), now)  # noqa: E731
+LATE: Step = lambda r, now: r.tick(now + TIMEOUT * 0.6)  # noqa: E731
+FAIL: Step = lambda r, now: r.leg_failed("a", now)  # noqa: E731
+SUCCEED: Step = lambda r, now: r.leg_succeeded("a")  # noqa: E731
+ACQUIRE: Step = lambda r, now: r.acquire("a")  # noqa: E731
+# A heartbeat, then time passes past the first open period (1 s by default) but not the doubled one.
+OPEN_OVER: Step = lambda r, now: (r.heartbeat("a", hb(), now + 1.2), r.tick(now + 1.2))  # noqa: E731
+CORDON: Step = lambda r, now: r.set_cordon("a", True)  # noqa: E731
+UNCORDON: Step = lambda r, now: r.set_cordon("a", False)  # noqa: E731
 
 
 @pytest.mark.parametrize(
@@ -56,7 +65,34 @@ EXPIRE_LATER: Step = lambda r, now: r.expire(now + TIMEOUT)  # noqa: E731
         pytest.param([HELLO], "joining", id="hello-alone-is-joining"),
         pytest.param([HELLO, STARTING], "joining", id="engine-starting-stays-joining"),
         pytest.param([HELLO, READY], "ready", id="engine-ready-heartbeat-makes-ready"),
-        pytest.param([HELLO, READY, UNHEALTHY], "joining", id="engine-unhealthy-leaves-ready"),
+        pytest.param([HELLO, READY, UNHEALTHY], "suspect", id="engine-unhealthy-is-suspect"),
+        pytest.param([HELLO, READY, RESTARTING], "suspect", id="engine-restarting-is-suspect"),
+        pytest.param([HELLO, READY, LATE], "suspect", id="a-late-heartbeat-is-suspect-before-dead"),
+        pytest.param([HELLO, READY, LATE, READY], "ready", id="a-heartbeat-after-a-late-one-is-ready"),
+        pytest.param([HELLO, READY, *[FAIL] * 2], "ready", id="two-failed-legs-keep-the-breaker-closed"),
+        pytest.param([HELLO, READY, *[FAIL] * 3], "suspect", id="three-failed-legs-open-the-breaker"),
+        pytest.param([HELLO, READY, *[FAIL] * 3, READY], "suspect", id="heartbeats-do-not-close-a-breaker"),
+        pytest.param([HELLO, READY, *[FAIL] * 3, OPEN_OVER], "ready", id="half-open-after-the-open-period"),
+        pytest.param(
+            [HELLO, READY, *[FAIL] * 3, OPEN_OVER, ACQUIRE],
+            "suspect",
+            id="one-probe-at-a-time-when-half-open",
+        ),
+        pytest.param(
+            [HELLO, READY, *[FAIL] * 3, OPEN_OVER, ACQUIRE, SUCCEED], "ready", id="a-good-probe-closes-it"
+        ),
+        pytest.param(
+            [HELLO, READY, *[FAIL] * 3, OPEN_OVER, ACQUIRE, FAIL, OPEN_OVER],
+            "suspect",
+            id="a-failed-probe-opens-it-for-longer",
+        ),
+        pytest.param(
+            [HELLO, READY, FAIL, FAIL, SUCCEED, FAIL, FAIL], "ready", id="a-success-resets-the-count"
+        ),
+        pytest.param([HELLO, READY, CORDON], "cordoned", id="admin-cordon-is-cordoned"),
+        pytest.param([HELLO, READY, CORDON, UNCORDON], "ready", id="admin-uncordon-is-ready"),
+        pytest.param([HELLO, READY, CORDON, HELLO, READY], "cordoned", id="a-cordon-outlives-the-session"),
+        pytest.param([HELLO, READY, CORDON, ADMIN_DRAIN], "draining", id="draining-wins-over-cordoned"),
         pytest.param([HELLO, READY, UNHEALTHY, READY], "ready", id="engine-recovers-to-ready"),
         pytest.param([HELLO, READY, STOPPED], "dead", id="engine-stopped-is-dead"),
         pytest.param([HELLO, READY, AGENT_DRAIN], "draining", id="agent-drain-is-draining"),
@@ -107,7 +143,7 @@ def test_expiry_happens_exactly_at_the_timeout_and_not_before(reg: Registry, clo
     reg.heartbeat("a", hb(), clock.monotonic())
     last = clock.monotonic()
     assert reg.expire(last + TIMEOUT - 1e-6) == []
-    assert reg.get("a").state == "ready"  # type: ignore[union-attr]
+    assert reg.get("a").state == "suspect", "silent: no longer routed to, not yet dead"  # type: ignore[union-attr]
     assert reg.expire(last + TIMEOUT) == ["a"]
     view = reg.get("a")
     assert view is not None
@@ -259,3 +295,82 @@ def test_joining_leaving_or_changing_state_changes_the_membership(
 
 def test_two_registries_never_share_an_identity() -> None:
     assert Registry(1.0).snapshot().registry_id != Registry(1.0).snapshot().registry_id
+
+
+@pytest.mark.parametrize(
+    ("steps", "lost"),
+    [
+        pytest.param([HELLO, READY, EXPIRE_LATER], ["no heartbeat"], id="death-by-silence-is-a-loss"),
+        pytest.param([HELLO, READY, GOODBYE], ["goodbye: bye"], id="goodbye-is-a-loss"),
+        pytest.param([HELLO, READY, RESTARTING], ["engine restarting"], id="an-engine-restart-is-a-loss"),
+        pytest.param([HELLO, READY, UNHEALTHY, UNHEALTHY], ["engine unhealthy"], id="told-once-per-episode"),
+        pytest.param([HELLO, READY, STOPPED], ["engine stopped"], id="an-engine-stop-is-a-loss"),
+        pytest.param([HELLO, READY, HELLO], ["new session"], id="a-new-hello-over-a-live-one-is-a-loss"),
+        pytest.param([HELLO, READY, LATE], [], id="a-late-heartbeat-is-not-yet-a-loss"),
+        pytest.param([HELLO, READY, *[FAIL] * 3], [], id="an-open-breaker-is-not-a-loss"),
+        pytest.param([HELLO, READY, CORDON, ADMIN_DRAIN], [], id="cordon-and-drain-let-requests-finish"),
+        pytest.param([HELLO, READY, GOODBYE, EXPIRE_LATER], ["goodbye"], id="the-dead-are-lost-only-once"),
+    ],
+)
+def test_the_gateway_is_told_when_requests_on_an_instance_are_lost(
+    reg: Registry, clock: FakeClock, steps: list[Step], lost: list[str]
+) -> None:
+    told: list[tuple[str, str]] = []
+    reg.on_lost = lambda agent_id, reason: told.append((agent_id, reason))
+    for step in steps:
+        step(reg, clock.monotonic())
+        clock.advance(0.1)
+    assert [agent for agent, _ in told] == ["a"] * len(lost)
+    for (_, reason), wanted in zip(told, lost, strict=True):
+        assert wanted in reason
+
+
+def test_a_link_breaker_blocks_one_pairing_and_not_the_instances(reg: Registry, clock: FakeClock) -> None:
+    for agent_id, role in [("p", "prefill"), ("d", "decode"), ("d2", "decode")]:
+        reg.hello(agent_id, info(role=role), clock.monotonic())  # type: ignore[arg-type]
+        reg.heartbeat(agent_id, hb(), clock.monotonic())
+    for _ in range(3):
+        reg.leg_failed("d", clock.monotonic(), partner="p")
+    snap = reg.snapshot()
+    assert snap.blocked_links == {("p", "d")}
+    assert reg.link_breaker("p", "d").state == "open"
+    assert reg.link_breaker("p", "d2").state == "closed"
+    reg.leg_succeeded("d", partner="p")  # a request that started before it opened
+    assert reg.snapshot().blocked_links == frozenset(), "a success on the link closes it"
+
+
+def test_a_link_breaker_half_opens_after_its_period_and_goes_with_its_instances(
+    reg: Registry, clock: FakeClock
+) -> None:
+    for agent_id, role in [("p", "prefill"), ("d", "decode")]:
+        reg.hello(agent_id, info(role=role), clock.monotonic())  # type: ignore[arg-type]
+        reg.heartbeat(agent_id, hb(), clock.monotonic())
+    for _ in range(3):
+        reg.leg_failed("d", clock.monotonic(), partner="p")
+    reg.tick(clock.monotonic() + 0.5)
+    assert reg.snapshot().blocked_links == {("p", "d")}
+    reg.heartbeat("p", hb(), clock.monotonic() + 1.1)
+    reg.heartbeat("d", hb(), clock.monotonic() + 1.1)
+    reg.tick(clock.monotonic() + 1.1)
+    assert reg.snapshot().blocked_links == frozenset(), "half-open: the next pairing is the probe"
+    for _ in range(3):
+        reg.leg_failed("d", clock.monotonic() + 1.2, partner="p")
+    assert reg.snapshot().blocked_links == {("p", "d")}
+    reg.goodbye("p")
+    assert reg.snapshot().blocked_links == frozenset(), "a dead instance takes its links with it"
+
+
+def test_membership_changes_when_a_breaker_changes_who_may_be_routed_to(
+    reg: Registry, clock: FakeClock
+) -> None:
+    reg.hello("a", info(), clock.monotonic())
+    reg.heartbeat("a", hb(), clock.monotonic())
+    before = reg.snapshot().membership
+    reg.leg_failed("a", clock.monotonic())
+    assert reg.snapshot().membership == before, "one failure changes nothing routable"
+    reg.leg_failed("a", clock.monotonic())
+    reg.leg_failed("a", clock.monotonic())
+    snap = reg.snapshot()
+    assert snap.membership > before
+    assert snap.ready_decode.get("m", ()) == ()
+    assert "breaker open after 3 failures" in snap.by_id["a"].suspect_reason

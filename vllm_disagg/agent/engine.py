@@ -242,6 +242,8 @@ class EngineSupervisor:
         self.restarts = 0
         # Called once a dead or stuck engine is gone, before its replacement starts (its cache is lost).
         self.on_restart: Callable[[], None] | None = None
+        # Called on every state change: the agent reports it at once, not at the next heartbeat.
+        self.on_state: Callable[[EngineState], None] | None = None
 
     @property
     def attached(self) -> bool:
@@ -257,6 +259,8 @@ class EngineSupervisor:
         if state != self.state:
             log.info("engine %s -> %s", self.state, state)
             self.state = state
+            if self.on_state is not None:
+                self.on_state(state)
 
     def _spawn(self) -> None:
         assert self._command is not None

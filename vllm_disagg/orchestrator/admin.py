@@ -57,6 +57,9 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "session": view.session,
         "engine_state": view.engine_state,
         "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
+        "cordoned": view.admin_cordoned,
+        "suspect_reason": view.suspect_reason,
+        "breaker": {"state": view.breaker.state, "failures": view.breaker.failures},
         "in_flight": in_flight,
         "requests_total": requests_total,
         "heartbeats": view.heartbeats,
@@ -70,6 +73,7 @@ def record_json(record: RequestRecord) -> dict[str, Any]:
     """One request record as JSON."""
     out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
     out["explanation"] = record.explanation.to_json() if record.explanation is not None else None
+    out["attempts"] = [a.to_json() for a in record.attempts]
     timeline = {stage: round(record.timeline[stage], 6) for stage in STAGES if stage in record.timeline}
     out["timeline"] = timeline
     out["stages"] = _stage_durations(timeline)
@@ -162,6 +166,22 @@ class Admin:
             }
         )
 
+    async def _cordon(self, request: web.Request, cordoned: bool) -> web.Response:
+        agent_id = request.match_info["agent_id"]
+        if self._registry.get(agent_id) is None:
+            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+        view = self._registry.set_cordon(agent_id, cordoned)
+        snap = self._registry.snapshot()
+        return _json({"agent_id": agent_id, "instance": self._instance(view, snap, self._clock.monotonic())})
+
+    async def cordon(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances/{agent_id}/cordon``: no new requests; the agent is not told."""
+        return await self._cordon(request, True)
+
+    async def uncordon(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances/{agent_id}/uncordon``."""
+        return await self._cordon(request, False)
+
     async def drain(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances/{agent_id}/drain``."""
         return await self._command(request, "drain")
@@ -205,6 +225,8 @@ class Admin:
         app.router.add_post("/admin/v1/instances/{agent_id}/drain", self.drain)
         app.router.add_post("/admin/v1/instances/{agent_id}/undrain", self.undrain)
         app.router.add_post("/admin/v1/instances/{agent_id}/shutdown", self.shutdown)
+        app.router.add_post("/admin/v1/instances/{agent_id}/cordon", self.cordon)
+        app.router.add_post("/admin/v1/instances/{agent_id}/uncordon", self.uncordon)
         app.router.add_get("/admin/v1/scheduler", self.scheduler)
         app.router.add_get("/admin/v1/requests", self.requests)
         app.router.add_get("/admin/v1/requests/{request_id}", self.request_record)

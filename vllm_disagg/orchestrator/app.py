@@ -20,6 +20,7 @@ from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
@@ -79,12 +80,17 @@ def build_app(
 ) -> web.Application:
     """The orchestrator's application; nothing is bound until it is started."""
     clock = clock or SystemClock()
-    registry = Registry(config.heartbeat_timeout_s)
+    registry = Registry(
+        config.heartbeat_timeout_s,
+        suspect_after_s=config.suspect_after_s,
+        breaker=BreakerPolicy(failures_to_open=config.breaker_failures, open_s=config.breaker_open_s),
+    )
     kv_index = KvIndex()
     metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of)
     request_log = RequestLog(REQUEST_LOG_CAPACITY)
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
+    registry.on_lost = gateway.instance_lost
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
     admin = Admin(registry, control, metrics, request_log, clock, gateway.describe)
 

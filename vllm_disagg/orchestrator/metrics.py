@@ -26,6 +26,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 Leg = str  # "prefill" | "decode"
+_BREAKER_VALUE = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
 
 
 class _InstanceCollector(Collector):
@@ -49,6 +50,7 @@ class _InstanceCollector(Collector):
             labels=["instance", "role", "state"],
         )
         in_flight = _gauge("in_flight", "Gateway requests outstanding on the instance")
+        breaker = _gauge("breaker_state", "The instance's circuit breaker: 0 closed, 1 half-open, 2 open")
         running = _gauge("num_running", "Requests running in the engine (last heartbeat)")
         waiting = _gauge("num_waiting", "Requests waiting in the engine's queue (last heartbeat)")
         kv = _gauge("kv_cache_usage", "Engine KV cache usage, 0..1 (last heartbeat)")
@@ -62,6 +64,7 @@ class _InstanceCollector(Collector):
         for v in snap.instances:
             labels = [v.agent_id]
             up.add_metric([v.agent_id, v.info.role, v.state], 0.0 if v.state == "dead" else 1.0)
+            breaker.add_metric(labels, _BREAKER_VALUE[v.breaker.state])
             in_flight.add_metric(labels, float(snap.in_flight.get(v.agent_id, 0)))
             m = v.metrics
             running.add_metric(labels, float(m.num_running))
@@ -73,7 +76,14 @@ class _InstanceCollector(Collector):
                 tpot.add_metric(labels, m.tpot_s)
             if self._kv_blocks is not None:
                 blocks.add_metric(labels, float(self._kv_blocks(v.agent_id)))
-        yield from (up, in_flight, running, waiting, kv, ttft, tpot)
+        links = GaugeMetricFamily(
+            "vllm_disagg_link_breaker_open",
+            "1 for each P->D link whose circuit breaker lets no request through",
+            labels=["prefill", "decode"],
+        )
+        for p, d in sorted(snap.blocked_links):
+            links.add_metric([p, d], 1.0)
+        yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, links)
         if self._kv_blocks is not None:
             yield blocks
 
@@ -144,8 +154,26 @@ class OrchestratorMetrics:
         self._upstream_errors = Counter(
             "vllm_disagg_upstream_errors",
             "Failed engine legs, by leg (prefill, decode) and kind (connect, timeout, status, "
-            "invalid_response, disconnect)",
+            "invalid_response, disconnect, lost, rejected)",
             ["leg", "kind"],
+            registry=r,
+        )
+        self._retries = Counter(
+            "vllm_disagg_retries",
+            "Engine legs tried again on another instance after a failure, by leg and cause",
+            ["leg", "cause"],
+            registry=r,
+        )
+        self._fallbacks = Counter(
+            "vllm_disagg_fallbacks",
+            "Requests run colocated on their decode instance because no prefill leg succeeded, by cause",
+            ["cause"],
+            registry=r,
+        )
+        self._resumes = Counter(
+            "vllm_disagg_resumes",
+            "Streams resumed on another instance after their decode engine failed mid-stream, by cause",
+            ["cause"],
             registry=r,
         )
         self._kv_events = Counter(
@@ -165,6 +193,9 @@ class OrchestratorMetrics:
         self._duration_children = _Bound(self._duration)
         self._refused_children = _Bound(self._refused)
         self._upstream_children = _Bound(self._upstream_errors)
+        self._retry_children = _Bound(self._retries)
+        self._fallback_children = _Bound(self._fallbacks)
+        self._resume_children = _Bound(self._resumes)
         self._kv_events_children = _Bound(self._kv_events)
         self._kv_missed_children = _Bound(self._kv_missed)
 
@@ -194,6 +225,18 @@ class OrchestratorMetrics:
     def upstream_error(self, leg: Leg, kind: str) -> None:
         """Count a failed engine leg."""
         self._upstream_children[leg, kind].inc()
+
+    def retry(self, leg: Leg, cause: str) -> None:
+        """Count a leg tried again elsewhere."""
+        self._retry_children[leg, cause].inc()
+
+    def fallback(self, cause: str) -> None:
+        """Count a request run colocated after its prefill legs failed."""
+        self._fallback_children[(cause,)].inc()
+
+    def resume(self, cause: str) -> None:
+        """Count a stream resumed on another instance."""
+        self._resume_children[(cause,)].inc()
 
     def kv_events(self, agent_id: str, applied: int, missed: int) -> None:
         """Count one ``KvEvents`` message from an instance's agent (both series appear with the first)."""

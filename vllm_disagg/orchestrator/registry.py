@@ -1,28 +1,43 @@
 """The one owner of mutable instance state; everything else reads immutable snapshots.
 
-States of an instance (one per agent id)::
+States of an instance (one per agent id; the rules are ``health.derive_state``)::
 
-    joining   Hello accepted, engine not (or no longer) ready      never routed to
-    ready     heartbeat says engine "ready" and nobody is draining  routed to
+    joining   Hello accepted, engine starting                       never routed to
+    ready     engine ready, heartbeats fresh, breaker closed        routed to
+    suspect   late heartbeat, engine unhealthy or restarting, or    never routed to; back to ready
+              its circuit breaker open                              when the sign goes away
+    cordoned  an operator cordoned it                               never routed to (new requests)
     draining  the agent or an operator drains it                    never routed to (new requests)
     dead      heartbeat timeout, Goodbye, or engine "stopped"       never routed to; kept for the admin API
 
-A dead instance comes back only through a new Hello (a new session). Every method is synchronous and
-cheap: the control plane calls them per frame, the gateway per request.
+A dead instance comes back only through a new Hello (a new session). The gateway reports each leg's
+outcome (``leg_succeeded``/``leg_failed``), which feeds a breaker per instance and per P→D link; the
+control plane calls ``tick`` every half heartbeat interval. ``on_lost`` is called when a live
+instance dies or its engine stops serving, so the gateway can fail over the requests it has there.
+Every method is synchronous and cheap: the control plane calls them per frame, the gateway per request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Literal
 
+from vllm_disagg.orchestrator import health
+from vllm_disagg.orchestrator.health import (
+    CLOSED,
+    INSTANCE_STATES,
+    Breaker,
+    BreakerPolicy,
+    InstanceState,
+)
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
-InstanceState = Literal["joining", "ready", "draining", "dead"]
-INSTANCE_STATES: tuple[InstanceState, ...] = ("joining", "ready", "draining", "dead")
+__all__ = ["INSTANCE_STATES", "InstanceState", "InstanceView", "Registry", "RegistrySnapshot"]
+# Engine states in which requests already on the instance will not complete.
+_ENGINE_LOST: frozenset[EngineState] = frozenset(("unhealthy", "restarting", "stopped"))
 
 # Roles that may serve each leg of a request.
 PREFILL_ROLES: frozenset[Role] = frozenset(("prefill", "both"))
@@ -48,6 +63,16 @@ class InstanceView:
     heartbeats: int
     metrics: MetricsSnapshot
     dead_reason: str
+    admin_cordoned: bool = False
+    breaker: Breaker = CLOSED
+    late: bool = False  # no heartbeat for ``suspect_after_s``
+
+    @property
+    def suspect_reason(self) -> str:
+        """Why it is suspect ("" when it is not)."""
+        if self.state != "suspect":
+            return ""
+        return health.suspect_reason(engine_state=self.engine_state, late=self.late, breaker=self.breaker)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +91,8 @@ class RegistrySnapshot:
     by_model: Mapping[str, tuple[InstanceView, ...]]  # model -> its instances in any state, by agent id
     ready_prefill: Mapping[str, tuple[InstanceView, ...]]  # model -> ready instances that can prefill
     ready_decode: Mapping[str, tuple[InstanceView, ...]]  # model -> ready instances that can decode
+    # (prefill id, decode id) pairs whose link breaker lets no request through now.
+    blocked_links: frozenset[tuple[str, str]] = frozenset()
 
     def in_flight_of(self, agent_id: str) -> int:
         """Gateway requests outstanding on an instance."""
@@ -89,17 +116,22 @@ class _Instance:
     engine_state: EngineState = "starting"
     agent_draining: bool = False
     admin_draining: bool = False
+    admin_cordoned: bool = False
     heartbeats: int = 0
     metrics: MetricsSnapshot = field(default_factory=MetricsSnapshot)
     dead_reason: str = ""
+    breaker: Breaker = CLOSED
+    late: bool = False
 
     def derive_state(self) -> InstanceState:
-        """The state a live session is in, from what the agent and the operator said last."""
-        if self.engine_state == "stopped":
-            return "dead"
-        if self.agent_draining or self.admin_draining:
-            return "draining"
-        return "ready" if self.engine_state == "ready" else "joining"
+        """The state a live session is in, from every signal (see ``health.derive_state``)."""
+        return health.derive_state(
+            engine_state=self.engine_state,
+            draining=self.agent_draining or self.admin_draining,
+            cordoned=self.admin_cordoned,
+            late=self.late,
+            breaker_routable=self.breaker.routable,
+        )
 
     def view(self) -> InstanceView:
         return InstanceView(
@@ -115,17 +147,30 @@ class _Instance:
             heartbeats=self.heartbeats,
             metrics=self.metrics,
             dead_reason=self.dead_reason,
+            admin_cordoned=self.admin_cordoned,
+            breaker=self.breaker,
+            late=self.late,
         )
 
 
 class Registry:
-    """Instances by agent id, their state machine, and the gateway's in-flight counts."""
+    """Instances by agent id, their state machine, breakers, and the gateway's in-flight counts."""
 
-    def __init__(self, heartbeat_timeout_s: float) -> None:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        *,
+        suspect_after_s: float | None = None,
+        breaker: BreakerPolicy | None = None,
+    ) -> None:
         self._timeout = heartbeat_timeout_s
+        # Silence for this long stops routing at once; death (and a new session) waits for the timeout.
+        self._suspect_after = suspect_after_s if suspect_after_s is not None else heartbeat_timeout_s / 2
+        self._policy = breaker or BreakerPolicy()
         self._instances: dict[str, _Instance] = {}
         self._in_flight: dict[str, int] = {}
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
+        self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
         self._version = 0
         self._membership = 0
         self._id = next(_REGISTRY_IDS)
@@ -133,13 +178,21 @@ class Registry:
         # one heartbeat costs a few dict/tuple copies, not 1,024 new views.
         self._views: dict[str, InstanceView] = {}
         self._groups: _Groups | None = None  # agent ids per model / ready role; rebuilt on membership
+        self._blocked: frozenset[tuple[str, str]] = frozenset()
         self._cached: RegistrySnapshot | None = None
         self._cached_in_flight: dict[str, int] | None = None
+        # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
+        self.on_lost: Callable[[str, str], None] | None = None
 
     @property
     def heartbeat_timeout_s(self) -> float:
         """No heartbeat for this long and an instance is dead."""
         return self._timeout
+
+    @property
+    def breaker_policy(self) -> BreakerPolicy:
+        """When the instance and link breakers open, and for how long."""
+        return self._policy
 
     def _changed(self, inst: _Instance, membership: bool) -> None:
         self._views[inst.agent_id] = inst.view()
@@ -149,17 +202,32 @@ class Registry:
             self._membership += 1
             self._groups = None
 
+    def _update(self, inst: _Instance, lost_reason: str = "") -> None:
+        """Re-derive a live instance's state after a signal changed; tell ``on_lost`` when it is lost."""
+        before = inst.state
+        inst.state = inst.derive_state()
+        if inst.state == "dead":
+            self._kill(inst, lost_reason or "engine stopped", before)
+            return
+        self._changed(inst, membership=inst.state != before)
+        if lost_reason and self.on_lost is not None:
+            self.on_lost(inst.agent_id, lost_reason)
+
     def hello(self, agent_id: str, info: InstanceInfo, now: float) -> InstanceView:
         """Start a new session for ``agent_id`` (first time, after death, or an agent that restarted)."""
         old = self._instances.get(agent_id)
+        if old is not None and old.state != "dead" and self.on_lost is not None:
+            self.on_lost(agent_id, "its agent started a new session")  # a new engine may be behind it
         inst = _Instance(
             agent_id=agent_id,
             info=info,
             session=(old.session + 1) if old else 1,
             joined_at=now,
             last_heartbeat=now,
+            admin_cordoned=old.admin_cordoned if old else False,  # the operator's word outlives sessions
         )
         self._instances[agent_id] = inst
+        self._drop_links(agent_id)
         self._changed(inst, membership=True)
         return self._views[agent_id]
 
@@ -168,16 +236,14 @@ class Registry:
         inst = self._instances.get(agent_id)
         if inst is None or inst.state == "dead":
             return None
-        before = (inst.state, inst.agent_draining)
+        lost = hb.engine_state in _ENGINE_LOST and inst.engine_state not in _ENGINE_LOST
         inst.last_heartbeat = now
         inst.heartbeats += 1
         inst.metrics = hb.metrics
         inst.engine_state = hb.engine_state
         inst.agent_draining = hb.draining
-        inst.state = inst.derive_state()
-        if inst.state == "dead":
-            inst.dead_reason = "engine stopped"
-        self._changed(inst, membership=(inst.state, inst.agent_draining) != before)
+        inst.late = False
+        self._update(inst, f"engine {hb.engine_state}" if lost else "")
         return self._views[agent_id]
 
     def goodbye(self, agent_id: str, reason: str = "") -> InstanceView | None:
@@ -189,30 +255,115 @@ class Registry:
             self._kill(inst, f"goodbye: {reason}" if reason else "goodbye")
         return self._views[agent_id]
 
-    def expire(self, now: float) -> list[str]:
-        """Mark dead every live instance silent for ``heartbeat_timeout_s`` or more; their ids."""
-        dead = [
-            inst
-            for inst in self._instances.values()
-            if inst.state != "dead" and now - inst.last_heartbeat >= self._timeout
-        ]
-        for inst in dead:
-            self._kill(inst, f"no heartbeat for {now - inst.last_heartbeat:.3f}s")
-        return [inst.agent_id for inst in dead]
+    def tick(self, now: float) -> list[str]:
+        """Apply the passing of time: silent instances turn suspect, then dead; open breakers half-open.
 
-    def _kill(self, inst: _Instance, reason: str) -> None:
+        Returns the ids of the instances that died now (silent for ``heartbeat_timeout_s`` or more).
+        """
+        dead: list[str] = []
+        for inst in self._instances.values():
+            if inst.state == "dead":
+                continue
+            silent = now - inst.last_heartbeat
+            if silent >= self._timeout:
+                self._kill(inst, f"no heartbeat for {silent:.3f}s")
+                dead.append(inst.agent_id)
+                continue
+            late = health.heartbeat_late(inst.last_heartbeat, now, self._suspect_after)
+            breaker = health.on_tick(inst.breaker, now)
+            if late != inst.late or breaker is not inst.breaker:
+                inst.late, inst.breaker = late, breaker
+                self._update(inst)
+        if self._links:
+            for key, b in list(self._links.items()):
+                ticked = health.on_tick(b, now)
+                if ticked is not b:
+                    self._set_link(key, ticked)
+        return dead
+
+    def expire(self, now: float) -> list[str]:
+        """``tick``, under the name the control plane's expiry loop has always used."""
+        return self.tick(now)
+
+    def _kill(self, inst: _Instance, reason: str, before: InstanceState | None = None) -> None:
+        was_live = (before or inst.state) != "dead"
         inst.state = "dead"
         inst.dead_reason = reason
+        self._drop_links(inst.agent_id)
         self._changed(inst, membership=True)
+        if was_live and self.on_lost is not None:
+            self.on_lost(inst.agent_id, reason)
 
     def set_admin_drain(self, agent_id: str, draining: bool) -> InstanceView:
         """An operator drains (or undrains) an instance; takes effect for the very next request."""
         inst = self._instances[agent_id]
         inst.admin_draining = draining
         if inst.state != "dead":
-            inst.state = inst.derive_state()
-        self._changed(inst, membership=True)
+            self._update(inst)
+        else:
+            self._changed(inst, membership=True)
         return self._views[agent_id]
+
+    def set_cordon(self, agent_id: str, cordoned: bool) -> InstanceView:
+        """An operator cordons (or uncordons) an instance: no new requests; those on it finish."""
+        inst = self._instances[agent_id]
+        inst.admin_cordoned = cordoned
+        if inst.state != "dead":
+            self._update(inst)
+        else:
+            self._changed(inst, membership=True)
+        return self._views[agent_id]
+
+    # --- the gateway's outcomes ---------------------------------------------------------------------
+
+    def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None:
+        """A leg to ``agent_id`` worked (``partner``: the prefill instance whose KV a decode leg used)."""
+        inst = self._instances.get(agent_id)
+        if inst is not None and inst.breaker is not CLOSED and inst.state != "dead":
+            inst.breaker = health.on_success(inst.breaker)
+            self._update(inst)
+        if partner is not None and self._links:
+            key = (partner, agent_id)
+            if key in self._links:
+                self._set_link(key, CLOSED)
+
+    def leg_failed(
+        self, agent_id: str, now: float, partner: str | None = None, *, instance_fault: bool = True
+    ) -> None:
+        """A leg to ``agent_id`` failed: count it against the instance (unless ``instance_fault`` is
+        False: the engine answered, so the trouble may be the KV pull from ``partner``) and, for a decode
+        leg that used ``partner``'s KV, against that P→D link."""
+        inst = self._instances.get(agent_id)
+        if instance_fault and inst is not None and inst.state != "dead":
+            breaker = health.on_failure(inst.breaker, now, self._policy)
+            if breaker is not inst.breaker:
+                inst.breaker = breaker
+                self._update(inst)
+        if partner is not None:
+            key = (partner, agent_id)
+            self._set_link(key, health.on_failure(self._links.get(key, CLOSED), now, self._policy))
+
+    def link_breaker(self, prefill: str, decode: str) -> Breaker:
+        """The breaker of the P→D link (closed when nothing went wrong on it)."""
+        return self._links.get((prefill, decode), CLOSED)
+
+    def _set_link(self, key: tuple[str, str], b: Breaker) -> None:
+        old = self._links.get(key, CLOSED)
+        if b == CLOSED:
+            self._links.pop(key, None)
+        else:
+            self._links[key] = b
+        if old.routable != b.routable:
+            self._blocked = frozenset(k for k, v in self._links.items() if not v.routable)
+            self._version += 1
+            self._cached = None
+            self._membership += 1  # a pairing rule changed: memoized filters must see it
+
+    def _drop_links(self, agent_id: str) -> None:
+        if not self._links:
+            return
+        for key in [k for k in self._links if agent_id in k]:
+            self._set_link(key, CLOSED)
 
     def get(self, agent_id: str) -> InstanceView | None:
         """One instance, or None."""
@@ -232,6 +383,12 @@ class Registry:
         self._in_flight[agent_id] = self._in_flight.get(agent_id, 0) + 1
         self._cached_in_flight = None
         self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + 1
+        inst = self._instances.get(agent_id)
+        if inst is not None and inst.breaker.state == "half_open":
+            probing = health.on_dispatch(inst.breaker)
+            if probing is not inst.breaker:
+                inst.breaker = probing  # this request is the probe; nobody else until it answers
+                self._update(inst)
 
     def release(self, agent_id: str) -> None:
         """A request sent to ``agent_id`` is over (success, failure or cancellation)."""
@@ -241,6 +398,12 @@ class Registry:
         else:
             self._in_flight[agent_id] = count - 1
         self._cached_in_flight = None
+        inst = self._instances.get(agent_id)
+        if inst is not None and inst.breaker.probing:
+            # The probe ended without a verdict (the client left): let the next request probe.
+            inst.breaker = dataclasses.replace(inst.breaker, probing=False)
+            if inst.state != "dead":
+                self._update(inst)
 
     def snapshot(self) -> RegistrySnapshot:
         """An immutable view; the instance part is rebuilt only when something changed."""
@@ -270,6 +433,7 @@ class Registry:
             by_model=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.by_model.items()}),
             ready_prefill=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.prefill.items()}),
             ready_decode=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.decode.items()}),
+            blocked_links=self._blocked,
         )
 
 
@@ -317,4 +481,5 @@ def _with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> Regist
         by_model=snap.by_model,
         ready_prefill=snap.ready_prefill,
         ready_decode=snap.ready_decode,
+        blocked_links=snap.blocked_links,
     )

@@ -15,7 +15,7 @@ from yarl import URL
 
 from vllm_disagg import jsonutil
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import RequestError, UpstreamError, UpstreamTimeout
+from vllm_disagg.errors import EngineRejected, UpstreamError, UpstreamTimeout
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
 # Longest engine error text quoted back to a client.
@@ -67,10 +67,13 @@ def new_session(config: OrchestratorConfig) -> aiohttp.ClientSession:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
     return aiohttp.ClientSession(
         connector=connector,
+        # Connect and idle-read limits, never a total: a healthy stream may run for hours, and a dead
+        # or partitioned engine is cut off by the registry (``LegWatch``) long before a timeout.
         timeout=aiohttp.ClientTimeout(
-            total=config.upstream_timeout_s,
+            total=None,
             connect=config.connect_timeout_s,
             sock_connect=config.connect_timeout_s,
+            sock_read=config.idle_timeout_s,
         ),
         # Bodies are relayed as bytes: never ask engines to compress, never decompress.
         auto_decompress=False,
@@ -79,16 +82,32 @@ def new_session(config: OrchestratorConfig) -> aiohttp.ClientSession:
     )
 
 
-def upstream_failure(target: Target, exc: BaseException, metrics: OrchestratorMetrics) -> RequestError:
-    """The client-facing error for an engine call that raised, counted by leg and kind."""
+def upstream_failure(target: Target, exc: BaseException, metrics: OrchestratorMetrics) -> UpstreamError:
+    """The error for an engine call that raised, with its cause, counted by leg and kind."""
+    if isinstance(exc, UpstreamError):  # already classified (an instance declared lost)
+        metrics.upstream_error(target.leg, exc.cause)
+        return exc
     if isinstance(exc, TimeoutError):
         metrics.upstream_error(target.leg, "timeout")
         return UpstreamTimeout(f"{target.describe()} did not answer in time ({type(exc).__name__})")
     if isinstance(exc, aiohttp.ClientConnectorError):
         metrics.upstream_error(target.leg, "connect")
-        return UpstreamError(f"{target.describe()} is unreachable: {exc.os_error.strerror or exc}")
+        return UpstreamError(
+            f"{target.describe()} is unreachable: {exc.os_error.strerror or exc}", cause="connect"
+        )
     metrics.upstream_error(target.leg, "disconnect")
-    return UpstreamError(f"{target.describe()} failed: {type(exc).__name__}: {exc}")
+    return UpstreamError(f"{target.describe()} failed: {type(exc).__name__}: {exc}", cause="disconnect")
+
+
+def status_failure(target: Target, status: int, body: bytes, metrics: OrchestratorMetrics) -> Exception:
+    """The error for an engine's non-2xx answer: its own 4xx goes back to the client as it is (another
+    engine would refuse the request too); a 5xx, 408 or 429 is the engine's trouble and worth a retry."""
+    message = f"{target.describe()} answered HTTP {status}: {_quote_error(body)}"
+    if 400 <= status < 500 and status not in (408, 429):
+        metrics.upstream_error(target.leg, "rejected")
+        return EngineRejected(status, message)
+    metrics.upstream_error(target.leg, "status")
+    return UpstreamError(message, cause="status")
 
 
 def _quote_error(body: bytes) -> str:
@@ -107,25 +126,28 @@ async def run_prefill(
     headers: dict[str, str],
     metrics: OrchestratorMetrics,
 ) -> Any:
-    """POST the prefill leg; its ``kv_transfer_params``, or an ``UpstreamError``/``UpstreamTimeout``."""
+    """POST the prefill leg; its ``kv_transfer_params``, or an ``UpstreamError`` (retry elsewhere) or
+    ``EngineRejected`` (the engine's own 4xx: the request is at fault)."""
     try:
         async with session.post(target.url, data=body, headers=headers) as resp:
             data = await resp.read()
             status = resp.status
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+    except (aiohttp.ClientError, TimeoutError, OSError, UpstreamError) as exc:
         raise upstream_failure(target, exc, metrics) from None
     if not 200 <= status < 300:
-        metrics.upstream_error(target.leg, "status")
-        raise UpstreamError(f"{target.describe()} answered HTTP {status}: {_quote_error(data)}")
+        raise status_failure(target, status, data, metrics)
     try:
         parsed = jsonutil.loads(data)
     except ValueError:
         metrics.upstream_error(target.leg, "invalid_response")
-        raise UpstreamError(f"{target.describe()} answered a body that is not JSON") from None
+        raise UpstreamError(
+            f"{target.describe()} answered a body that is not JSON", cause="invalid_response"
+        ) from None
     kv = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
     if not isinstance(kv, dict):
         metrics.upstream_error(target.leg, "invalid_response")
         raise UpstreamError(
-            f"{target.describe()} returned no kv_transfer_params (is its engine a KV producer?)"
+            f"{target.describe()} returned no kv_transfer_params (is its engine a KV producer?)",
+            cause="invalid_response",
         )
     return kv

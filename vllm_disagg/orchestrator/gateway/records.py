@@ -14,6 +14,29 @@ STAGES = ("scheduled", "prefill_start", "prefill_end", "decode_start", "first_to
 
 
 @dataclass(frozen=True, slots=True)
+class Attempt:
+    """One engine leg of a request: where it ran and how it ended (``ok``, or the failure's cause)."""
+
+    leg: str  # "prefill" | "decode" | "resume"
+    instance: str
+    started_s: float  # seconds after the request's arrival
+    ended_s: float
+    outcome: str  # "ok", or an ``UpstreamError`` cause ("connect", "timeout", "status", "lost", ...)
+    error: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        """The attempt as the admin API shows it."""
+        return {
+            "leg": self.leg,
+            "instance": self.instance,
+            "started_s": round(self.started_s, 6),
+            "ended_s": round(self.ended_s, 6),
+            "outcome": self.outcome,
+            "error": self.error,
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class RequestRecord:
     """One finished request, for the explanation API."""
 
@@ -33,6 +56,9 @@ class RequestRecord:
     explanation: Explanation | None = None
     # stage (see STAGES) -> seconds after arrival; a stage the request never reached is absent.
     timeline: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    attempts: tuple[Attempt, ...] = ()  # every engine leg, failed ones included, in order
+    fallback: str = ""  # why it ran colocated after its prefill legs failed ("" when it did not)
+    resumes: int = 0  # times its stream moved to another instance mid-way
 
 
 class RequestLog:

@@ -28,10 +28,12 @@ from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import BadRequest, PayloadTooLarge, RequestError, UpstreamError
-from vllm_disagg.orchestrator.gateway.handoff import Target, decode_body, prefill_body, run_prefill
+from vllm_disagg.orchestrator.gateway.flow import Flow
+from vllm_disagg.orchestrator.gateway.handoff import Target
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
-from vllm_disagg.orchestrator.gateway.streaming import LegTiming, run_decode
+from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
+from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
@@ -47,6 +49,7 @@ PIN_HEADER = (
 )
 PATHS: dict[Route, str] = {"completions": "/v1/completions", "chat_completions": "/v1/chat/completions"}
 _URL_CACHE_MAX = 1024  # (engine url, path) pairs; instances come and go, so keep it bounded
+_NO_TIMING = LegTiming()  # for requests that never reached an engine; never written to
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +143,12 @@ class Gateway:
         kv_index: KvIndex | None = None,
         tokenizers: Tokenizers | None = None,
     ) -> None:
-        self._config = config
-        self._registry = registry
-        self._scheduler = scheduler
-        self._metrics = metrics
-        self._clock = clock
+        self.config = config
+        self.registry = registry
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.clock = clock
+        self.watch = LegWatch()
         self.request_log = request_log
         self.kv_index = kv_index or KvIndex()
         self.tokenizers = tokenizers or Tokenizers()
@@ -152,8 +156,13 @@ class Gateway:
         self.session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], URL] = {}
 
-    def _target(self, leg: str, agent_id: str, snapshot: RegistrySnapshot, path: str) -> Target:
-        base = snapshot.by_id[agent_id].info.url
+    def target(self, leg: str, agent_id: str, route: Route) -> Target:
+        """Where one leg of a ``route`` request to ``agent_id`` goes."""
+        view = self.registry.get(agent_id)
+        if view is None:
+            raise UpstreamError(f"{leg} instance '{agent_id}' is not registered", cause="lost")
+        base = view.info.url
+        path = PATHS[route]
         key = (base, path)
         url = self._urls.get(key)
         if url is None:
@@ -162,8 +171,20 @@ class Gateway:
             url = self._urls[key] = URL(base.rstrip("/") + path)
         return Target(leg, agent_id, url)
 
+    def session_or_fail(self) -> aiohttp.ClientSession:
+        """The engine client session; ``UpstreamError`` before the app has started it."""
+        if self.session is None:
+            raise UpstreamError("the gateway is not started")
+        return self.session
+
+    def instance_lost(self, agent_id: str, reason: str) -> None:
+        """The registry says an instance is lost: fail its legs now, so they are retried or resumed."""
+        n = self.watch.lost(agent_id, reason)
+        if n:
+            log.warning("instance %s lost (%s): failing over %d in-flight legs", agent_id, reason, n)
+
     async def _read_body(self, request: web.Request) -> bytes:
-        limit = self._config.max_body_bytes
+        limit = self.config.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
             raise PayloadTooLarge(f"the request body of {length} bytes is over the limit of {limit} bytes")
@@ -212,21 +233,15 @@ class Gateway:
 
     async def serve(self, request: web.Request, route: Route) -> web.StreamResponse:
         """One completions or chat request, end to end."""
-        clock = self._clock
-        registry = self._registry
+        clock = self.clock
         t0 = clock.monotonic()
         request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         out_headers = {"X-Request-Id": request_id}
-        model, mode, status, error = "", "none", 500, ""
-        prefill_id: str | None = None
-        decode_id: str | None = None
+        model, status, error = "", 500, ""
         explanation: Explanation | None = None
         t_decided = t0
-        prefill_s: float | None = None
-        stamps: dict[str, float] = {}
         streaming = False
-        engine_s = 0.0
-        timing = LegTiming()
+        flow: Flow | None = None
         try:
             raw = await self._read_body(request)
             parsed = parse_request(raw, route)
@@ -238,60 +253,22 @@ class Gateway:
                     f"({parsed.pinned_prefill!r}) disagree",
                     param=PIN_FIELD,
                 )
-            snapshot = registry.snapshot()
+            snapshot = self.registry.snapshot()
             scheduling = self.scheduling_request(
                 request_id, route, parsed, snapshot, pin or parsed.pinned_prefill
             )
-            decision = self._scheduler.decide(scheduling, snapshot, t0)
-            t_decided = stamps["scheduled"] = clock.monotonic()
-            mode, prefill_id, decode_id = decision.mode, decision.prefill, decision.decode
+            decision = self.scheduler.decide(scheduling, snapshot, t0)
+            t_decided = clock.monotonic()
             explanation = decision.explanation
-            out_headers["X-Disagg-Mode"] = mode
-            out_headers["X-Disagg-Prefill"] = prefill_id or ""
-            out_headers["X-Disagg-Decode"] = decode_id
             up_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
             auth = request.headers.get("Authorization")
             if auth:
                 up_headers["Authorization"] = auth
-            path = PATHS[route]
-            session = self.session
-            if session is None:
-                raise UpstreamError("the gateway is not started")
-            if prefill_id is not None:
-                target = self._target("prefill", prefill_id, snapshot, path)
-                body = prefill_body(parsed.body)
-                registry.acquire(prefill_id)
-                t_prefill = stamps["prefill_start"] = clock.monotonic()
-                try:
-                    kv = await run_prefill(session, target, body, up_headers, self._metrics)
-                finally:
-                    registry.release(prefill_id)
-                    stamps["prefill_end"] = t_prefill_end = clock.monotonic()
-                    prefill_s = t_prefill_end - t_prefill
-                    engine_s += prefill_s
-                decode = decode_body(parsed.body, kv)
-            else:
-                decode = raw  # colocated: the client's bytes, unchanged
-            target = self._target("decode", decode_id, snapshot, path)
-            registry.acquire(decode_id)
-            t_decode = stamps["decode_start"] = clock.monotonic()
-            try:
-                response = await run_decode(
-                    request,
-                    session,
-                    target,
-                    decode,
-                    up_headers,
-                    out_headers,
-                    parsed.stream,
-                    self._metrics,
-                    clock.monotonic,
-                    timing,
-                )
-            finally:
-                registry.release(decode_id)
-                engine_s += (timing.finished or clock.monotonic()) - t_decode
-            status = 499 if timing.client_gone else response.status
+            flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
+            flow.stamps["scheduled"] = t_decided
+            response = await flow.run()
+            timing = flow.timing
+            status = 499 if timing.client_gone else (502 if timing.cut else response.status)
             error = timing.cut or ("client disconnected" if timing.client_gone else "")
             return response
         except RequestError as exc:
@@ -301,44 +278,68 @@ class Gateway:
             status, error = 499, "client disconnected"
             raise
         finally:
-            now = clock.monotonic()
-            total = now - t0
-            ttfb = timing.first_byte - t0 if timing.first_byte is not None else None
-            # Only a stream shows when the first token came; a whole body arrives at the last one.
-            if timing.first_byte is not None and streaming:
-                stamps["first_token"] = timing.first_byte
-            if timing.finished is not None and status < 400:
-                stamps["last_token"] = timing.finished
-            self._metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb)
-            self.request_log.add(
-                RequestRecord(
-                    request_id=request_id,
-                    route=route,
-                    model=model,
-                    mode=mode,
-                    prefill=prefill_id,
-                    decode=decode_id,
-                    status=status,
-                    error=error,
-                    started_wall=clock.wall() - total,
-                    schedule_s=t_decided - t0,
-                    prefill_s=prefill_s,
-                    ttfb_s=ttfb,
-                    total_s=total,
-                    explanation=explanation,
-                    timeline={stage: t - t0 for stage, t in stamps.items()},
-                )
+            self._record(request_id, route, model, streaming, status, error, t0, t_decided, explanation, flow)
+
+    def _record(
+        self,
+        request_id: str,
+        route: Route,
+        model: str,
+        streaming: bool,
+        status: int,
+        error: str,
+        t0: float,
+        t_decided: float,
+        explanation: Explanation | None,
+        flow: Flow | None,
+    ) -> None:
+        """Metrics and the request log for one finished request."""
+        clock = self.clock
+        now = clock.monotonic()
+        total = now - t0
+        timing = flow.timing if flow is not None else _NO_TIMING
+        stamps = flow.stamps if flow is not None else {}
+        mode = flow.mode if flow is not None else "none"
+        ttfb = timing.first_byte - t0 if timing.first_byte is not None else None
+        # Only a stream shows when the first token came; a whole body arrives at the last one.
+        if timing.first_byte is not None and streaming:
+            stamps["first_token"] = timing.first_byte
+        if timing.finished is not None and status < 400:
+            stamps["last_token"] = timing.finished
+        prefill_s = flow.prefill_s if flow is not None else None
+        engine_s = flow.engine_s if flow is not None else 0.0
+        self.metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb)
+        self.request_log.add(
+            RequestRecord(
+                request_id=request_id,
+                route=route,
+                model=model,
+                mode=mode,
+                prefill=flow.prefill_id if flow is not None else None,
+                decode=flow.decode_id if flow is not None else None,
+                status=status,
+                error=error,
+                started_wall=clock.wall() - total,
+                schedule_s=t_decided - t0,
+                prefill_s=prefill_s,
+                ttfb_s=ttfb,
+                total_s=total,
+                explanation=explanation,
+                timeline={stage: t - t0 for stage, t in stamps.items()},
+                attempts=tuple(flow.attempts) if flow is not None else (),
+                fallback=flow.fallback if flow is not None else "",
             )
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s %s %s -> %s in %.4fs (%s)", request_id, route, mode, status, total, error)
+        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("%s %s %s -> %s in %.4fs (%s)", request_id, route, mode, status, total, error)
 
     def describe(self) -> dict[str, Any]:
         """Scheduler config, tokenizer status per model, KV index size: for the admin API."""
         index = self.kv_index
-        snapshot = self._registry.snapshot()
-        config = getattr(self._scheduler, "config", None)
+        snapshot = self.registry.snapshot()
+        config = getattr(self.scheduler, "config", None)
         return {
-            "scheduler": getattr(self._scheduler, "name", type(self._scheduler).__name__),
+            "scheduler": getattr(self.scheduler, "name", type(self.scheduler).__name__),
             "config": getattr(config, "source", None),
             "tokenizers": self.tokenizers.status(),
             "kv_index": {
@@ -360,7 +361,7 @@ class Gateway:
         """``GET /v1/models``: models served by at least one ready instance."""
         data = [
             {"id": m, "object": "model", "created": 0, "owned_by": "vllm-disagg"}
-            for m in self._registry.snapshot().ready_models()
+            for m in self.registry.snapshot().ready_models()
         ]
         return web.Response(
             body=jsonutil.dumps({"object": "list", "data": data}), content_type="application/json"

@@ -1,10 +1,12 @@
 """The decode leg: relay the engine's answer to the client as bytes, with backpressure.
 
-Non-streaming: the engine's status and body go back as they are (never re-serialised). Streaming: the
-first chunk is awaited before anything is sent, so an engine failing early still becomes a clean 502
-JSON; after that, bytes are written as they arrive (``write`` awaits the client, which is the
-backpressure), and an engine failing mid-stream cuts the client's connection so the client sees an
-incomplete response rather than a clean end. A client that goes away closes the engine request.
+Non-streaming: the engine's 2xx (or its own 4xx) goes back as it is (never re-serialised); a 5xx, 408
+or 429 raises an ``UpstreamError`` so the gateway can retry elsewhere. Streaming: the first chunk is
+awaited before anything is sent, so an engine failing early is still retried cleanly; after that, bytes
+are written as they arrive (``write`` awaits the client, which is the backpressure). An engine failing
+mid-stream ends the leg with ``LegTiming.cut`` set and the client's response still open: the gateway
+resumes it elsewhere or ends it with ``end_with_error`` (an error event, then ``[DONE]``, as vLLM
+itself ends a stream that fails). A client that goes away closes the engine request.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from vllm_disagg.orchestrator.gateway.handoff import Target, upstream_failure
+from vllm_disagg import jsonutil
+from vllm_disagg.errors import UpstreamError
+from vllm_disagg.orchestrator.gateway.handoff import Target, status_failure, upstream_failure
+from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
-_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError, UpstreamError)
+_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(slots=True)
@@ -29,6 +35,7 @@ class LegTiming:
     finished: float | None = None  # monotonic time the leg ended
     client_gone: bool = False
     cut: str = ""  # why a started stream was cut, empty if it was not
+    cut_cause: str = ""  # the cut's ``UpstreamError.cause``
 
 
 async def run_decode(
@@ -42,16 +49,28 @@ async def run_decode(
     metrics: OrchestratorMetrics,
     now: Callable[[], float],
     timing: LegTiming,
+    watch: LegWatch,
 ) -> web.StreamResponse:
-    """POST the decode leg and relay its answer; raises a ``RequestError`` only before the first byte."""
+    """POST the decode leg and relay its answer; raises ``UpstreamError`` only before the first byte.
+
+    After it, a failure returns the prepared response with ``timing.cut`` set (the caller resumes or
+    ends it).
+    """
+    out: web.StreamResponse | None = None
     try:
-        async with session.post(target.url, data=body, headers=headers) as resp:
+        async with (
+            watch.leg(target.agent_id, target.describe()),
+            session.post(target.url, data=body, headers=headers) as resp,
+        ):
+            status = resp.status
+            if status >= 500 or status in (408, 429):
+                raise status_failure(target, status, await resp.read(), metrics)
             content_type = resp.headers.get("Content-Type", "application/json")
-            if not stream or resp.status != 200:
+            if not stream or status != 200:
                 data = await resp.read()
                 timing.first_byte = timing.finished = now()
                 response_headers["Content-Type"] = content_type
-                return web.Response(status=resp.status, body=data, headers=response_headers)
+                return web.Response(status=status, body=data, headers=response_headers)
             chunks = resp.content.iter_any()
             try:
                 first = await anext(chunks)
@@ -60,27 +79,29 @@ async def run_decode(
             timing.first_byte = now()
             response_headers["Content-Type"] = content_type
             response_headers["Cache-Control"] = "no-cache"
-            out = web.StreamResponse(status=resp.status, headers=response_headers)
+            out = web.StreamResponse(status=status, headers=response_headers)
             await out.prepare(request)
-            await _relay(request, resp, out, first, chunks, target, metrics, timing)
+            await _relay(resp, out, first, chunks, timing)
             timing.finished = now()
             return out
     except _UPSTREAM_ERRORS as exc:
         timing.finished = now()
-        raise upstream_failure(target, exc, metrics) from None
+        error = exc if isinstance(exc, UpstreamError) and exc.cause != "lost" else None
+        error = error or upstream_failure(target, exc, metrics)
+        if out is None:
+            raise error from None
+        timing.cut, timing.cut_cause = error.message, error.cause
+        return out
 
 
 async def _relay(
-    request: web.Request,
     resp: aiohttp.ClientResponse,
     out: web.StreamResponse,
     chunk: bytes,
     chunks: AsyncIterator[bytes],
-    target: Target,
-    metrics: OrchestratorMetrics,
     timing: LegTiming,
 ) -> None:
-    """Copy chunks until the engine ends; the caller has prepared ``out``."""
+    """Copy chunks until the engine ends; the caller has prepared ``out``. Upstream errors propagate."""
     while True:
         if chunk:
             try:
@@ -95,15 +116,22 @@ async def _relay(
             chunk = await anext(chunks)
         except StopAsyncIteration:
             break
-        except _UPSTREAM_ERRORS as exc:
-            error = upstream_failure(target, exc, metrics)
-            timing.cut = error.message
-            resp.close()
-            # Headers and bytes are out: the honest signal is an incomplete response, not a clean end.
-            if request.transport is not None:
-                request.transport.close()
-            return
     try:
+        await out.write_eof()
+    except ConnectionError:
+        timing.client_gone = True
+
+
+def error_event(message: str, status: int = 502, type_: str = "BadGatewayError") -> bytes:
+    """An SSE error event shaped like the one vLLM sends when a stream fails."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
+    return b"data: " + jsonutil.dumps(body) + b"\n\n"
+
+
+async def end_with_error(out: web.StreamResponse, message: str, timing: LegTiming) -> None:
+    """End a cut stream honestly: an error event, then ``[DONE]``, then the end of the response."""
+    try:
+        await out.write(error_event(message) + _DONE)
         await out.write_eof()
     except ConnectionError:
         timing.client_gone = True

@@ -45,6 +45,8 @@ class SchedulingRequest:
     tokenized: bool = False
     pinned_prefill: str | None = None  # the client's pick: an agent id or an engine URL
     max_tokens: int | None = None
+    # Instances this request must not use: they already failed it (the gateway's retries).
+    exclude: frozenset[str] = frozenset()
 
 
 class Explanation(Protocol):
@@ -75,6 +77,20 @@ class Scheduler(Protocol):
 
     def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:
         """The decision for one request; pure in (request, snapshot, now)."""
+        ...
+
+    def pick_prefill(
+        self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float, decode: str
+    ) -> str | None:
+        """A prefill instance for a request whose decode instance is chosen (a retry), never one in
+        ``request.exclude``; None when there is none."""
+        ...
+
+    def pick_decode(
+        self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float, prefill: str | None
+    ) -> str | None:
+        """A decode instance (a retry) able to take KV from ``prefill`` when given, never one in
+        ``request.exclude``; None when there is none."""
         ...
 
 

@@ -199,9 +199,19 @@ class _Profile:
         taken = set(holders)
         return holders + [i for i in window if i not in taken][: k - len(holders)]
 
-    def run(self, ctx: ProfileContext, population: Sequence[InstanceView]) -> ProfileTrace:
-        """Filter, sample, score and pick; ``picked`` is -1 when no candidate is left."""
+    def run(
+        self, ctx: ProfileContext, population: Sequence[InstanceView], exclude: frozenset[str] = frozenset()
+    ) -> ProfileTrace:
+        """Filter, sample, score and pick; ``picked`` is -1 when no candidate is left.
+
+        ``exclude``: instances that may not serve this request (they failed it, or cannot reach the
+        partner); shown in the explanation as filtered by ``excluded``.
+        """
         eligible, stages, ids = self._eligible(ctx, population)
+        if exclude and not exclude.isdisjoint(ids):
+            kept = tuple(i for i in eligible if i not in exclude)
+            stages = (*stages, _Stage("excluded", eligible, kept))
+            eligible, ids = kept, ids - exclude
         by_id = ctx.snapshot.by_id
         sampled = len(eligible) > self.max_candidates
         chosen = self._sample(ctx, eligible, ids) if sampled else eligible
@@ -325,7 +335,7 @@ class PluginScheduler:
             raise ModelNotFound(f"the model '{model}' does not exist", param="model")
         pinned = _resolve_pin(request.pinned_prefill, snapshot, model) if request.pinned_prefill else None
         dctx = ProfileContext(request, snapshot, now, "decode", pinned)
-        dtrace = self._profiles["decode"].run(dctx, population)
+        dtrace = self._profiles["decode"].run(dctx, population, request.exclude)
         if dtrace.picked < 0:
             raise _no_decode(model, dtrace, pinned)
         d = dtrace.candidates[dtrace.picked]
@@ -336,15 +346,47 @@ class PluginScheduler:
             )
             return Decision("disaggregated", pinned.agent_id, d.agent_id, explanation)
         pctx = ProfileContext(request, snapshot, now, "prefill", d)
-        ptrace = self._profiles["prefill"].run(pctx, population)
+        ptrace = self._profiles["prefill"].run(pctx, population, _prefill_exclude(request, snapshot, d))
         choice = self._decider.choose(pctx, d, ptrace.picked >= 0)
-        if choice.mode == "colocated" or ptrace.picked < 0:
-            explanation = PluginExplanation(
-                self.config.source, request, dtrace, choice, self._decider.name, ptrace, None
-            )
-            return Decision("colocated", None, d.agent_id, explanation)
-        p = ptrace.candidates[ptrace.picked]
         explanation = PluginExplanation(
             self.config.source, request, dtrace, choice, self._decider.name, ptrace, None
         )
-        return Decision("disaggregated", p.agent_id, d.agent_id, explanation)
+        if choice.mode == "colocated" or ptrace.picked < 0:
+            return Decision("colocated", None, d.agent_id, explanation)
+        return Decision("disaggregated", ptrace.candidates[ptrace.picked].agent_id, d.agent_id, explanation)
+
+    def pick_prefill(
+        self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float, decode: str
+    ) -> str | None:
+        """Another prefill instance for a request whose decode instance is chosen (a retry); None if none.
+
+        Instances in ``request.exclude`` (those that failed it) are never picked.
+        """
+        d = snapshot.by_id[decode]
+        population = snapshot.by_model.get(request.model, ())
+        ctx = ProfileContext(request, snapshot, now, "prefill", d)
+        trace = self._profiles["prefill"].run(ctx, population, _prefill_exclude(request, snapshot, d))
+        return trace.candidates[trace.picked].agent_id if trace.picked >= 0 else None
+
+    def pick_decode(
+        self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float, prefill: str | None
+    ) -> str | None:
+        """Another decode instance (a retry), able to take KV from ``prefill`` when given; None if none."""
+        partner = snapshot.by_id.get(prefill) if prefill is not None else None
+        population = snapshot.by_model.get(request.model, ())
+        ctx = ProfileContext(request, snapshot, now, "decode", partner)
+        exclude = request.exclude
+        if partner is not None and snapshot.blocked_links:
+            exclude = exclude | {d for p, d in snapshot.blocked_links if p == partner.agent_id}
+        trace = self._profiles["decode"].run(ctx, population, exclude)
+        return trace.candidates[trace.picked].agent_id if trace.picked >= 0 else None
+
+
+def _prefill_exclude(
+    request: SchedulingRequest, snapshot: RegistrySnapshot, d: InstanceView
+) -> frozenset[str]:
+    """What the prefill profile may not pick: the request's failed instances and P's whose link to D is
+    blocked by its breaker."""
+    if not snapshot.blocked_links:
+        return request.exclude
+    return request.exclude | {p for p, dd in snapshot.blocked_links if dd == d.agent_id}

@@ -1,0 +1,374 @@
+"""Recovery on real sockets: prefill retries and colocated fallback, decode retries, lost instances,
+streams cut mid-way, and the record of every attempt.
+
+Which instance the scheduler tries first is made deterministic by the heartbeats: the healthy
+instance reports a long queue, so the failing one (idle) wins the first pick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.helpers import eventually, free_port
+from tests.integration.conftest import EngineFactory
+from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
+from vllm_disagg import jsonutil
+from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
+from vllm_disagg.protocol.messages import MetricsSnapshot, Role
+from vllm_disagg.sim.textgen import expected_text
+
+PROMPT = "Recovery is the product: every request gets its answer, whatever fails. " * 2
+BUSY = MetricsSnapshot(num_waiting=50)  # makes a healthy instance the scheduler's second choice
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Cluster:
+    """A real orchestrator and the fake agents of one test."""
+
+    def __init__(self, server: OrchestratorServer) -> None:
+        self.server = server
+        self.agents: list[FakeAgent] = []
+
+    async def add(self, agent_id: str, url: str, role: Role, *, busy: bool = False) -> FakeAgent:
+        agent = FakeAgent(self.server.zmq_endpoint, agent_id, url, role, interval_s=0.05)
+        if busy:
+            agent.metrics = BUSY
+        self.agents.append(agent)
+        await agent.join()
+        return agent
+
+    async def ready(self, prefill: int, decode: int) -> None:
+        def check() -> bool:
+            snap = self.server.registry.snapshot()
+            return (
+                len(snap.ready_prefill.get(MODEL, ())) == prefill
+                and len(snap.ready_decode.get(MODEL, ())) == decode
+            )
+
+        await eventually(check, what=f"{prefill}P{decode}D ready")
+
+
+@contextlib.asynccontextmanager
+async def start_cluster(**overrides: Any) -> AsyncIterator[Cluster]:
+    server = await start_orchestrator(orch_config(**overrides), shutdown_timeout_s=1.0)
+    c = Cluster(server)
+    try:
+        yield c
+    finally:
+        for agent in c.agents:
+            await agent.close()
+        await server.close()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async with start_cluster(idle_timeout_s=1.0) as c:  # a hung engine fails its leg after 1 s
+        yield c
+
+
+async def complete(
+    http: aiohttp.ClientSession,
+    cluster: Cluster,
+    request_id: str,
+    *,
+    stream: bool = False,
+    max_tokens: int = 8,
+) -> tuple[int, bytes, dict[str, str]]:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
+    async with asyncio.timeout(30):  # a recovery never hangs
+        async with http.post(
+            f"{cluster.server.url}/v1/completions",
+            data=jsonutil.dumps(body),
+            headers={"X-Request-Id": request_id},
+        ) as resp:
+            return resp.status, await resp.read(), dict(resp.headers)
+
+
+def text_of(raw: bytes, stream: bool) -> str:
+    if not stream:
+        return str(jsonutil.loads(raw)["choices"][0]["text"])
+    parts = []
+    for line in raw.split(b"\n\n"):
+        if line.startswith(b"data: {"):
+            chunk = jsonutil.loads(line[6:])
+            parts.extend(c["text"] for c in chunk.get("choices", ()))
+    return "".join(parts)
+
+
+async def record(http: aiohttp.ClientSession, cluster: Cluster, request_id: str) -> dict[str, Any]:
+    async with http.get(f"{cluster.server.url}/admin/v1/requests/{request_id}") as resp:
+        assert resp.status == 200
+        return dict(await resp.json())
+
+
+def attempts(rec: dict[str, Any]) -> list[tuple[str, str, str]]:
+    return [(a["leg"], a["instance"], a["outcome"]) for a in rec["attempts"]]
+
+
+async def _hang(request: web.Request) -> web.Response:
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+async def _status_500(request: web.Request) -> web.Response:
+    return web.json_response({"error": {"message": "boom in the engine"}}, status=500)
+
+
+async def _not_json(request: web.Request) -> web.Response:
+    return web.Response(text="<html>hello</html>")
+
+
+async def _no_kv(request: web.Request) -> web.Response:
+    return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": None})
+
+
+async def _drop_before_first_byte(request: web.Request) -> web.Response:
+    assert request.transport is not None
+    request.transport.close()
+    return web.Response()
+
+
+PREFILL_FAILURES = [
+    pytest.param(None, "connect", id="prefill-instance-down"),
+    pytest.param(_hang, "timeout", id="prefill-hangs-past-the-idle-timeout"),
+    pytest.param(_status_500, "status", id="prefill-answers-500"),
+    pytest.param(_not_json, "invalid_response", id="prefill-answers-garbage"),
+    pytest.param(_no_kv, "invalid_response", id="prefill-answers-without-kv-params"),
+]
+
+
+async def _failing_url(handler: Handler | None, stack: list[Any]) -> str:
+    if handler is None:
+        return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    engine = fake_engine(handler)
+    stack.append(engine)
+    return (await engine.__aenter__()).url
+
+
+@pytest.mark.parametrize(("handler", "cause"), PREFILL_FAILURES)
+async def test_a_failed_prefill_is_retried_on_another_prefill_instance(
+    cluster: Cluster,
+    http: aiohttp.ClientSession,
+    sim_engine: EngineFactory,
+    handler: Handler | None,
+    cause: str,
+) -> None:
+    stack: list[Any] = []
+    try:
+        await cluster.add("p-bad", await _failing_url(handler, stack), "prefill")
+        await cluster.add("p-good", (await sim_engine()).url, "prefill", busy=True)
+        await cluster.add("d0", (await sim_engine()).url, "decode")
+        await cluster.ready(2, 1)
+        status, raw, headers = await complete(http, cluster, "retry-1")
+        assert status == 200, raw
+        assert text_of(raw, False) == expected_text(PROMPT, 8)
+        assert (headers["X-Disagg-Mode"], headers["X-Disagg-Prefill"]) == ("disaggregated", "p-good")
+        rec = await record(http, cluster, "retry-1")
+        assert attempts(rec) == [
+            ("prefill", "p-bad", cause),
+            ("prefill", "p-good", "ok"),
+            ("decode", "d0", "ok"),
+        ]
+        assert rec["attempts"][0]["error"].startswith("prefill instance 'p-bad'")
+        samples = await scrape(http, cluster.server.url)
+        assert sample(samples, "vllm_disagg_retries_total", leg="prefill", cause=cause) == 1
+        assert sample(samples, "vllm_disagg_instance_in_flight", instance="p-bad") == 0
+    finally:
+        for engine in stack:
+            await engine.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize(("handler", "cause"), PREFILL_FAILURES)
+async def test_when_no_prefill_instance_succeeds_the_request_runs_colocated_on_its_decode_instance(
+    cluster: Cluster,
+    http: aiohttp.ClientSession,
+    sim_engine: EngineFactory,
+    handler: Handler | None,
+    cause: str,
+) -> None:
+    stack: list[Any] = []
+    try:
+        await cluster.add("p-bad", await _failing_url(handler, stack), "prefill")
+        d = await sim_engine()
+        await cluster.add("d0", d.url, "decode")
+        await cluster.ready(1, 1)
+        for stream in (False, True):
+            status, raw, headers = await complete(http, cluster, f"fallback-{stream}", stream=stream)
+            assert status == 200, raw
+            assert text_of(raw, stream) == expected_text(PROMPT, 8), "the client gets a normal answer"
+            assert headers["X-Disagg-Mode"] == "colocated"
+        rec = await record(http, cluster, "fallback-False")
+        assert attempts(rec) == [("prefill", "p-bad", cause), ("decode", "d0", "ok")]
+        assert (rec["mode"], rec["fallback"], rec["status"]) == ("colocated", cause, 200)
+        samples = await scrape(http, cluster.server.url)
+        assert sample(samples, "vllm_disagg_fallbacks_total", cause=cause) == 2
+        d_samples = await scrape(http, d.url)
+        assert sample(d_samples, "vllm:nixl_num_failed_transfers_total") == 0, "D computed, never pulled"
+    finally:
+        for engine in stack:
+            await engine.__aexit__(None, None, None)
+
+
+async def test_an_engine_refusing_the_request_itself_is_answered_as_is_without_retries(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    async def too_long(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "prompt is too long"}}, status=400)
+
+    async with fake_engine(too_long) as p:
+        await cluster.add("p0", p.url, "prefill")
+        await cluster.add("p1", (await sim_engine()).url, "prefill", busy=True)
+        await cluster.add("d0", (await sim_engine()).url, "decode")
+        await cluster.ready(2, 1)
+        status, raw, _ = await complete(http, cluster, "refused")
+    assert status == 400
+    assert "prompt is too long" in jsonutil.loads(raw)["error"]["message"]
+    assert attempts(await record(http, cluster, "refused")) == [("prefill", "p0", "rejected")]
+    assert len(p.requests) == 1
+
+
+@pytest.mark.parametrize(
+    ("handler", "cause", "prefills"),
+    [
+        pytest.param(None, "connect", 1, id="decode-down-reuses-the-kv"),
+        pytest.param(_drop_before_first_byte, "disconnect", 2, id="decode-drops-so-prefill-runs-again"),
+        pytest.param(_status_500, "status", 2, id="decode-answers-500-so-prefill-runs-again"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_decode_failing_before_its_first_byte_is_retried_on_another_decode_instance(
+    cluster: Cluster,
+    http: aiohttp.ClientSession,
+    sim_engine: EngineFactory,
+    handler: Handler | None,
+    cause: str,
+    prefills: int,
+    stream: bool,
+) -> None:
+    stack: list[Any] = []
+    try:
+        await cluster.add("p0", (await sim_engine()).url, "prefill")
+        await cluster.add("d-bad", await _failing_url(handler, stack), "decode")
+        d_good = await sim_engine()
+        await cluster.add("d-good", d_good.url, "decode", busy=True)
+        await cluster.ready(1, 2)
+        status, raw, headers = await complete(http, cluster, "decode-retry", stream=stream)
+        assert status == 200, raw
+        assert text_of(raw, stream) == expected_text(PROMPT, 8)
+        assert (headers["X-Disagg-Mode"], headers["X-Disagg-Decode"]) == ("disaggregated", "d-good")
+        rec = await record(http, cluster, "decode-retry")
+        legs = attempts(rec)
+        assert legs[:2] == [("prefill", "p0", "ok"), ("decode", "d-bad", cause)]
+        assert legs[-1] == ("decode", "d-good", "ok")
+        assert [leg for leg, _, _ in legs].count("prefill") == prefills
+        samples = await scrape(http, cluster.server.url)
+        assert sample(samples, "vllm_disagg_retries_total", leg="decode", cause=cause) == 1
+        d_samples = await scrape(http, d_good.url)
+        assert sample(d_samples, "vllm:nixl_num_failed_transfers_total") == 0, "the KV it pulled was there"
+    finally:
+        for engine in stack:
+            await engine.__aexit__(None, None, None)
+
+
+async def test_a_stream_cut_mid_way_ends_with_an_error_event_and_counts_as_failed(
+    cluster: Cluster, http: aiohttp.ClientSession
+) -> None:
+    first = b'data: {"choices": [{"text": " alpha"}]}\n\n'
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(first)
+        assert request.transport is not None
+        request.transport.close()  # the engine dies mid-stream
+        return resp
+
+    async with fake_engine(decode) as d:
+        await cluster.add("d0", d.url, "decode")
+        await cluster.ready(0, 1)
+        status, raw, _ = await complete(http, cluster, "cut", stream=True)
+    assert status == 200, "the headers were out before the engine failed"
+    events = [e for e in raw.split(b"\n\n") if e]
+    assert events[0] == first.rstrip(b"\n")
+    error = jsonutil.loads(events[1].removeprefix(b"data: "))["error"]
+    assert "decode instance 'd0'" in error["message"] and error["code"] == 502
+    assert events[2:] == [b"data: [DONE]"], "the stream ends cleanly, with the error said"
+    rec = await record(http, cluster, "cut")
+    assert rec["status"] == 502, "a cut stream is a failure, never a 200"
+    assert attempts(rec) == [("decode", "d0", "disconnect")]
+    samples = await scrape(http, cluster.server.url)
+    assert (
+        sample(samples, "vllm_disagg_requests_total", route="completions", mode="colocated", status="502")
+        == 1
+    )
+    assert sample(samples, "vllm_disagg_instance_in_flight", instance="d0") == 0
+
+
+async def test_a_request_on_an_instance_that_goes_silent_moves_on_once_the_instance_is_declared_dead(
+    http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    # The engine accepts the request and then says nothing, and its agent stops heartbeating (a frozen
+    # host, a partition): the request moves on when the instance is declared dead, not after the
+    # (here: one minute) idle timeout.
+    async with start_cluster(idle_timeout_s=60.0) as cluster, fake_engine(_hang) as frozen:
+        await cluster.add("p0", (await sim_engine()).url, "prefill")
+        silent = await cluster.add("d-frozen", frozen.url, "decode")
+        await cluster.add("d-good", (await sim_engine()).url, "decode", busy=True)
+        await cluster.ready(1, 2)
+        task = asyncio.ensure_future(complete(http, cluster, "frozen", max_tokens=4))
+        await eventually(lambda: len(frozen.requests) == 1, what="the request reached the frozen engine")
+        silent.stop_heartbeats()
+        status, raw, headers = await task
+        assert status == 200, raw
+        assert text_of(raw, False) == expected_text(PROMPT, 4)
+        assert headers["X-Disagg-Decode"] == "d-good"
+        rec = await record(http, cluster, "frozen")
+        assert ("decode", "d-frozen", "lost") in attempts(rec)
+        assert "no heartbeat" in next(a["error"] for a in rec["attempts"] if a["outcome"] == "lost")
+
+
+async def test_repeated_failures_open_the_breaker_and_routing_stops_until_a_probe_succeeds(
+    http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    real_p = await sim_engine()
+    broken = True
+
+    async def flaky(request: web.Request) -> web.Response:
+        if broken:
+            return web.json_response({"error": {"message": "sick"}}, status=503)
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(real_p.url + request.path, data=await request.read(), headers=request.headers) as r,
+        ):
+            return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+
+    async with start_cluster(breaker_failures=2, breaker_open_s=0.3, prefill_attempts=1) as cluster:
+        server = cluster.server
+        async with fake_engine(flaky) as p:
+            await cluster.add("p0", p.url, "prefill")
+            await cluster.add("d0", (await sim_engine()).url, "decode")
+            await cluster.ready(1, 1)
+            for n in range(2):
+                status, _, headers = await complete(http, cluster, f"sick-{n}")
+                assert (status, headers["X-Disagg-Mode"]) == (200, "colocated")
+            view = server.registry.get("p0")
+            assert view is not None and view.state == "suspect" and view.breaker.state == "open"
+            status, _, headers = await complete(http, cluster, "while-open")
+            assert headers["X-Disagg-Mode"] == "colocated"
+            assert len(p.requests) == 2, "nothing is sent to an instance whose breaker is open"
+            broken = False
+            await eventually(
+                lambda: (v := server.registry.get("p0")) is not None and v.state == "ready",
+                what="the breaker half-opens",
+            )
+            status, raw, headers = await complete(http, cluster, "probe")
+            assert status == 200 and headers["X-Disagg-Prefill"] == "p0", raw
+            view = server.registry.get("p0")
+            assert view is not None and view.breaker.state == "closed"

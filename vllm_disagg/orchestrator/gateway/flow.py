@@ -1,0 +1,224 @@
+"""One request's engine legs, with recovery: retries, colocated fallback, and the record of each attempt.
+
+- **Prefill fails** (connect, 5xx, timeout, no ``kv_transfer_params``, instance lost): another prefill
+  instance is tried, one that has not failed this request, up to ``prefill_attempts`` in all; then the
+  request runs colocated on its decode instance. The client gets a normal answer.
+- **Decode fails before its first byte**: another decode instance that can take KV from the same
+  prefill instance, up to ``decode_attempts``. Unless the first one never connected, it may have pulled
+  (and so freed) the prefill's KV, so the prefill runs again (its prefix cache makes that cheap).
+- **Decode fails mid-stream**: the client's stream ends with an error event and ``[DONE]``, and the
+  request counts as failed (502), never as a 200.
+- An engine's own 4xx goes back to the client as it is: another engine would refuse it too.
+
+Every leg's outcome feeds the registry's breakers (per instance, and per P→D link for decode legs);
+every attempt is kept for the request's record (``/admin/v1/requests/{id}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from vllm_disagg.errors import EngineRejected, UpstreamError
+from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body, run_prefill
+from vllm_disagg.orchestrator.gateway.records import Attempt
+from vllm_disagg.orchestrator.gateway.streaming import LegTiming, end_with_error, run_decode
+from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+
+if TYPE_CHECKING:
+    from vllm_disagg.orchestrator.gateway.routes import Gateway, ParsedRequest, Route
+
+
+class Flow:
+    """The legs of one request after its first scheduling decision; the gateway reads the outcome."""
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        request: web.Request,
+        route: Route,
+        parsed: ParsedRequest,
+        raw: bytes,
+        scheduling: SchedulingRequest,
+        decision: Decision,
+        up_headers: dict[str, str],
+        out_headers: dict[str, str],
+        t0: float,
+    ) -> None:
+        self.gw = gateway
+        self.request = request
+        self.route = route
+        self.parsed = parsed
+        self.raw = raw
+        self.scheduling = scheduling
+        self.up_headers = up_headers
+        self.out_headers = out_headers
+        self.t0 = t0
+        self.mode = decision.mode
+        self.prefill_id = decision.prefill
+        self.decode_id = decision.decode
+        self.pinned = scheduling.pinned_prefill is not None
+        self.stamps: dict[str, float] = {}
+        self.timing = LegTiming()
+        self.prefill_s: float | None = None
+        self.engine_s = 0.0
+        self.attempts: list[Attempt] = []
+        self.failed: set[str] = set()  # instances that failed this request: never tried again
+        self.prefill_tries = 0
+        self.fallback = ""
+        self._set_headers()
+
+    def _set_headers(self) -> None:
+        h = self.out_headers
+        h["X-Disagg-Mode"] = self.mode
+        h["X-Disagg-Prefill"] = self.prefill_id or ""
+        h["X-Disagg-Decode"] = self.decode_id
+
+    def _attempt(self, leg: str, instance: str, started: float, outcome: str, error: str = "") -> None:
+        now = self.gw.clock.monotonic()
+        self.attempts.append(Attempt(leg, instance, started - self.t0, now - self.t0, outcome, error))
+
+    def _excluding(self) -> SchedulingRequest:
+        return dataclasses.replace(self.scheduling, exclude=frozenset(self.failed))
+
+    async def run(self) -> web.StreamResponse:
+        """Prefill (with retries and fallback), then decode (with retries); the client's response."""
+        kv = await self._prefill() if self.prefill_id is not None else None
+        return await self._decode(kv)
+
+    # --- prefill ------------------------------------------------------------------------------------
+
+    async def _prefill(self) -> Any | None:
+        """The prefill's ``kv_transfer_params``; None when the request falls back to colocated."""
+        gw = self.gw
+        body = prefill_body(self.parsed.body)
+        path_cause = ""
+        p = self.prefill_id
+        while p is not None:
+            self.prefill_tries += 1
+            try:
+                kv = await self._prefill_once(p, body)
+            except UpstreamError as exc:
+                path_cause = exc.cause
+                gw.registry.leg_failed(p, gw.clock.monotonic())
+                self.failed.add(p)
+                if self.pinned or self.prefill_tries >= gw.config.prefill_attempts:
+                    break
+                p = gw.scheduler.pick_prefill(
+                    self._excluding(), gw.registry.snapshot(), gw.clock.monotonic(), self.decode_id
+                )
+                if p is not None:
+                    gw.metrics.retry("prefill", path_cause)
+                    self.prefill_id = p
+                    self._set_headers()
+                continue
+            gw.registry.leg_succeeded(p)
+            return kv
+        # No prefill instance could do it: the decode instance computes the prompt itself.
+        gw.metrics.fallback(path_cause)
+        self.fallback = path_cause
+        self.mode, self.prefill_id = "colocated", None
+        self._set_headers()
+        return None
+
+    async def _prefill_once(self, p: str, body: bytes) -> Any:
+        gw = self.gw
+        target = gw.target("prefill", p, self.route)
+        gw.registry.acquire(p)
+        started = self.stamps["prefill_start"] = gw.clock.monotonic()
+        try:
+            async with gw.watch.leg(p, target.describe()):
+                kv = await run_prefill(gw.session_or_fail(), target, body, self.up_headers, gw.metrics)
+        except UpstreamError as exc:
+            self._attempt("prefill", p, started, exc.cause, exc.message)
+            raise
+        except EngineRejected as exc:
+            self._attempt("prefill", p, started, "rejected", exc.message)
+            raise
+        finally:
+            gw.registry.release(p)
+            ended = self.stamps["prefill_end"] = gw.clock.monotonic()
+            self.prefill_s = (self.prefill_s or 0.0) + ended - started
+            self.engine_s += ended - started
+        self._attempt("prefill", p, started, "ok")
+        return kv
+
+    # --- decode -------------------------------------------------------------------------------------
+
+    async def _decode(self, kv: Any | None) -> web.StreamResponse:
+        gw = self.gw
+        tries = 0
+        while True:
+            tries += 1
+            d = self.decode_id
+            body = decode_body(self.parsed.body, kv) if kv is not None else self.raw
+            try:
+                response = await self._decode_once(d, body)
+            except UpstreamError as exc:
+                # An engine that answered 5xx after a prefill elsewhere may have failed to pull the KV:
+                # that is the link's trouble, not (yet) the instance's.
+                fault = self.prefill_id is None or exc.cause != "status"
+                gw.registry.leg_failed(d, gw.clock.monotonic(), self.prefill_id, instance_fault=fault)
+                self.failed.add(d)
+                if tries >= gw.config.decode_attempts or not self._next_decode():
+                    raise
+                gw.metrics.retry("decode", exc.cause)
+                if self.prefill_id is None:
+                    kv = None
+                elif kv is not None and exc.cause != "connect":
+                    # The failed instance may have pulled the KV, and the prefill instance freed it.
+                    kv = await self._prefill()
+                continue
+            if self.timing.cut:
+                gw.registry.leg_failed(d, gw.clock.monotonic(), partner=self.prefill_id)
+                await end_with_error(response, self.timing.cut, self.timing)
+            else:
+                gw.registry.leg_succeeded(d, partner=self.prefill_id)
+            return response
+
+    def _next_decode(self) -> bool:
+        """Pick another decode instance (able to take KV from our prefill instance, else colocated)."""
+        gw = self.gw
+        snapshot, now = gw.registry.snapshot(), gw.clock.monotonic()
+        request = self._excluding()
+        d = gw.scheduler.pick_decode(request, snapshot, now, self.prefill_id)
+        if d is None and self.prefill_id is not None:
+            d = gw.scheduler.pick_decode(request, snapshot, now, None)
+            if d is not None:
+                self.mode, self.prefill_id = "colocated", None
+        if d is None:
+            return False
+        self.decode_id = d
+        self._set_headers()
+        return True
+
+    async def _decode_once(self, d: str, body: bytes) -> web.StreamResponse:
+        gw = self.gw
+        target = gw.target("decode", d, self.route)
+        timing = self.timing
+        gw.registry.acquire(d)
+        started = self.stamps["decode_start"] = gw.clock.monotonic()
+        try:
+            response = await run_decode(
+                self.request,
+                gw.session_or_fail(),
+                target,
+                body,
+                self.up_headers,
+                self.out_headers,
+                self.parsed.stream,
+                gw.metrics,
+                gw.clock.monotonic,
+                timing,
+                gw.watch,
+            )
+        except UpstreamError as exc:
+            self._attempt("decode", d, started, exc.cause, exc.message)
+            raise
+        finally:
+            gw.registry.release(d)
+            self.engine_s += (timing.finished or gw.clock.monotonic()) - started
+        self._attempt("decode", d, started, timing.cut_cause or "ok", timing.cut)
+        return response
