@@ -20,7 +20,8 @@ from tests.helpers import eventually, free_port
 from tests.integration.conftest import EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
 from vllm_disagg import jsonutil
-from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
+from vllm_disagg.config import SimTiming
+from vllm_disagg.orchestrator.app import REQUEST_LOG_KEY, OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import MetricsSnapshot, Role
 from vllm_disagg.sim.textgen import expected_text
 
@@ -80,8 +81,9 @@ async def complete(
     *,
     stream: bool = False,
     max_tokens: int = 8,
+    prompt: str = PROMPT,
 ) -> tuple[int, bytes, dict[str, str]]:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
     async with asyncio.timeout(30):  # a recovery never hangs
         async with http.post(
             f"{cluster.server.url}/v1/completions",
@@ -372,3 +374,46 @@ async def test_repeated_failures_open_the_breaker_and_routing_stops_until_a_prob
             assert status == 200 and headers["X-Disagg-Prefill"] == "p0", raw
             view = server.registry.get("p0")
             assert view is not None and view.breaker.state == "closed"
+
+
+async def test_a_client_that_leaves_during_the_prefill_leaves_no_kv_held_on_the_prefill_instance(
+    http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    async with start_cluster() as cluster:
+        await _leave_during_prefill(cluster, http, sim_engine)
+
+
+async def _leave_during_prefill(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    # A prefill takes ~0.3 s here (they queue up behind each other); its engine holds the prompt's
+    # blocks for a decode for 30 s.
+    p = await sim_engine(timing=SimTiming(prefill_s_per_token=0.002))
+    await cluster.add("p0", p.url, "prefill")
+    await cluster.add("d0", (await sim_engine()).url, "decode")
+    await cluster.ready(1, 1)
+    for n in range(5):
+        # A new prompt each time: a cached one would be prefilled too fast to leave during it.
+        task = asyncio.ensure_future(complete(http, cluster, f"gone-{n}", prompt=f"{n} {PROMPT}"))
+        await eventually(
+            lambda: cluster.server.registry.snapshot().in_flight_of("p0") == 1, what="the prefill leg running"
+        )
+        task.cancel()  # the client goes away mid-prefill
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await eventually(
+            lambda n=n: cluster.server.app[REQUEST_LOG_KEY].get(f"gone-{n}"),
+            what="the gateway saw the client leave",
+        )
+
+    async def released() -> bool:
+        return sample(await scrape(http, cluster.server.url), "vllm_disagg_kv_released_total") == 5
+
+    await eventually(released, what="a release for each abandoned prefill")
+
+    async def idle() -> bool:
+        return sample(await scrape(http, p.url), "vllm:kv_cache_usage_perc") == 0.0
+
+    await eventually(idle, timeout=10, what="P's KV back at idle long before its 30 s lease")
+    rec = await record(http, cluster, "gone-4")
+    assert rec["status"] == 499

@@ -70,8 +70,7 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await gateway.session.close()
-        gateway.session = None
+        await gateway.close()
         gateway.tokenizers.close()
 
 

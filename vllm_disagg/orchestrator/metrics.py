@@ -176,6 +176,11 @@ class OrchestratorMetrics:
             ["cause"],
             registry=r,
         )
+        self._kv_released = Counter(
+            "vllm_disagg_kv_released",
+            "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
+            registry=r,
+        )
         self._kv_events = Counter(
             "vllm_disagg_kv_events",
             "KV-cache events from the instance's agent applied to the KV index",
@@ -237,6 +242,10 @@ class OrchestratorMetrics:
     def resume(self, cause: str) -> None:
         """Count a stream resumed on another instance."""
         self._resume_children[(cause,)].inc()
+
+    def kv_released(self) -> None:
+        """Count a one-token decode that freed an abandoned prefill's KV."""
+        self._kv_released.inc()
 
     def kv_events(self, agent_id: str, applied: int, missed: int) -> None:
         """Count one ``KvEvents`` message from an instance's agent (both series appear with the first)."""

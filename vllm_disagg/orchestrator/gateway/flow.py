@@ -16,6 +16,7 @@ every attempt is kept for the request's record (``/admin/v1/requests/{id}``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
@@ -128,14 +129,23 @@ class Flow:
         target = gw.target("prefill", p, self.route)
         gw.registry.acquire(p)
         started = self.stamps["prefill_start"] = gw.clock.monotonic()
+        # Its own task, shielded: a client that leaves now must not strand the KV the prefill keeps
+        # for a decode that will never come (vLLM holds it for its lease, 30 s by default).
+        leg = asyncio.ensure_future(
+            run_prefill(gw.session_or_fail(), target, body, self.up_headers, gw.metrics)
+        )
         try:
             async with gw.watch.leg(p, target.describe()):
-                kv = await run_prefill(gw.session_or_fail(), target, body, self.up_headers, gw.metrics)
+                kv = await asyncio.shield(leg)
         except UpstreamError as exc:
+            leg.cancel()
             self._attempt("prefill", p, started, exc.cause, exc.message)
             raise
         except EngineRejected as exc:
             self._attempt("prefill", p, started, "rejected", exc.message)
+            raise
+        except asyncio.CancelledError:
+            gw.release_when_done(leg, self.decode_id, self.route, self.parsed.body, self.up_headers)
             raise
         finally:
             gw.registry.release(p)

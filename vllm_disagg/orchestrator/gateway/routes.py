@@ -15,6 +15,7 @@ before the body goes to an engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import BadRequest, PayloadTooLarge, RequestError, UpstreamError
 from vllm_disagg.orchestrator.gateway.flow import Flow
-from vllm_disagg.orchestrator.gateway.handoff import Target
+from vllm_disagg.orchestrator.gateway.handoff import Target, decode_body
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
@@ -149,6 +150,7 @@ class Gateway:
         self.metrics = metrics
         self.clock = clock
         self.watch = LegWatch()
+        self._background: set[asyncio.Future[None]] = set()
         self.request_log = request_log
         self.kv_index = kv_index or KvIndex()
         self.tokenizers = tokenizers or Tokenizers()
@@ -176,6 +178,49 @@ class Gateway:
         if self.session is None:
             raise UpstreamError("the gateway is not started")
         return self.session
+
+    def release_when_done(
+        self,
+        prefill: asyncio.Future[Any],
+        decode_id: str,
+        route: Route,
+        body: dict[str, Any],
+        headers: dict[str, str],
+    ) -> None:
+        """The client left during a prefill: once it ends, hand its KV to the decode instance anyway.
+
+        A prefill that finished keeps the prompt's blocks for the decode that should pull them (for
+        vLLM's ``kv_lease_duration``, 30 s by default): a one-token decode pulls and so frees them at
+        once. Tracked, and cancelled when the gateway stops.
+        """
+
+        async def release() -> None:
+            try:
+                kv = await prefill
+            except Exception:  # it failed: nothing is held
+                return
+            target = self.target("decode", decode_id, route)
+            released = decode_body({**body, "max_tokens": 1, "stream": False}, kv)
+            released_headers = {**headers, "X-Request-Id": headers["X-Request-Id"] + "-release"}
+            session = self.session_or_fail()
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, UpstreamError):
+                async with session.post(target.url, data=released, headers=released_headers) as resp:
+                    await resp.read()
+                self.metrics.kv_released()
+
+        task = asyncio.ensure_future(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def close(self) -> None:
+        """Cancel background work (KV releases) and close the engine session."""
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        if self.session is not None:
+            await self.session.close()
+            self.session = None
 
     def instance_lost(self, agent_id: str, reason: str) -> None:
         """The registry says an instance is lost: fail its legs now, so they are retried or resumed."""
