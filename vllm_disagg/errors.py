@@ -164,9 +164,10 @@ class EngineRejected(RequestError):
 
     type = "BadRequestError"
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, body: bytes = b"") -> None:
         super().__init__(message)
         self.status = status
+        self.body = body  # the engine's own error body, relayed to the client as it is
 
 
 def http_status(error: BaseException) -> int:

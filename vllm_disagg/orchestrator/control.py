@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import DisaggError, VersionMismatch
+from vllm_disagg.errors import DisaggError, FieldTypeError, VersionMismatch
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
@@ -40,6 +40,7 @@ from vllm_disagg.protocol.messages import (
 from vllm_disagg.protocol.transport import Incoming, RouterTransport
 
 log = logging.getLogger(__name__)
+_MAX_REFUSED_PEERS = 10_000  # bounds the once-per-peer log memo against a flood of random peers
 
 
 def starved_after(period_s: float) -> float:
@@ -100,6 +101,7 @@ class ControlPlane:
         self._peer_to_agent: dict[bytes, str] = {}
         self._agent_to_peer: dict[str, bytes] = {}
         self._pending: dict[int, _Pending] = {}
+        self._refused_peers: set[tuple[bytes, str]] = set()  # logged at INFO once, until a Hello
         self._next_command_id = 1
 
     @property
@@ -186,7 +188,16 @@ class ControlPlane:
 
     def _refuse(self, peer: bytes, code: str, reason: str) -> None:
         self._metrics.refused(code)
-        log.info("refusing frame from %r: %s (%s)", peer, reason, code)
+        # After a partition heals, every heartbeat queued during it is refused: one line per peer and
+        # code until its next Hello, the rest at DEBUG.
+        key = (peer, code)
+        if key in self._refused_peers:
+            log.debug("refusing frame from %r: %s (%s)", peer, reason, code)
+        else:
+            if len(self._refused_peers) >= _MAX_REFUSED_PEERS:
+                self._refused_peers.clear()
+            self._refused_peers.add(key)
+            log.info("refusing frame from %r: %s (%s)", peer, reason, code)
         self._send(peer, Refuse(code=code, reason=reason))
 
     def _on_hello(self, peer: bytes, msg: Hello) -> None:
@@ -200,6 +211,8 @@ class ControlPlane:
         if not msg.agent_id:
             self._refuse(peer, "invalid_hello", "agent_id must not be empty")
             return
+        if self._refused_peers:
+            self._refused_peers = {k for k in self._refused_peers if k[0] != peer}
         old_peer = self._agent_to_peer.get(msg.agent_id)
         if old_peer is not None and old_peer != peer:
             self._peer_to_agent.pop(old_peer, None)
@@ -241,6 +254,11 @@ class ControlPlane:
         agent_id = self._peer_to_agent.get(peer)
         if agent_id is None or not self._registry.is_live(agent_id):
             self._refuse_unknown(peer, agent_id)
+            return
+        if msg.missed < 0:
+            self._refuse(
+                peer, FieldTypeError.code, f"field 'missed': expected a count >= 0, got {msg.missed}"
+            )
             return
         applied = self.kv_index.apply(agent_id, msg.events)
         self._metrics.kv_events(agent_id, applied, msg.missed)

@@ -4,11 +4,15 @@ A frame is ``msgpack([tag, {field: value, ...}])``. Decoding checks the size fir
 envelope, the tag, and every field against the dataclass's annotations; any failure is a typed
 ``CodecError`` with a reason, never a crash. Unknown fields are refused (a newer peer must bump the
 protocol version to add meaning; appended fields with defaults may be omitted by older peers).
+
+A reason quotes the peer's values only in a bounded form (``_quote``, ``_clip``): the frame comes
+from a peer that may be hostile, and the reason goes back to it in a ``Refuse`` and into the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from collections.abc import Callable
@@ -23,9 +27,35 @@ DEFAULT_MAX_FRAME_BYTES = 1 << 20
 
 Check = Callable[[Any, str], Any]  # (value, path) -> converted value, or raises FieldTypeError
 
+# msgpack nests up to 1,024 levels, deeper than Python's recursion limit, so the builtin repr of a
+# decoded value can raise RecursionError (and of a long string, echo a megabyte): quote shallowly.
+_QUOTER = reprlib.Repr()
+_QUOTER.maxlevel = 2
+_QUOTER.maxstring = _QUOTER.maxother = 60
+_QUOTER.maxlong = 40
+_QUOTER.maxlist = _QUOTER.maxdict = 4
+_MAX_TEXT = 120  # longest field path or name quoted in a reason
+_MAX_NAMES = 5  # unknown or missing field names listed in a reason
+
+
+def _quote(value: object) -> str:
+    """A peer's value as a short repr, whatever its size or depth."""
+    return _clip(_QUOTER.repr(value))
+
+
+def _clip(text: str) -> str:
+    """A peer-chosen name (a field path, a map key) cut to a length fit for a reason."""
+    return text if len(text) <= _MAX_TEXT else f"{text[:_MAX_TEXT]}...({len(text)} chars)"
+
+
+def _names(names: typing.Iterable[object]) -> str:
+    shown = sorted(_clip(str(n)) for n in names)
+    more = len(shown) - _MAX_NAMES
+    return repr(shown[:_MAX_NAMES]) + (f" and {more} more" if more > 0 else "")
+
 
 def _fail(path: str, expected: str, value: object) -> typing.NoReturn:
-    raise FieldTypeError(f"field {path!r}: expected {expected}, got {type(value).__name__}")
+    raise FieldTypeError(f"field {_clip(path)!r}: expected {expected}, got {type(value).__name__}")
 
 
 def _checker(tp: Any) -> Check:
@@ -51,7 +81,7 @@ def _checker(tp: Any) -> Check:
         def check_literal(v: Any, p: str) -> Any:
             if v in allowed and type(v) in {type(a) for a in allowed}:
                 return v
-            raise FieldTypeError(f"field {p!r}: expected one of {list(allowed)}, got {v!r}")
+            raise FieldTypeError(f"field {_clip(p)!r}: expected one of {list(allowed)}, got {_quote(v)}")
 
         return check_literal
     if origin in (Union, types.UnionType):
@@ -120,10 +150,10 @@ class _StructCodec:
             _fail(path or self.cls.__name__, "map of fields", raw)
         unknown = raw.keys() - self.names
         if unknown:
-            raise FieldTypeError(f"{self.cls.__name__}: unknown field(s) {sorted(map(str, unknown))}")
+            raise FieldTypeError(f"{self.cls.__name__}: unknown field(s) {_names(unknown)}")
         missing = self.required - raw.keys()
         if missing:
-            raise FieldTypeError(f"{self.cls.__name__}: missing field(s) {sorted(missing)}")
+            raise FieldTypeError(f"{self.cls.__name__}: missing field(s) {_names(missing)}")
         prefix = f"{path}." if path else ""
         kwargs = {name: self.checks[name](value, prefix + name) for name, value in raw.items()}
         return self.cls(**kwargs)
@@ -161,20 +191,21 @@ def encode(message: Message) -> bytes:
     return frame
 
 
-def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
-    """One frame as a message, or a ``CodecError`` that says what is wrong with it."""
-    if len(frame) > max_bytes:
-        raise FrameTooLarge(f"frame of {len(frame)} bytes is over the limit of {max_bytes}")
+def decode(frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+    """One frame (bytes, or a view of a received buffer) as a message, or a ``CodecError`` saying why not."""
+    size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+    if size > max_bytes:
+        raise FrameTooLarge(f"frame of {size} bytes is over the limit of {max_bytes}")
     try:
         envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
         # Some msgpack errors carry no message; the class name alone is still a reason.
         detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        raise MalformedFrame(f"not a msgpack frame ({detail})") from None
+        raise MalformedFrame(f"not a msgpack frame ({_clip(detail)})") from None
     if not (isinstance(envelope, list) and len(envelope) == 2 and isinstance(envelope[0], str)):
         raise MalformedFrame("a frame must be [tag, fields]")
     tag, raw = envelope
     codec = _BY_TAG.get(tag)
     if codec is None:
-        raise UnknownMessageType(f"unknown message type {tag!r}")
+        raise UnknownMessageType(f"unknown message type {_quote(tag)}")
     return typing.cast(Message, codec.decode_fields(raw))

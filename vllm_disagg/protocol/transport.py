@@ -4,11 +4,19 @@ Each socket has exactly one reader: its owner's loop calling ``recv()``. ``recv`
 bad bytes; it returns the ``CodecError`` in place of a message so the owner can refuse the frame
 with a reason and keep serving. Sends never block: a peer that is gone or slow loses the message
 (heartbeats are periodic, commands are retried by their issuer).
+
+Sizes: libzmq's ``MAXMSGSIZE`` bounds each *part* of a message, not the message, and libzmq delivers
+a multi-part message only once every part has arrived, so a peer can make it buffer many parts of
+just under the limit each (1,000 x 2 MiB). That buffer cannot be refused here (only authenticating
+peers can); what ``recv`` does is never copy it: parts are received as zero-copy frames, a message
+of several parts is refused by its count and size without being read, and the one part of a good
+message is decoded from a view of libzmq's buffer.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -21,6 +29,9 @@ from vllm_disagg.protocol.messages import Message
 
 # Messages queued per peer before sends are dropped; a heartbeat stream must never grow memory.
 _SEND_HWM = 1000
+_PING_IVL_MS = 1000
+_PING_TIMEOUT_MS = 3000
+_CONNECT_TIMEOUT_MS = 2000
 
 
 def _send_now(sock: zmq.asyncio.Socket, parts: list[bytes]) -> None:
@@ -47,6 +58,19 @@ class Incoming:
     error: CodecError | None
 
 
+def _incoming(peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int) -> Incoming:
+    """Decode a message's payload parts (one, for a protocol frame) without copying them."""
+    if len(parts) != 1:
+        size = sum(len(part) for part in parts)
+        return Incoming(
+            peer, None, MalformedFrame(f"expected 1 frame part, got {len(parts)} ({size} bytes in all)")
+        )
+    try:
+        return Incoming(peer, decode(parts[0].buffer, max_bytes=max_bytes), None)
+    except CodecError as exc:
+        return Incoming(peer, None, exc)
+
+
 class RouterTransport:
     """The orchestrator's socket: many agents, addressed by their routing id (the agent id)."""
 
@@ -57,7 +81,8 @@ class RouterTransport:
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not silence
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent takes its id back
         self._sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        # Refuse oversized frames in libzmq itself, with headroom for the identity frame.
+        # libzmq drops the connection of a peer that sends a part over this; up to it, the codec
+        # refuses an oversized frame with a reason the peer can read (see the module docstring).
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * 2)
         self._max = max_frame_bytes
         self._sock.bind(endpoint)
@@ -65,14 +90,8 @@ class RouterTransport:
 
     async def recv(self) -> Incoming:
         """The next frame from any agent."""
-        parts = await self._sock.recv_multipart(copy=True)
-        peer = parts[0]
-        if len(parts) != 2:
-            return Incoming(peer, None, MalformedFrame(f"expected 1 frame part, got {len(parts) - 1}"))
-        try:
-            return Incoming(peer, decode(parts[1], max_bytes=self._max), None)
-        except CodecError as exc:
-            return Incoming(peer, None, exc)
+        parts = await self._sock.recv_multipart(copy=False)
+        return _incoming(parts[0].bytes, parts[1:], self._max)
 
     def send(self, peer: bytes, message: Message) -> bool:
         """Send to one agent; False when it is not connected or its queue is full."""
@@ -115,18 +134,18 @@ class DealerTransport:
         self._sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, reconnect_ivl_max_ms)
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+        # A partition leaves TCP retransmitting with backoff (about 50 s to notice a link healed after a
+        # 60 s cut): ZMTP pings drop the dead connection and bounded connects retry, so a healed link
+        # is used within seconds.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, _PING_IVL_MS)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _PING_TIMEOUT_MS)
+        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, _CONNECT_TIMEOUT_MS)
         self._max = max_frame_bytes
         self._sock.connect(endpoint)
 
     async def recv(self) -> Incoming:
         """The next frame from the orchestrator."""
-        parts = await self._sock.recv_multipart(copy=True)
-        if len(parts) != 1:
-            return Incoming(b"", None, MalformedFrame(f"expected 1 frame part, got {len(parts)}"))
-        try:
-            return Incoming(b"", decode(parts[0], max_bytes=self._max), None)
-        except CodecError as exc:
-            return Incoming(b"", None, exc)
+        return _incoming(b"", await self._sock.recv_multipart(copy=False), self._max)
 
     def send(self, message: Message) -> bool:
         """Send to the orchestrator; False when it is not connected (the message is dropped)."""

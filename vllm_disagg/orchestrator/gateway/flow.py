@@ -98,6 +98,14 @@ class Flow:
         path_cause = ""
         p = self.prefill_id
         while p is not None:
+            if not gw.usable(p):  # e.g. a re-prefill after a decode failure, on a P lost meanwhile
+                self.failed.add(p)
+                path_cause = path_cause or "lost"
+                p = self.prefill_id = gw.scheduler.pick_prefill(
+                    self._excluding(), gw.registry.snapshot(), gw.clock.monotonic(), self.decode_id
+                )
+                self._set_headers()
+                continue
             self.prefill_tries += 1
             try:
                 kv = await self._prefill_once(p, body)

@@ -15,7 +15,7 @@ from yarl import URL
 
 from vllm_disagg import jsonutil
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import EngineRejected, UpstreamError, UpstreamTimeout
+from vllm_disagg.errors import BadRequest, EngineRejected, UpstreamError, UpstreamTimeout
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
 # Longest engine error text quoted back to a client.
@@ -53,13 +53,21 @@ def prefill_body(request: dict[str, Any]) -> bytes:
         "remote_host": None,
         "remote_port": None,
     }
-    return jsonutil.dumps(body)
+    return _dumps_leg(body)
 
 
 def decode_body(request: dict[str, Any], kv_transfer_params: Any) -> bytes:
     """The decode leg's body: the client's, plus the prefill engine's ``kv_transfer_params`` as they came."""
     request["kv_transfer_params"] = kv_transfer_params
-    return jsonutil.dumps(request)
+    return _dumps_leg(request)
+
+
+def _dumps_leg(body: dict[str, Any]) -> bytes:
+    # orjson reads 1,024 levels of nesting but writes only 255: a deeper body cannot be forwarded.
+    try:
+        return jsonutil.dumps(body)
+    except TypeError as exc:
+        raise BadRequest(f"the request body is nested too deeply to forward ({exc})") from None
 
 
 def new_session(config: OrchestratorConfig) -> aiohttp.ClientSession:
@@ -105,7 +113,7 @@ def status_failure(target: Target, status: int, body: bytes, metrics: Orchestrat
     message = f"{target.describe()} answered HTTP {status}: {_quote_error(body)}"
     if 400 <= status < 500 and status not in (408, 429):
         metrics.upstream_error(target.leg, "rejected")
-        return EngineRejected(status, message)
+        return EngineRejected(status, message, body)
     metrics.upstream_error(target.leg, "status")
     return UpstreamError(message, cause="status")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import reprlib
 import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +29,7 @@ from yarl import URL
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import BadRequest, PayloadTooLarge, RequestError, UpstreamError
+from vllm_disagg.errors import BadRequest, EngineRejected, PayloadTooLarge, RequestError, UpstreamError
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import Target, decode_body
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
@@ -65,20 +66,32 @@ class ParsedRequest:
     max_tokens: int | None = None
 
 
-def _text_len(value: object) -> int:
+_MAX_DEPTH = 8  # the estimate stops counting below this depth: a hostile body may nest 1,000 levels
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxstring, _QUOTE.maxother = 2, 80, 80
+
+
+def _quote(value: object) -> str:
+    """A bounded ``repr`` for error messages: a client's value is never echoed whole."""
+    return _QUOTE.repr(value)[:120]
+
+
+def _text_len(value: object, depth: int = 0) -> int:
     if isinstance(value, str):
         return len(value)
+    if depth >= _MAX_DEPTH:
+        return 0
     if isinstance(value, list):
-        return sum(_text_len(v) if isinstance(v, str | list | dict) else 4 for v in value)
+        return sum(_text_len(v, depth + 1) if isinstance(v, str | list | dict) else 4 for v in value)
     if isinstance(value, dict):
-        return _text_len(value.get("content", "")) + _text_len(value.get("text", ""))
+        return _text_len(value.get("content", ""), depth + 1) + _text_len(value.get("text", ""), depth + 1)
     return 0
 
 
 def _check_optional_int(body: dict[str, Any], name: str) -> None:
     value = body.get(name)
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise BadRequest(f"'{name}' must be an integer >= 1, got {value!r}", param=name)
+        raise BadRequest(f"'{name}' must be an integer >= 1, got {_quote(value)}", param=name)
 
 
 def parse_request(raw: bytes, route: Route) -> ParsedRequest:
@@ -110,18 +123,22 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
         prompt_len = _text_len(messages) // 4 + 1
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise BadRequest(f"'stream' must be a boolean, got {stream!r}", param="stream")
+        raise BadRequest(f"'stream' must be a boolean, got {_quote(stream)}", param="stream")
     _check_optional_int(body, "max_tokens")
     _check_optional_int(body, "max_completion_tokens")
     pinned = body.pop(PIN_FIELD, None)
     if pinned is not None and (not isinstance(pinned, str) or not pinned):
-        raise BadRequest(f"'{PIN_FIELD}' must be a non-empty string, got {pinned!r}", param=PIN_FIELD)
+        raise BadRequest(f"'{PIN_FIELD}' must be a non-empty string, got {_quote(pinned)}", param=PIN_FIELD)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens)
 
 
 def error_response(error: RequestError, headers: dict[str, str]) -> web.Response:
-    """An OpenAI-style JSON error."""
+    """An OpenAI-style JSON error; an engine's own refusal goes back as the engine sent it."""
+    if isinstance(error, EngineRejected) and error.body:
+        return web.Response(
+            status=error.status, body=error.body, content_type="application/json", headers=headers
+        )
     return web.Response(
         status=error.status,
         body=jsonutil.dumps(error.to_json()),
@@ -221,6 +238,11 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
             self.session = None
+
+    def usable(self, agent_id: str) -> bool:
+        """May a new leg start on ``agent_id``? Not once it is dead or suspect (a retry's second look)."""
+        view = self.registry.get(agent_id)
+        return view is not None and view.state not in ("dead", "suspect")
 
     def instance_lost(self, agent_id: str, reason: str) -> None:
         """The registry says an instance is lost: fail its legs now, so they are retried or resumed."""

@@ -1,0 +1,1 @@
+"""Chaos tests: failures injected into real processes, sockets and links."""

@@ -1,0 +1,1 @@
+"""Bad peers: hypothesis fuzzing of the agent protocol and the OpenAI gateway of a real orchestrator."""
