@@ -9,7 +9,8 @@ import aiohttp
 import pytest
 
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
-from vllm_disagg.config import SimEngineConfig
+from tests.integration.sim_support import ZERO, StartEngine
+from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import Role
 from vllm_disagg.sim.engine import SimServer, start_engine
@@ -70,3 +71,18 @@ async def fake_agent(orch: OrchestratorServer) -> AsyncIterator[AgentFactory]:
     finally:
         for fake in created:
             await fake.close()
+
+
+@pytest.fixture
+async def engines() -> AsyncIterator[StartEngine]:
+    """Start engines on free ports (``start(timing=..., **config)``); all are closed at the end."""
+    started: list[SimServer] = []
+
+    async def start(timing: SimTiming = ZERO, **kwargs: Any) -> SimServer:
+        server = await start_engine(SimEngineConfig(port=0, model=MODEL, timing=timing, **kwargs))
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        await server.close()

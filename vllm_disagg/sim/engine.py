@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import uuid
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -29,6 +28,7 @@ from vllm_disagg.sim.openai_api import (
     ResponseEncoder,
     check_length,
     parse_request,
+    random_request_id,
 )
 from vllm_disagg.sim.prompts import PromptInfo, PromptTable
 
@@ -136,8 +136,8 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     config = engine.config
     arrival = engine.clock.monotonic()
-    request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-    headers = {"X-Request-Id": request_id}
+    header_id = request.headers.get("X-Request-Id")
+    headers = {"X-Request-Id": header_id or random_request_id()}
     if not engine.core.advertised_port:
         # build_app() served by someone else's runner on port 0: learn the port from the socket.
         sock = request.transport.get_extra_info("sockname") if request.transport else None
@@ -147,10 +147,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         req = parse_request(
             kind,
             await request.read(),
-            request_id=request_id,
+            request_id=header_id,
             served_model=config.model,
             default_max_tokens=config.default_max_tokens,
         )
+        headers["X-Request-Id"] = req.request_id  # vLLM's --enable-request-id-headers
         prompt = engine.prompts.resolve(req.prompt)
         timing = config.timing
         check_length(
@@ -160,7 +161,16 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     except RequestError as exc:
         return _request_error(exc, headers)
     seq = Seq(req, prompt, external, arrival)
-    encoder = ResponseEncoder(kind, request_id, config.model, int(engine.clock.wall()))
+    encoder = ResponseEncoder(
+        kind,
+        req.request_id,
+        config.model,
+        int(engine.clock.wall()),
+        return_token_ids=req.return_token_ids,
+        include_usage=req.include_usage,
+        continuous_usage=req.continuous_usage,
+        prompt_token_ids=prompt.token_ids,
+    )
     if config.timing.zero_delay:
         return await _respond_now(request, engine, seq, encoder, headers)
     return await _respond_stepped(request, engine, seq, encoder, headers)
@@ -172,7 +182,8 @@ def _full_response(
     """The non-streaming answer for a finished request."""
     req = seq.req
     text = engine.prompts.text(seq.prompt, req.max_tokens)
-    body = encoder.full(text, len(seq.prompt.token_ids), req.max_tokens, seq.kv_params)
+    ids = engine.prompts.output_ids(seq.prompt, req.max_tokens) if req.return_token_ids else None
+    body = encoder.full(text, len(seq.prompt.token_ids), req.max_tokens, seq.kv_params, token_ids=ids)
     return web.Response(body=body, content_type="application/json", headers=headers)
 
 
@@ -185,7 +196,9 @@ async def _respond_now(
     n_prompt = len(seq.prompt.token_ids)
     if not req.stream:
         return _full_response(engine, seq, encoder, headers)
-    parts = [encoder.role_chunk(), encoder.chunks(engine.prompts.json_words(seq.prompt, req.max_tokens))]
+    words = engine.prompts.json_words(seq.prompt, req.max_tokens)
+    ids = engine.prompts.output_ids(seq.prompt, req.max_tokens) if req.return_token_ids else ()
+    parts = [encoder.role_chunk(), encoder.chunks(words, ids)]
     if req.include_usage:
         parts.append(encoder.usage_chunk(n_prompt, req.max_tokens))
     parts.append(DONE)
@@ -219,6 +232,7 @@ async def _respond_stepped(
             return _full_response(engine, seq, encoder, headers)
         assert seq.tokens is not None
         words = engine.prompts.json_words(seq.prompt, req.max_tokens)
+        ids = engine.prompts.output_ids(seq.prompt, req.max_tokens)
         resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
         try:
             await resp.prepare(request)
@@ -228,13 +242,14 @@ async def _respond_stepped(
                 pos = await seq.tokens.get()
                 if pos == ABORTED:
                     return resp  # engine shut down: end the stream without [DONE]
-                pending.append(encoder.token_chunk(words[pos], pos == last))
-                # Tokens produced while we were writing go out together, as vLLM's streamer does.
+                pending.append(encoder.token_chunk(words[pos], pos == last, pos, ids[pos]))
+                # Tokens produced while we were writing go out in one write. vLLM would merge them into
+                # one chunk; one chunk per token keeps every byte predictable for checkers.
                 while not seq.tokens.empty() and pos != last:
                     pos = seq.tokens.get_nowait()
                     if pos == ABORTED:
                         break
-                    pending.append(encoder.token_chunk(words[pos], pos == last))
+                    pending.append(encoder.token_chunk(words[pos], pos == last, pos, ids[pos]))
                 if pos == last:
                     if req.include_usage:
                         pending.append(encoder.usage_chunk(n_prompt, req.max_tokens))

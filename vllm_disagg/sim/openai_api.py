@@ -1,12 +1,16 @@
 """vLLM's OpenAI request validation and response shapes, for the simulated engine.
 
 Parsing is pure (bytes in, ``SimRequest`` or a ``RequestError`` out); encoders build the exact JSON
-and SSE bytes vLLM sends, with per-request byte templates so a streamed token costs one concatenation.
+and SSE bytes vLLM 0.32 sends (see docs/vllm-resume-facts.md), with per-request byte templates so a
+streamed token costs a few concatenations. The engine plays ``vllm serve`` with its defaults except
+``--fingerprint-mode none`` (no ``system_fingerprint``; the encoder can add one) and without
+``--enable-prompt-tokens-details`` (``prompt_tokens_details`` is null).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,6 +21,7 @@ from vllm_disagg.sim import textgen
 Kind = Literal["completion", "chat"]
 DONE = b"data: [DONE]\n\n"
 FINISH_REASON = "length"  # the sim never emits EOS, so every request runs to max_tokens
+_NULL = b"null"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,12 +41,14 @@ class SimRequest:
 
     kind: Kind
     request_id: str
-    prompt: str | tuple[int, ...]  # chat messages arrive here already templated
+    prompt: str | tuple[int, ...]  # chat: templated messages, or kv_transfer_params.prompt_token_ids
     max_tokens: int
     stream: bool
     include_usage: bool
     remote_decode: bool  # prefill leg: keep the prompt's blocks for a decoder
     remote_prefill: RemotePrefill | None  # decode leg: pull the prompt's blocks first
+    return_token_ids: bool = False  # vLLM's ``return_token_ids``: prompt and output ids in the answer
+    continuous_usage: bool = False  # ``stream_options.continuous_usage_stats`` (with include_usage)
 
 
 def _field(body: Mapping[str, Any], name: str, kinds: type | tuple[type, ...], default: Any = None) -> Any:
@@ -114,10 +121,49 @@ def _remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
     return RemotePrefill(engine_id, host, port, tuple(block_ids), request_id)
 
 
+def random_request_id() -> str:
+    """vLLM's ``random_uuid()``: 16 hex digits, the request id when the client gives none."""
+    return f"{uuid.uuid4().int & ((1 << 64) - 1):016x}"
+
+
+def _check_vocab(ids: tuple[int, ...], param: str | None) -> None:
+    top = max(ids)
+    if top >= textgen.VOCAB_SIZE:
+        raise BadRequest(f"Token id {top} is out of vocabulary", param=param)
+
+
+def _reused_prompt_ids(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> tuple[int, ...] | None:
+    """Chat's ``kv_transfer_params.prompt_token_ids``: vLLM 0.32 runs these ids instead of the template."""
+    ids = params.get("prompt_token_ids") if params else None
+    if ids is None or _has_non_text_content(body["messages"]):
+        return None  # vLLM renders the messages then, to keep their media
+    if not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids):
+        raise BadRequest(
+            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers.",
+            param="kv_transfer_params.prompt_token_ids",
+        )
+    reused = tuple(ids)
+    _check_vocab(reused, "kv_transfer_params.prompt_token_ids")
+    return reused
+
+
+def _has_non_text_content(messages: list[Any]) -> bool:
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type", "text") not in ("text", "input_text") for p in content
+        ):
+            return True
+    return False
+
+
 def parse_request(
-    kind: Kind, raw: bytes, *, request_id: str, served_model: str, default_max_tokens: int
+    kind: Kind, raw: bytes, *, request_id: str | None, served_model: str, default_max_tokens: int
 ) -> SimRequest:
-    """Validate a request body like vLLM: 400 for bad input, 404 for a model this engine does not serve."""
+    """Validate a request body like vLLM: 400 for bad input, 404 for a model this engine does not serve.
+
+    ``request_id`` is the ``X-Request-Id`` header; without one, the body's ``request_id`` or a fresh one.
+    """
     try:
         body = jsonutil.loads(raw)
     except jsonutil.JSONDecodeError as exc:
@@ -127,7 +173,15 @@ def parse_request(
     model = _field(body, "model", str)
     if model is not None and model != served_model:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    prompt: str | tuple[int, ...] = _prompt(body) if kind == "completion" else _messages(body)
+    params = _field(body, "kv_transfer_params", dict)
+    prompt: str | tuple[int, ...]
+    if kind == "completion":
+        prompt = _prompt(body)
+        if isinstance(prompt, tuple):
+            _check_vocab(prompt, None)
+    else:
+        prompt = _messages(body)
+        prompt = _reused_prompt_ids(body, params) or prompt
     max_tokens = _field(body, "max_tokens", int)
     if kind == "chat":
         max_tokens = _field(body, "max_completion_tokens", int, max_tokens)
@@ -143,11 +197,24 @@ def parse_request(
     if options is not None and not stream:
         raise BadRequest("Stream options can only be defined when `stream=True`.", param="stream_options")
     include_usage = bool(options and options.get("include_usage"))
-    params = _field(body, "kv_transfer_params", dict)
+    continuous_usage = include_usage and bool(options and options.get("continuous_usage_stats"))
+    return_token_ids = _field(body, "return_token_ids", bool, False)
+    if request_id is None:
+        body_id = body.get("request_id")
+        request_id = body_id if isinstance(body_id, str) and body_id else random_request_id()
     remote_decode = bool(params and params.get("do_remote_decode"))
     remote_prefill = _remote_prefill(params) if params and params.get("do_remote_prefill") else None
     return SimRequest(
-        kind, request_id, prompt, max_tokens, stream, include_usage, remote_decode, remote_prefill
+        kind,
+        request_id,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage,
+        remote_decode,
+        remote_prefill,
+        return_token_ids,
+        continuous_usage,
     )
 
 
@@ -169,92 +236,214 @@ def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int, kv_cap
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """vLLM's usage object."""
+    """vLLM's usage object in a non-streaming answer."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,
     }
 
 
+def _ids_json(ids: Sequence[int]) -> bytes:
+    return b"[" + b",".join(b"%d" % t for t in ids) + b"]"
+
+
 class ResponseEncoder:
-    """The JSON body or SSE chunks of one response, shaped like vLLM's OpenAI server."""
+    """The JSON body or SSE chunks of one response, byte for byte as vLLM 0.32's OpenAI server sends them.
 
-    __slots__ = ("_chunk_prefix", "_chunk_suffix", "_final_suffix", "_head", "kind")
+    The keyword options are the request's: ``return_token_ids`` adds the prompt ids (non-streaming
+    answer and first chunk) and each chunk's token ids; ``include_usage`` moves the fingerprint from
+    the last token chunk to the usage chunk; ``continuous_usage`` gives every chunk a running usage.
+    ``prompt_token_ids`` are the prompt's ids as the engine ran them; ``fingerprint`` plays vLLM's
+    ``system_fingerprint`` (None: ``--fingerprint-mode none``).
+    """
 
-    def __init__(self, kind: Kind, request_id: str, model: str, created: int) -> None:
+    __slots__ = (
+        "_chunk_prefix",
+        "_chunk_suffix",
+        "_final_suffix",
+        "_fingerprint",
+        "_fp_tail",
+        "_head",
+        "_head_bytes",
+        "_prompt_ids_json",
+        "_prompt_tokens",
+        "continuous_usage",
+        "include_usage",
+        "kind",
+        "prompt_token_ids",
+        "return_token_ids",
+    )
+
+    def __init__(
+        self,
+        kind: Kind,
+        request_id: str,
+        model: str,
+        created: int,
+        *,
+        return_token_ids: bool = False,
+        include_usage: bool = False,
+        continuous_usage: bool = False,
+        prompt_token_ids: Sequence[int] = (),
+        fingerprint: str | None = None,
+    ) -> None:
         self.kind = kind
+        self.return_token_ids = return_token_ids
+        self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
+        self.prompt_token_ids = prompt_token_ids
+        self._prompt_tokens = len(prompt_token_ids)
+        self._prompt_ids_json = _ids_json(prompt_token_ids) if return_token_ids else _NULL
+        self._fingerprint = fingerprint
+        # vLLM stamps the fingerprint on the last chunk, unless a usage chunk follows to carry it.
+        self._fp_tail = (
+            b',"system_fingerprint":' + jsonutil.dumps(fingerprint) if fingerprint is not None else b""
+        )
         rid = f"cmpl-{request_id}" if kind == "completion" else f"chatcmpl-{request_id}"
         obj = "text_completion" if kind == "completion" else "chat.completion"
         self._head = {"id": rid, "object": obj, "created": created, "model": model}
         chunk_obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-        head = (
+        self._head_bytes = (
             b'data: {"id":' + jsonutil.dumps(rid) + b',"object":"' + chunk_obj.encode() + b'","created":'
-            + str(created).encode() + b',"model":' + jsonutil.dumps(model) + b',"choices":[{"index":0,'
+            + str(created).encode() + b',"model":' + jsonutil.dumps(model) + b',"choices":['
         )  # fmt: skip
+        finish = b'"' + FINISH_REASON.encode() + b'"'
         if kind == "completion":
-            self._chunk_prefix = head + b'"text":'
-            close = b""
-        else:
-            self._chunk_prefix = head + b'"delta":{"content":'
-            close = b"}"
-        self._chunk_suffix = close + b',"logprobs":null,"finish_reason":null,"stop_reason":null}]}\n\n'
-        self._final_suffix = (
-            close
-            + b',"logprobs":null,"finish_reason":"'
-            + FINISH_REASON.encode()
-            + b'","stop_reason":null}]}\n\n'
-        )
+            self._chunk_prefix = self._head_bytes + b'{"index":0,"text":'
+            self._chunk_suffix = (
+                b',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":'
+            )
+            self._final_suffix = (
+                b',"logprobs":null,"finish_reason":' + finish + b',"stop_reason":null,"prompt_token_ids":'
+            )
+        else:  # chat chunks carry stop_reason only with the finish, and the prompt ids in the role chunk
+            self._chunk_prefix = self._head_bytes + b'{"index":0,"delta":{"content":'
+            self._chunk_suffix = b'},"logprobs":null,"finish_reason":null,"token_ids":'
+            self._final_suffix = (
+                b'},"logprobs":null,"finish_reason":' + finish + b',"stop_reason":null,"token_ids":'
+            )
 
-    def full(self, text: str, prompt_tokens: int, completion_tokens: int, kv_params: Any) -> bytes:
-        """The non-streaming response body."""
-        choice: dict[str, Any]
+    def full(
+        self,
+        text: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        kv_params: Any,
+        *,
+        token_ids: Sequence[int] | None = None,
+    ) -> bytes:
+        """The non-streaming response body (``token_ids``: the output ids, for ``return_token_ids``)."""
+        rti = self.return_token_ids
+        out_ids = list(token_ids) if rti and token_ids is not None else None
+        prompt_ids = list(self.prompt_token_ids) if rti else None
+        body: dict[str, Any] = dict(self._head)
         if self.kind == "completion":
-            choice = {"index": 0, "text": text, "logprobs": None}
+            body["choices"] = [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": FINISH_REASON,
+                    "stop_reason": None,
+                    "token_ids": out_ids,
+                    "prompt_logprobs": None,
+                    "prompt_token_ids": prompt_ids,
+                    "routed_experts": None,
+                }
+            ]
         else:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "tool_calls": []},
-                "logprobs": None,
+            message = {
+                "role": "assistant",
+                "content": text,
+                "refusal": None,
+                "annotations": None,
+                "audio": None,
+                "function_call": None,
+                "reasoning": None,
             }
-        choice["finish_reason"] = FINISH_REASON
-        choice["stop_reason"] = None
-        return jsonutil.dumps(
-            {
-                **self._head,
-                "choices": [choice],
-                "usage": usage(prompt_tokens, completion_tokens),
-                "prompt_logprobs": None,
-                "kv_transfer_params": kv_params,
-            }
-        )
+            body["choices"] = [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": FINISH_REASON,
+                    "stop_reason": None,
+                    "token_ids": out_ids,
+                    "routed_experts": None,
+                }
+            ]
+        body["service_tier"] = None
+        body["system_fingerprint"] = self._fingerprint
+        body["usage"] = usage(prompt_tokens, completion_tokens)
+        if self.kind == "chat":
+            body["prompt_logprobs"] = None
+            body["prompt_token_ids"] = prompt_ids
+            body["prompt_text"] = None
+        body["kv_transfer_params"] = kv_params
+        body["ec_transfer_params"] = None
+        body["metrics"] = None
+        return jsonutil.dumps(body)
+
+    def _running_usage(self, completion_tokens: int) -> bytes:
+        # Chat's running usage names completion_tokens_details (as null); completions' does not.
+        p = self._prompt_tokens
+        tail = b',"completion_tokens_details":null}' if self.kind == "chat" else b"}"
+        numbers = b',"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d'
+        return numbers % (p, p + completion_tokens, completion_tokens) + tail
 
     def role_chunk(self) -> bytes:
-        """Chat's first chunk, announcing the assistant (empty for completions)."""
+        """Chat's first chunk: the assistant's role, and the prompt ids (empty for completions)."""
         if self.kind == "completion":
             return b""
+        running = self._running_usage(0) if self.continuous_usage else b""
         return (
-            self._chunk_prefix.removesuffix(b'"content":')
-            + b'"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]}\n\n'
+            self._head_bytes
+            + b'{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}]'
+            + running
+            + b',"prompt_token_ids":'
+            + self._prompt_ids_json
+            + b',"prompt_text":null}\n\n'
         )
 
-    def token_chunk(self, json_word: bytes, last: bool) -> bytes:
-        """One token's chunk; the last one carries the finish reason."""
-        return self._chunk_prefix + json_word + (self._final_suffix if last else self._chunk_suffix)
+    def token_chunk(self, json_word: bytes, last: bool, index: int = 0, token_id: int = -1) -> bytes:
+        """Output token ``index``'s chunk (``token_id``: its id); the last one carries the finish reason."""
+        parts = [self._chunk_prefix, json_word, self._final_suffix if last else self._chunk_suffix]
+        if self.kind == "completion":
+            parts.append(self._prompt_ids_json if index == 0 else _NULL)
+            parts.append(b',"token_ids":')
+        parts.append(b"[%d]" % token_id if self.return_token_ids else _NULL)
+        parts.append(b"}]")
+        if self.continuous_usage:
+            parts.append(self._running_usage(index + 1))
+        if last and not self.include_usage:
+            parts.append(self._fp_tail)
+        parts.append(b"}\n\n")
+        return b"".join(parts)
 
-    def chunks(self, json_words: list[bytes]) -> bytes:
-        """All token chunks at once (the zero-delay path)."""
-        if not json_words:
+    def chunks(self, json_words: Sequence[bytes], token_ids: Sequence[int] = ()) -> bytes:
+        """All token chunks at once (the zero-delay path); ``token_ids`` needed for ``return_token_ids``."""
+        n = len(json_words)
+        if not n:
             return b""
-        prefix, mid = self._chunk_prefix, self._chunk_suffix + self._chunk_prefix
-        return prefix + mid.join([*json_words[:-1], json_words[-1] + self._final_suffix])
+        if self.return_token_ids or self.continuous_usage:
+            ids = token_ids if self.return_token_ids else [-1] * n
+            pairs = enumerate(zip(json_words, ids, strict=True))
+            return b"".join(self.token_chunk(w, i == n - 1, i, t) for i, (w, t) in pairs)
+        # Without per-chunk ids or usage, every chunk but the last has the same bytes around its word.
+        ids_null = b'null,"token_ids":null}]' if self.kind == "completion" else b"null}]"
+        mid = self._chunk_suffix + ids_null + b"}\n\n" + self._chunk_prefix
+        end = self._final_suffix + ids_null + (b"" if self.include_usage else self._fp_tail) + b"}\n\n"
+        return self._chunk_prefix + mid.join(json_words) + end
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
         """The final chunk when ``stream_options.include_usage`` is true."""
-        head = {
-            **self._head,
-            "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
-        }
-        body = {**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)}
-        return b"data: " + jsonutil.dumps(body) + b"\n\n"
+        return (
+            self._head_bytes
+            + b'],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}'
+            % (prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+            + self._fp_tail
+            + b"}\n\n"
+        )

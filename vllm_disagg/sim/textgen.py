@@ -1,10 +1,17 @@
-"""The simulated model: a byte tokenizer, a chat template, and output that is a pure function
-of (prompt token ids, position), so a test can know every byte of a response in advance.
+"""The simulated model: a byte tokenizer, a chat template, and autoregressive output that a test can
+know in advance, byte for byte.
+
+Each output token is a function of the whole context before it (prompt and output so far), so a
+request whose prompt is ``prompt ids + the first k output ids`` continues with exactly the rest of
+the output, as a greedy real model does; that is what a mid-stream resume relies on. The context is
+summarised by a polynomial hash modulo a 64-bit prime: one C-level bignum conversion for a whole
+prompt, one multiply-add per generated token.
 """
 
 from __future__ import annotations
 
-import hashlib
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 
 # Each output token is one word with a leading space; 64 words so text stays readable.
@@ -14,11 +21,18 @@ WORDS: tuple[str, ...] = tuple(
     ember fern grove heath iris jade kelp lotus maple nectar opal pine quartz reed sage thyme umber
     vale willow yarrow zinnia acorn birch clover daisy elm flax gorse hazel ivy juniper kale larch""".split()
 )
+FIRST_WORD_ID = 256  # ids 0..255 are the UTF-8 bytes; word i is token 256 + i
+VOCAB_SIZE = FIRST_WORD_ID + len(WORDS)
 _MASK = (1 << 64) - 1
+# A prime near sqrt(2) * 2**63: 2**64 mod it (the hash's base) is a large, irregular number.
+_MODULUS = 0xB504F333F9DE6471
+# The context's first "digit": without it, leading zero tokens would not change the hash.
+_START = 0x9E3779B97F4A7C15
+_SWAP = sys.byteorder == "little"
 
 
 def tokenize(text: str) -> list[int]:
-    """The simulated tokenizer: one token per UTF-8 byte (vocabulary of 256)."""
+    """The simulated tokenizer: one token per UTF-8 byte (ids 0..255)."""
     return list(text.encode("utf-8"))
 
 
@@ -34,42 +48,64 @@ def apply_chat_template(messages: Iterable[Mapping[str, object]]) -> str:
     return "".join(parts)
 
 
-def prompt_seed(token_ids: Sequence[int]) -> int:
-    """A 64-bit digest of the prompt; output depends on the prompt only through it."""
-    return int.from_bytes(hashlib.blake2b(_as_bytes(token_ids), digest_size=8).digest(), "big")
+def context_state(token_ids: Sequence[int]) -> int:
+    """The model's state after reading ``token_ids``: ``advance`` folded over them, computed in one go."""
+    try:
+        words = array("Q", [_START, *token_ids])
+    except OverflowError:  # ids of 2**64 and above: only their low 64 bits count, as in ``advance``
+        words = array("Q", [_START, *(t & _MASK for t in token_ids)])
+    if _SWAP:
+        words.byteswap()
+    return int.from_bytes(words.tobytes(), "big") % _MODULUS
 
 
-def _as_bytes(token_ids: Sequence[int]) -> bytes:
-    return b"".join(t.to_bytes(4, "little") for t in token_ids)
+def advance(state: int, token_id: int) -> int:
+    """The state after one more token: ``(state * 2**64 + token) mod p``."""
+    return ((state << 64) | (token_id & _MASK)) % _MODULUS
 
 
 def _mix(x: int) -> int:
-    # splitmix64 finaliser: cheap, well spread.
+    # splitmix64 finaliser: the hash is linear in the tokens, so spread it before picking a word.
     x = (x + 0x9E3779B97F4A7C15) & _MASK
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
     return x ^ (x >> 31)
 
 
-def _word_index(seed: int, position: int) -> int:
-    return _mix(seed ^ _mix(position)) % len(WORDS)
+def next_token(state: int) -> int:
+    """The token the model emits in this state: always a word id (no EOS)."""
+    return FIRST_WORD_ID + _mix(state) % len(WORDS)
 
 
-def token_text(seed: int, position: int) -> str:
-    """The text of output token ``position`` (0-based) for a prompt with this seed."""
-    return " " + WORDS[_word_index(seed, position)]
+def token_text(token_id: int) -> str:
+    """The text of an output (word) token: the word with a leading space."""
+    if not FIRST_WORD_ID <= token_id < VOCAB_SIZE:
+        raise ValueError(f"token {token_id} is not an output word")
+    return " " + WORDS[token_id - FIRST_WORD_ID]
 
 
-def output_token_id(seed: int, position: int) -> int:
-    """A stable id for output token ``position``: 256 + the word's index."""
-    return 256 + _word_index(seed, position)
+def generate(state: int, n: int) -> tuple[list[int], int]:
+    """``n`` output token ids from this state, and the state after them."""
+    out = []
+    for _ in range(n):
+        token = next_token(state)
+        out.append(token)
+        state = advance(state, token)
+    return out, state
+
+
+def _ids(prompt: str | Sequence[int]) -> Sequence[int]:
+    return tokenize(prompt) if isinstance(prompt, str) else prompt
+
+
+def output_token_ids(prompt: str | Sequence[int], max_tokens: int) -> list[int]:
+    """Exactly the token ids the simulated engine answers for this prompt (text or token ids)."""
+    return generate(context_state(_ids(prompt)), max_tokens)[0]
 
 
 def expected_text(prompt: str | Sequence[int], max_tokens: int) -> str:
     """Exactly what the simulated engine answers for this prompt (text or token ids)."""
-    ids = tokenize(prompt) if isinstance(prompt, str) else list(prompt)
-    seed = prompt_seed(ids)
-    return "".join(token_text(seed, i) for i in range(max_tokens))
+    return "".join(token_text(t) for t in output_token_ids(prompt, max_tokens))
 
 
 def expected_chat_text(messages: Iterable[Mapping[str, object]], max_tokens: int) -> str:

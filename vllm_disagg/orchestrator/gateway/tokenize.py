@@ -84,9 +84,13 @@ class _SimTokenizer:
 
     def chat_completions(self, body: Mapping[str, Any]) -> list[int] | None:
         try:
-            return textgen.tokenize(openai_api._messages(body))
+            templated = openai_api._messages(body)
+            params = body.get("kv_transfer_params")
+            reused = openai_api._reused_prompt_ids(body, params if isinstance(params, dict) else None)
         except BadRequest:
             return None
+        # As vLLM 0.32: ids forwarded in kv_transfer_params run instead of the templated messages.
+        return list(reused) if reused else textgen.tokenize(templated)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,221 @@
+"""The bounded streaming load: ``concurrency`` workers send a seeded mix of requests until a deadline
+or a request count, whichever comes first, and every response is judged by the checker.
+
+Requests mix ``/v1/completions`` and ``/v1/chat/completions``, streaming (by default most) and not;
+prompts are a shared prefix (one of a few, so prefixes repeat and the prefix cache matters) plus a
+varied tail. Each request carries its own ``X-Request-Id``, which fixes the response id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from vllm_disagg.chaos.check import Checker, Outcome, RequestSpec, Verdict
+
+HEAD_BYTES = 300  # of a failed or garbled response, kept as an example
+TAIL_BYTES = 300  # and its end, where an error event or a cut shows
+FAILURE_BACKOFF_S = 0.05  # a worker's pause after a failed request, doubled while failures go on
+FAILURE_BACKOFF_MAX_S = 1.0
+_VOCABULARY = (
+    "cache block decode prefill token stream engine agent gateway router batch queue latency "
+    "kernel tensor layer model prompt answer request replica shard node pod signal restart "
+    "session heartbeat budget window buffer socket frame packet retry resume fallback"
+).split()
+_ROLES = ("system", "user", "assistant")
+
+
+def _words(rng: random.Random, low: int, high: int) -> str:
+    return " ".join(rng.choice(_VOCABULARY) for _ in range(rng.randint(low, high)))
+
+
+class RequestPlanner:
+    """A seeded stream of ``RequestSpec``: the same seed gives the same requests in the same order."""
+
+    def __init__(
+        self,
+        rng: random.Random,
+        run_tag: str,
+        *,
+        min_tokens: int,
+        max_tokens: int,
+        stream_fraction: float,
+        chat_fraction: float = 0.5,
+        usage_fraction: float = 0.2,
+        prefixes: int = 8,
+    ) -> None:
+        if not 1 <= min_tokens <= max_tokens:
+            raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}..{max_tokens}")
+        self._rng = rng
+        self._tag = run_tag
+        self._min, self._max = min_tokens, max_tokens
+        self._stream, self._chat, self._usage = stream_fraction, chat_fraction, usage_fraction
+        # A few long shared openings (several KV blocks each): many prompts start the same way.
+        self._prefixes = [f"Context {i}: {_words(rng, 15, 40)}." for i in range(prefixes)]
+        self._count = 0
+
+    def next(self) -> RequestSpec:
+        """The next request."""
+        rng = self._rng
+        self._count += 1
+        request_id = f"chaos-{self._tag}-{self._count}"
+        stream = rng.random() < self._stream
+        usage = stream and rng.random() < self._usage
+        max_tokens = rng.randint(self._min, self._max)
+        prefix = rng.choice(self._prefixes)
+        tail = f"Question {self._count}: {_words(rng, 3, 12)}?"
+        if rng.random() < self._chat:
+            messages: list[tuple[str, str]] = [(_ROLES[0], prefix)]
+            if rng.random() < 0.3:  # an earlier turn, as a conversation would have
+                messages += [(_ROLES[1], _words(rng, 2, 8)), (_ROLES[2], _words(rng, 2, 8))]
+            messages.append((_ROLES[1], tail))
+            return RequestSpec(
+                request_id, "chat", stream, max_tokens, messages=tuple(messages), include_usage=usage
+            )
+        return RequestSpec(
+            request_id, "completion", stream, max_tokens, prompt=f"{prefix} {tail}", include_usage=usage
+        )
+
+
+@dataclass
+class Tally:
+    """Counts of outcomes and a few examples of each kind of failure."""
+
+    max_examples: int = 5
+    sent: int = 0
+    completed: int = 0
+    failed: int = 0
+    garbled: int = 0
+    abandoned: int = 0  # in flight when the run was interrupted: judged neither way
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"failed": [], "garbled": []})
+
+    def add(self, spec: RequestSpec, verdict: Verdict, status: int | None, body: bytes, at_s: float) -> None:
+        """Count one judged response (and keep it as an example while there is room)."""
+        self.sent += 1
+        if verdict.outcome == "completed":
+            self.completed += 1
+            return
+        if verdict.outcome == "failed":
+            self.failed += 1
+        else:
+            self.garbled += 1
+        kept = self.examples[verdict.outcome]
+        if len(kept) < self.max_examples:
+            kept.append(
+                {
+                    "request_id": spec.request_id,
+                    "path": spec.path,
+                    "stream": spec.stream,
+                    "status": status,
+                    "reason": verdict.reason,
+                    "head": body[:HEAD_BYTES].decode("utf-8", "replace"),
+                    "tail": body[-TAIL_BYTES:].decode("utf-8", "replace") if len(body) > HEAD_BYTES else "",
+                    "at_s": round(at_s, 3),
+                }
+            )
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Where the load goes and its bounds."""
+
+    base_url: str
+    model: str
+    concurrency: int
+    duration_s: float
+    max_requests: int
+    request_timeout_s: float = 60.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.max_requests < 1 or not self.duration_s > 0:
+            raise ValueError("concurrency, max_requests and duration_s must be positive")
+        if not self.base_url.startswith(("http://127.", "http://localhost", "http://[::1]")):
+            raise ValueError(f"load goes to loopback only, not {self.base_url}")
+
+
+class LoadGenerator:
+    """Runs the workers; ``in_flight`` and the tally can be read while it runs."""
+
+    def __init__(self, cfg: LoadConfig, planner: RequestPlanner, checker: Checker, tally: Tally) -> None:
+        self.cfg = cfg
+        self.planner = planner
+        self.checker = checker
+        self.tally = tally
+        self.in_flight = 0
+        self._issued = 0
+        self._started = time.monotonic()
+
+    async def run(self, stop: asyncio.Event) -> float:
+        """Send until the deadline, the request count or ``stop``; the seconds it ran.
+
+        At the deadline no new request starts and those in flight finish (each bounded by the request
+        timeout); ``stop`` abandons them at once.
+        """
+        cfg = self.cfg
+        self._started = time.monotonic()
+        deadline = self._started + cfg.duration_s
+        timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
+        connector = aiohttp.TCPConnector(limit=cfg.concurrency)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            workers = [
+                asyncio.ensure_future(self._worker(session, deadline, stop)) for _ in range(cfg.concurrency)
+            ]
+            everyone = asyncio.gather(*workers, return_exceptions=True)
+            stopped = asyncio.ensure_future(stop.wait())
+            waits: list[asyncio.Future[Any]] = [everyone, stopped]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stopped.cancel()
+                for w in workers:
+                    w.cancel()
+                results = await everyone
+        for result in results:
+            if isinstance(result, Exception):  # a bug in the harness, not a failed request
+                raise result
+        return time.monotonic() - self._started
+
+    async def _worker(self, session: aiohttp.ClientSession, deadline: float, stop: asyncio.Event) -> None:
+        backoff = 0.0
+        while not stop.is_set() and time.monotonic() < deadline and self._issued < self.cfg.max_requests:
+            self._issued += 1
+            if await self._one(session, self.planner.next()) != "failed":
+                backoff = 0.0
+                continue
+            # A cluster with no instance left for a role fails every request at once: without a pause
+            # the workers would spin, and the count of failures would measure only the client's speed.
+            backoff = min(FAILURE_BACKOFF_MAX_S, max(FAILURE_BACKOFF_S, 2 * backoff))
+            await asyncio.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
+
+    async def _one(self, session: aiohttp.ClientSession, spec: RequestSpec) -> Outcome:
+        status: int | None = None
+        chunks: list[bytes] = []
+        error = ""
+        self.in_flight += 1
+        headers = {"Content-Type": "application/json", "X-Request-Id": spec.request_id}
+        try:
+            async with session.post(
+                self.cfg.base_url + spec.path, data=spec.body(self.checker.model), headers=headers
+            ) as resp:
+                status = resp.status
+                async for chunk in resp.content.iter_any():
+                    chunks.append(chunk)
+        except asyncio.CancelledError:
+            self.tally.abandoned += 1
+            raise
+        except TimeoutError:
+            error = f"no complete answer within {self.cfg.request_timeout_s:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.in_flight -= 1
+        body = b"".join(chunks)
+        verdict = self.checker.check(spec, status, body, error)
+        self.tally.add(spec, verdict, status, body, time.monotonic() - self._started)
+        return verdict.outcome

@@ -1,0 +1,133 @@
+"""The chaos run's result: counts, recovery counters from the orchestrator, faults, examples.
+
+``resumed``, ``fell_back`` and ``retried`` are deltas over the run of the orchestrator's Prometheus
+counters (summed over labels); a counter the orchestrator does not export counts as 0.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+# report field -> orchestrator counter
+RECOVERY_COUNTERS: dict[str, str] = {
+    "resumed": "vllm_disagg_resumes_total",
+    "fell_back": "vllm_disagg_fallbacks_total",
+    "retried": "vllm_disagg_retries_total",
+}
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{.*\})?\s+(\S+)")
+
+
+def counter_sums(text: str, names: set[str]) -> dict[str, float]:
+    """The sum over labels of each metric in ``names`` found in a Prometheus exposition."""
+    sums = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in sums:
+            try:
+                sums[match.group(1)] += float(match.group(2))
+            except ValueError:
+                continue
+    return sums
+
+
+async def recovery_counters(http: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
+    """The orchestrator's recovery counters now; all 0 when /metrics cannot be read."""
+    names = set(RECOVERY_COUNTERS.values())
+    try:
+        async with http.get(f"{base_url}/metrics") as resp:
+            text = await resp.text() if resp.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        text = ""
+    return counter_sums(text, names)
+
+
+@dataclass
+class ChaosReport:
+    """Everything ``vllm-disagg chaos`` prints."""
+
+    sent: int
+    completed: int
+    failed: int
+    garbled: int
+    resumed: int
+    fell_back: int
+    retried: int
+    duration_s: float
+    faults: list[dict[str, Any]]
+    examples: dict[str, list[dict[str, Any]]]
+    abandoned: int = 0
+    skipped_faults: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    log_file: str = ""
+
+    @property
+    def rps(self) -> float:
+        """Completed requests per second of load."""
+        return self.completed / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def ok(self) -> bool:
+        """No request failed and none was garbled."""
+        return self.failed == 0 and self.garbled == 0
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as one JSON object."""
+        return {
+            "sent": self.sent,
+            "completed": self.completed,
+            "failed": self.failed,
+            "garbled": self.garbled,
+            "resumed": self.resumed,
+            "fell_back": self.fell_back,
+            "retried": self.retried,
+            "duration_s": round(self.duration_s, 3),
+            "rps": round(self.rps, 2),
+            "abandoned": self.abandoned,
+            "faults": self.faults,
+            "skipped_faults": self.skipped_faults,
+            "examples": self.examples,
+            "config": self.config,
+            "log_file": self.log_file,
+        }
+
+    def render(self) -> str:
+        """A table for people."""
+        recovered = sum(1 for f in self.faults if f.get("recovered_s") is not None)
+        times = sorted(float(f["recovered_s"]) for f in self.faults if f.get("recovered_s") is not None)
+        worst = f", slowest recovery {times[-1]:.1f} s" if times else ""
+        lines = [
+            f"chaos: {self.duration_s:.1f} s of load, {len(self.faults)} faults "
+            f"({recovered} recovered{worst})",
+            f"  {'sent':>9} {'completed':>9} {'failed':>7} {'garbled':>7} "
+            f"{'resumed':>7} {'fell_back':>9} {'retried':>7} {'rps':>7}",
+            f"  {self.sent:>9} {self.completed:>9} {self.failed:>7} {self.garbled:>7} "
+            f"{self.resumed:>7} {self.fell_back:>9} {self.retried:>7} {self.rps:>7.1f}",
+        ]
+        if self.abandoned:
+            lines.append(f"  {self.abandoned} requests in flight when interrupted (not judged)")
+        for f in self.faults:
+            outcome = (
+                f"back in {f['recovered_s']:.1f} s as pid {f['new_pid']}"
+                if f.get("recovered_s") is not None
+                else f"NOT RECOVERED: {f.get('error')}"
+            )
+            lines.append(
+                f"  t={f['at_s']:>6.1f}s  SIGKILL {f['kind']:<6} of {f['target']:<10} "
+                f"pid {f['pid']}: {outcome}"
+            )
+        for kind in ("failed", "garbled"):
+            for ex in self.examples.get(kind, []):
+                lines.append(
+                    f"  {kind} {ex['request_id']} {ex['path']} stream={ex['stream']} status={ex['status']} "
+                    f"t={ex['at_s']}s: {ex['reason'][:200]}"
+                )
+        lines.append("  verdict: " + ("OK (failed == garbled == 0)" if self.ok else "FAILURES"))
+        if self.log_file:
+            lines.append(f"  cluster logs: {self.log_file}")
+        return "\n".join(lines)
