@@ -103,7 +103,6 @@ def test_nothing_outlives_the_run(chaos: Run) -> None:
         assert not alive(f["pid"]) and not (f["new_pid"] and alive(f["new_pid"]))
 
 
-@pytest.mark.xfail(strict=False, reason="recovery lands in the lead's part")
 def test_no_request_fails_or_is_garbled_while_engines_and_agents_are_killed(chaos: Run) -> None:
     r = chaos.report
     assert (r["failed"], r["garbled"]) == (0, 0), r["examples"]

@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
+from tests.integration.recovery_support import Cluster, start_cluster
 from tests.integration.sim_support import ZERO, StartEngine
 from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
@@ -86,3 +87,10 @@ async def engines() -> AsyncIterator[StartEngine]:
     yield start
     for server in started:
         await server.close()
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    """A real orchestrator (its fake agents added by the test) with a 1 s idle timeout."""
+    async with start_cluster(idle_timeout_s=1.0) as c:  # a hung engine fails its leg after 1 s
+        yield c

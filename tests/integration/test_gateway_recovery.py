@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -18,100 +17,21 @@ from aiohttp import web
 
 from tests.helpers import eventually, free_port
 from tests.integration.conftest import EngineFactory
-from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
+from tests.integration.orchestrator_support import fake_engine, sample, scrape
+from tests.integration.recovery_support import (
+    PROMPT,
+    Cluster,
+    Handler,
+    attempts,
+    complete,
+    record,
+    start_cluster,
+    text_of,
+)
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
-from vllm_disagg.orchestrator.app import REQUEST_LOG_KEY, OrchestratorServer, start_orchestrator
-from vllm_disagg.protocol.messages import MetricsSnapshot, Role
+from vllm_disagg.orchestrator.app import REQUEST_LOG_KEY
 from vllm_disagg.sim.textgen import expected_text
-
-PROMPT = "Recovery is the product: every request gets its answer, whatever fails. " * 2
-BUSY = MetricsSnapshot(num_waiting=50)  # makes a healthy instance the scheduler's second choice
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-class Cluster:
-    """A real orchestrator and the fake agents of one test."""
-
-    def __init__(self, server: OrchestratorServer) -> None:
-        self.server = server
-        self.agents: list[FakeAgent] = []
-
-    async def add(self, agent_id: str, url: str, role: Role, *, busy: bool = False) -> FakeAgent:
-        agent = FakeAgent(self.server.zmq_endpoint, agent_id, url, role, interval_s=0.05)
-        if busy:
-            agent.metrics = BUSY
-        self.agents.append(agent)
-        await agent.join()
-        return agent
-
-    async def ready(self, prefill: int, decode: int) -> None:
-        def check() -> bool:
-            snap = self.server.registry.snapshot()
-            return (
-                len(snap.ready_prefill.get(MODEL, ())) == prefill
-                and len(snap.ready_decode.get(MODEL, ())) == decode
-            )
-
-        await eventually(check, what=f"{prefill}P{decode}D ready")
-
-
-@contextlib.asynccontextmanager
-async def start_cluster(**overrides: Any) -> AsyncIterator[Cluster]:
-    server = await start_orchestrator(orch_config(**overrides), shutdown_timeout_s=1.0)
-    c = Cluster(server)
-    try:
-        yield c
-    finally:
-        for agent in c.agents:
-            await agent.close()
-        await server.close()
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[Cluster]:
-    async with start_cluster(idle_timeout_s=1.0) as c:  # a hung engine fails its leg after 1 s
-        yield c
-
-
-async def complete(
-    http: aiohttp.ClientSession,
-    cluster: Cluster,
-    request_id: str,
-    *,
-    stream: bool = False,
-    max_tokens: int = 8,
-    prompt: str = PROMPT,
-) -> tuple[int, bytes, dict[str, str]]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
-    async with asyncio.timeout(30):  # a recovery never hangs
-        async with http.post(
-            f"{cluster.server.url}/v1/completions",
-            data=jsonutil.dumps(body),
-            headers={"X-Request-Id": request_id},
-        ) as resp:
-            return resp.status, await resp.read(), dict(resp.headers)
-
-
-def text_of(raw: bytes, stream: bool) -> str:
-    if not stream:
-        return str(jsonutil.loads(raw)["choices"][0]["text"])
-    parts = []
-    for line in raw.split(b"\n\n"):
-        if line.startswith(b"data: {"):
-            chunk = jsonutil.loads(line[6:])
-            parts.extend(c["text"] for c in chunk.get("choices", ()))
-    return "".join(parts)
-
-
-async def record(http: aiohttp.ClientSession, cluster: Cluster, request_id: str) -> dict[str, Any]:
-    async with http.get(f"{cluster.server.url}/admin/v1/requests/{request_id}") as resp:
-        assert resp.status == 200
-        return dict(await resp.json())
-
-
-def attempts(rec: dict[str, Any]) -> list[tuple[str, str, str]]:
-    return [(a["leg"], a["instance"], a["outcome"]) for a in rec["attempts"]]
 
 
 async def _hang(request: web.Request) -> web.Response:
@@ -417,3 +337,20 @@ async def _leave_during_prefill(
     await eventually(idle, timeout=10, what="P's KV back at idle long before its 30 s lease")
     rec = await record(http, cluster, "gone-4")
     assert rec["status"] == 499
+
+
+async def test_when_the_last_decode_instance_fails_a_prefill_instance_serves_the_request_by_itself(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    await cluster.add("p0", (await sim_engine()).url, "prefill")
+    await cluster.add("d0", f"http://127.0.0.1:{free_port()}", "decode")  # nothing listens there
+    await cluster.ready(1, 1)
+    status, raw, headers = await complete(http, cluster, "last-one")
+    assert status == 200, raw
+    assert text_of(raw, False) == expected_text(PROMPT, 8)
+    assert (headers["X-Disagg-Mode"], headers["X-Disagg-Decode"]) == ("colocated", "p0")
+    assert attempts(await record(http, cluster, "last-one")) == [
+        ("prefill", "p0", "ok"),
+        ("decode", "d0", "connect"),
+        ("decode", "p0", "ok"),
+    ]

@@ -81,6 +81,11 @@ class KvIndex:
         size = self._size_of.get(agent_id)
         return 0 if size is None else self._by_size[size].blocks_of(agent_id)
 
+    def engine_blocks(self, agent_id: str) -> dict[int, int]:
+        """An instance's blocks: its engine's hash -> the index key (a copy; for tests and debugging)."""
+        size = self._size_of.get(agent_id)
+        return {} if size is None else self._by_size[size].engine_blocks(agent_id)
+
     def total_blocks(self) -> int:
         """Distinct blocks indexed, over every instance and block size."""
         return sum(len(index) for index in self._by_size.values())

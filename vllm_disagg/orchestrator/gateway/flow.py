@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from vllm_disagg.errors import EngineRejected, UpstreamError
-from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body, run_prefill
+from vllm_disagg.orchestrator.gateway.handoff import decode_body, dumps_leg, prefill_body, run_prefill
 from vllm_disagg.orchestrator.gateway.records import Attempt
-from vllm_disagg.orchestrator.gateway.streaming import LegTiming, end_with_error, run_decode
+from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
+from vllm_disagg.orchestrator.gateway.streaming import LegTiming, continue_stream, end_with_error, run_decode
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -69,6 +70,19 @@ class Flow:
         self.failed: set[str] = set()  # instances that failed this request: never tried again
         self.prefill_tries = 0
         self.fallback = ""
+        self.resumes = 0
+        # A stream that can move to another instance mid-way keeps what that needs.
+        self.state: StreamState | None = None
+        if (
+            parsed.stream
+            and gateway.config.max_resumes > 0
+            and resumable(parsed.body, route != "completions")
+        ):
+            self.state = StreamState(
+                chat=route != "completions",
+                client_ids=parsed.body.get("return_token_ids") is True,
+                max_tokens=parsed.max_tokens,
+            )
         self._set_headers()
 
     def _set_headers(self) -> None:
@@ -171,7 +185,7 @@ class Flow:
         while True:
             tries += 1
             d = self.decode_id
-            body = decode_body(self.parsed.body, kv) if kv is not None else self.raw
+            body = self._decode_body(kv)
             try:
                 response = await self._decode_once(d, body)
             except UpstreamError as exc:
@@ -191,10 +205,76 @@ class Flow:
                 continue
             if self.timing.cut:
                 gw.registry.leg_failed(d, gw.clock.monotonic(), partner=self.prefill_id)
-                await end_with_error(response, self.timing.cut, self.timing)
+                self.failed.add(d)
+                if not self.timing.client_gone and not await self._resume(response):
+                    await end_with_error(response, self.timing.cut, self.timing)
             else:
                 gw.registry.leg_succeeded(d, partner=self.prefill_id)
             return response
+
+    def _decode_body(self, kv: Any | None) -> bytes:
+        """The decode leg's body: the client's bytes when nothing needs to change."""
+        if self.state is None:
+            return decode_body(self.parsed.body, kv) if kv is not None else self.raw
+        body = dict(self.parsed.body, return_token_ids=True)  # what a resume starts from
+        return decode_body(body, kv) if kv is not None else dumps_leg(body)
+
+    async def _resume(self, out: web.StreamResponse) -> bool:
+        """Go on with a cut stream on other instances (``max_resumes`` in all); True once complete."""
+        gw, state, timing = self.gw, self.state, self.timing
+        while state is not None and state.can_resume() and state.resumes < gw.config.max_resumes:
+            cause = timing.cut_cause
+            body = state.resume_body(self.parsed.body)
+            d = self._pick_colocated()
+            if body is None or d is None:
+                return False
+            gw.metrics.resume(cause)
+            state.start_leg()
+            self.resumes = state.resumes
+            self.mode, self.prefill_id, self.decode_id = "colocated", None, d
+            target = gw.target("decode", d, self.route)
+            gw.registry.acquire(d)
+            started = gw.clock.monotonic()
+            try:
+                await continue_stream(
+                    out,
+                    gw.session_or_fail(),
+                    target,
+                    dumps_leg(body),
+                    self.up_headers,
+                    gw.metrics,
+                    gw.clock.monotonic,
+                    timing,
+                    gw.watch,
+                    state,
+                )
+            except UpstreamError as exc:
+                timing.cut, timing.cut_cause = exc.message, exc.cause
+                self._attempt("resume", d, started, exc.cause, exc.message)
+                gw.registry.leg_failed(d, gw.clock.monotonic())
+                self.failed.add(d)
+                continue
+            finally:
+                gw.registry.release(d)
+                self.engine_s += gw.clock.monotonic() - started
+            self._attempt("resume", d, started, "ok")
+            gw.registry.leg_succeeded(d)
+            timing.cut = timing.cut_cause = ""
+            return True
+        return False
+
+    def _pick_colocated(self) -> str | None:
+        """An instance to run the rest of a request by itself: a decode instance, else (the last one
+        standing) any ready instance that serves the model."""
+        gw = self.gw
+        snapshot = gw.registry.snapshot()
+        d = gw.scheduler.pick_decode(self._excluding(), snapshot, gw.clock.monotonic(), None)
+        if d is not None:
+            return d
+        spare = [
+            v for v in snapshot.ready_prefill.get(self.parsed.model, ()) if v.agent_id not in self.failed
+        ]
+        return min(spare, key=lambda v: snapshot.in_flight_of(v.agent_id)).agent_id if spare else None
 
     def _next_decode(self) -> bool:
         """Pick another decode instance (able to take KV from our prefill instance, else colocated)."""
@@ -202,8 +282,8 @@ class Flow:
         snapshot, now = gw.registry.snapshot(), gw.clock.monotonic()
         request = self._excluding()
         d = gw.scheduler.pick_decode(request, snapshot, now, self.prefill_id)
-        if d is None and self.prefill_id is not None:
-            d = gw.scheduler.pick_decode(request, snapshot, now, None)
+        if d is None:
+            d = self._pick_colocated()
             if d is not None:
                 self.mode, self.prefill_id = "colocated", None
         if d is None:
@@ -231,6 +311,7 @@ class Flow:
                 gw.clock.monotonic,
                 timing,
                 gw.watch,
+                self.state,
             )
         except UpstreamError as exc:
             self._attempt("decode", d, started, exc.cause, exc.message)

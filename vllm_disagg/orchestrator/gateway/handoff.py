@@ -53,16 +53,17 @@ def prefill_body(request: dict[str, Any]) -> bytes:
         "remote_host": None,
         "remote_port": None,
     }
-    return _dumps_leg(body)
+    return dumps_leg(body)
 
 
 def decode_body(request: dict[str, Any], kv_transfer_params: Any) -> bytes:
     """The decode leg's body: the client's, plus the prefill engine's ``kv_transfer_params`` as they came."""
     request["kv_transfer_params"] = kv_transfer_params
-    return _dumps_leg(request)
+    return dumps_leg(request)
 
 
-def _dumps_leg(body: dict[str, Any]) -> bytes:
+def dumps_leg(body: dict[str, Any]) -> bytes:
+    """A leg's body as JSON bytes; ``BadRequest`` for a body too deeply nested to forward."""
     # orjson reads 1,024 levels of nesting but writes only 255: a deeper body cannot be forwarded.
     try:
         return jsonutil.dumps(body)

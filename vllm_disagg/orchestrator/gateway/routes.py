@@ -395,6 +395,7 @@ class Gateway:
                 timeline={stage: t - t0 for stage, t in stamps.items()},
                 attempts=tuple(flow.attempts) if flow is not None else (),
                 fallback=flow.fallback if flow is not None else "",
+                resumes=flow.resumes if flow is not None else 0,
             )
         )
         if log.isEnabledFor(logging.DEBUG):

@@ -20,6 +20,7 @@ from aiohttp import web
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import UpstreamError
 from vllm_disagg.orchestrator.gateway.handoff import Target, status_failure, upstream_failure
+from vllm_disagg.orchestrator.gateway.resume import StreamBroken, StreamState
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
@@ -50,11 +51,12 @@ async def run_decode(
     now: Callable[[], float],
     timing: LegTiming,
     watch: LegWatch,
+    state: StreamState | None = None,
 ) -> web.StreamResponse:
     """POST the decode leg and relay its answer; raises ``UpstreamError`` only before the first byte.
 
     After it, a failure returns the prepared response with ``timing.cut`` set (the caller resumes or
-    ends it).
+    ends it). ``state``: relay event by event, keeping what a resume needs.
     """
     out: web.StreamResponse | None = None
     try:
@@ -81,17 +83,29 @@ async def run_decode(
             response_headers["Cache-Control"] = "no-cache"
             out = web.StreamResponse(status=status, headers=response_headers)
             await out.prepare(request)
-            await _relay(resp, out, first, chunks, timing)
+            if state is None:
+                await _relay(resp, out, first, chunks, timing)
+            else:
+                await _relay_events(resp, out, first, chunks, timing, state)
             timing.finished = now()
             return out
     except _UPSTREAM_ERRORS as exc:
         timing.finished = now()
-        error = exc if isinstance(exc, UpstreamError) and exc.cause != "lost" else None
-        error = error or upstream_failure(target, exc, metrics)
+        error = _leg_error(target, exc, metrics)
         if out is None:
             raise error from None
         timing.cut, timing.cut_cause = error.message, error.cause
         return out
+
+
+def _leg_error(target: Target, exc: BaseException, metrics: OrchestratorMetrics) -> UpstreamError:
+    """Any failure of a decode leg as an ``UpstreamError`` naming the instance, counted once."""
+    if isinstance(exc, StreamBroken):
+        metrics.upstream_error(target.leg, exc.cause)
+        return UpstreamError(f"{target.describe()} {exc.message}", cause=exc.cause)
+    if isinstance(exc, UpstreamError) and exc.cause != "lost":
+        return exc  # classified (and counted) where it was raised
+    return upstream_failure(target, exc, metrics)
 
 
 async def _relay(
@@ -120,6 +134,51 @@ async def _relay(
         await out.write_eof()
     except ConnectionError:
         timing.client_gone = True
+
+
+async def _relay_events(
+    resp: aiohttp.ClientResponse,
+    out: web.StreamResponse,
+    first: bytes,
+    chunks: AsyncIterator[bytes],
+    timing: LegTiming,
+    state: StreamState,
+) -> None:
+    try:
+        await state.relay(out, first, chunks)
+        await out.write_eof()
+    except ConnectionError:
+        timing.client_gone = True
+        resp.close()
+
+
+async def continue_stream(
+    out: web.StreamResponse,
+    session: aiohttp.ClientSession,
+    target: Target,
+    body: bytes,
+    headers: dict[str, str],
+    metrics: OrchestratorMetrics,
+    now: Callable[[], float],
+    timing: LegTiming,
+    watch: LegWatch,
+    state: StreamState,
+) -> None:
+    """POST a resumed leg and relay it into the client's open stream; ``UpstreamError`` if it fails."""
+    try:
+        async with (
+            watch.leg(target.agent_id, target.describe()),
+            session.post(target.url, data=body, headers=headers) as resp,
+        ):
+            if resp.status != 200:
+                error = status_failure(target, resp.status, await resp.read(), metrics)
+                # Even an engine's 4xx ends this resume: the client's stream is already under way.
+                raise error if isinstance(error, UpstreamError) else UpstreamError(str(error))
+            await _relay_events(resp, out, b"", resp.content.iter_any(), timing, state)
+    except _UPSTREAM_ERRORS as exc:
+        timing.finished = now()
+        raise _leg_error(target, exc, metrics) from None
+    timing.finished = now()
 
 
 def error_event(message: str, status: int = 502, type_: str = "BadGatewayError") -> bytes:

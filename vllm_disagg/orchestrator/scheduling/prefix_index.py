@@ -51,6 +51,10 @@ class PrefixIndex:
         """How many blocks the index holds for one instance."""
         return len(self._engine_keys.get(instance_id, {}))
 
+    def engine_blocks(self, instance_id: str) -> dict[int, int]:
+        """An instance's blocks: its engine's hash -> the index key (a copy; for tests and debugging)."""
+        return dict(self._engine_keys.get(instance_id, {}))
+
     def _slot(self, instance_id: str) -> int:
         slot = self._slots.get(instance_id)
         if slot is None:
@@ -68,7 +72,8 @@ class PrefixIndex:
         token_ids: Sequence[int],
     ) -> None:
         """A ``BlockStored`` event: ``token_ids`` cover one full block per hash, in order."""
-        bit = 1 << self._slot(instance_id)
+        slot = self._slot(instance_id)
+        bit = 1 << slot
         keys = self._engine_keys[instance_id]
         # An unknown parent (its event was missed) cannot be chained: skip rather than index wrongly.
         parent = ROOT if parent_engine_hash is None else keys.get(parent_engine_hash)
@@ -80,7 +85,10 @@ class PrefixIndex:
             if len(block) < size:
                 return
             parent = chain_hash(parent, block)
+            before = keys.get(engine_hash)
             keys[engine_hash] = parent
+            if before is not None and before != parent:  # re-stored under another prefix: move it
+                self._unhold(before, slot)
             self._holders[parent] = self._holders.get(parent, 0) | bit
 
     def removed(self, instance_id: str, engine_hashes: Sequence[int]) -> None:

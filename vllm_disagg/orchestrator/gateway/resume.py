@@ -1,0 +1,211 @@
+"""Mid-stream resume: a stream whose decode engine fails goes on from another instance, seamlessly.
+
+The decode leg of a resumable stream asks the engine for ``return_token_ids`` (vLLM 0.32 always sends
+``"prompt_token_ids"`` and ``"token_ids"``, as ``null`` unless asked, so asking changes no key order;
+docs/vllm-resume-facts.md). ``StreamState`` relays the stream event by event, keeps the prompt's ids
+and the output ids the client has, and puts the bytes back as the client asked for them. When the
+engine fails (the connection breaks, or it sends an ``{"error"`` event), the gateway sends the prompt
+plus the output so far, as token ids, to another instance — ``/v1/completions`` with an id-list
+prompt, or chat with ``kv_transfer_params.prompt_token_ids`` — so nothing is re-tokenized. The
+resumed leg's events are rewritten to the first leg's ``id``/``created`` head, its repeated role
+chunk is dropped, and its ``usage`` is restated as the whole request's, so under greedy decoding the
+client's stream equals an uninterrupted run byte for byte.
+
+A token that ends inside a UTF-8 character has empty text (the detokenizer holds its bytes back);
+resuming right after it would make the new leg emit the whole context. So a leg resumes after the
+last event with text, and the events the client already had (empty text) are regenerated and dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from vllm_disagg.errors import UpstreamError
+
+_DONE = b"data: [DONE]"
+_ERROR = b'data: {"error"'
+_PROMPT_IDS = b'"prompt_token_ids":['
+_TOKEN_IDS = b'"token_ids":['
+_MODEL = b'"model":'
+_EMPTY_TEXT = (b'"text":"",', b'"delta":{"content":""}', b'"delta":{}')
+_ROLE = b'"delta":{"role":'
+_UNFINISHED = b'"finish_reason":null'
+_NO_CHOICES = b'"choices":[]'
+_USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":(\d+),"completion_tokens":(\d+)')
+# Fields that make a resumed leg differ from an uninterrupted one (offsets, several choices, tool-call
+# parser state, echoed prompts): such requests are not resumed.
+_NOT_RESUMABLE = ("logprobs", "top_logprobs", "echo", "best_of", "use_beam_search", "tools", "suffix")
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+
+
+class StreamBroken(UpstreamError):
+    """The engine's stream broke off or reported an error after its first event."""
+
+
+def resumable(body: dict[str, Any], chat: bool) -> bool:
+    """Can this streaming request be resumed mid-way on another instance?"""
+    if body.get("n") not in (None, 1) or any(body.get(name) for name in _NOT_RESUMABLE):
+        return False
+    if chat:
+        return True
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    return isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
+
+
+def _ids_at(event: bytes, key: bytes) -> list[int] | None:
+    i = event.find(key)
+    if i < 0:
+        return None
+    start = i + len(key)
+    end = event.find(b"]", start)
+    return [int(t) for t in event[start:end].split(b",") if t]
+
+
+def _nulled(event: bytes, key: bytes) -> bytes:
+    """``"key":[...]`` -> ``"key":null``."""
+    i = event.find(key)
+    if i < 0:
+        return event
+    end = event.find(b"]", i + len(key))
+    return event[: i + len(key) - 1] + b"null" + event[end + 1 :]
+
+
+@dataclass(slots=True)
+class StreamState:
+    """One client stream across its decode legs: what the client has, and how to show it to them."""
+
+    chat: bool
+    client_ids: bool  # the client asked for return_token_ids itself
+    max_tokens: int | None
+    prompt_ids: list[int] | None = None
+    ids: list[int] = field(default_factory=list)  # output ids of the events the client has
+    safe: int = 0  # output tokens up to the client's last event with text: where a resume starts
+    finished: bool = False  # the client has the event with the finish reason
+    done: bool = False  # the client has [DONE]
+    resumes: int = 0
+    head: bytes = b""  # the first leg's b'data: {"id":...,"created":N,' every event starts with
+    # --- the current leg ---
+    leg_head: bytes = b""
+    leg_first: bool = True
+    skip: int = 0  # tokens this leg regenerates that the client already has
+    offset: int = 0  # output tokens before this leg's prompt ended (usage is restated with it)
+    _buffer: bytes = b""
+
+    def start_leg(self) -> None:
+        """A resumed leg begins: it regenerates from ``safe``."""
+        self.resumes += 1
+        self.offset = self.safe
+        self.skip = len(self.ids) - self.safe
+        self.leg_head, self.leg_first, self._buffer = b"", True, b""
+
+    async def relay(self, out: web.StreamResponse, first: bytes, chunks: AsyncIterator[bytes]) -> bool:
+        """Relay one leg; True when the client's stream is complete. Raises ``UpstreamError`` when the
+        engine breaks off or reports an error mid-stream (the caller resumes or ends the stream)."""
+        chunk = first
+        while True:
+            if chunk:
+                data = self._buffer + chunk if self._buffer else chunk
+                *events, self._buffer = data.split(b"\n\n")
+                for event in events:
+                    if event and await self._event(out, event):
+                        return True
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
+        if self._buffer.strip():  # a partial event at the end: the connection was cut inside it
+            raise StreamBroken("ended its stream inside an event", cause="disconnect")
+        raise StreamBroken("ended its stream without [DONE]", cause="disconnect")
+
+    async def _event(self, out: web.StreamResponse, event: bytes) -> bool:
+        if event.startswith(_DONE):
+            self.done = True
+            await out.write(event + b"\n\n")
+            return True
+        if event.startswith(_ERROR):
+            raise StreamBroken(f"reported an error mid-stream: {event[6:306]!r}", cause="status")
+        ids = _ids_at(event, _TOKEN_IDS) or []
+        if self.leg_first:
+            self.leg_first = False
+            model_at = event.find(_MODEL)
+            self.leg_head = event[:model_at] if model_at > 0 else b""
+            if not self.head:
+                self.head = self.leg_head
+                self.prompt_ids = _ids_at(event, _PROMPT_IDS)
+            elif self.chat and _ROLE in event:
+                return False  # the resumed leg's role chunk: the client has one
+        if self.skip and ids:
+            if len(ids) <= self.skip:  # the client has these tokens (their text was empty)
+                self.skip -= len(ids)
+                return False
+            self.skip = 0
+        out_event = event
+        if self.resumes:
+            if self.leg_head and self.leg_head != self.head and event.startswith(self.leg_head):
+                out_event = self.head + event[len(self.leg_head) :]
+            out_event = _nulled(out_event, _PROMPT_IDS)
+            if b'"usage":{' in out_event:
+                out_event = self._restated_usage(out_event)
+        if not self.client_ids:
+            if ids and self.chat and b'"delta":{},' in event and _UNFINISHED in event:
+                self.ids.extend(ids)  # sent only because we asked for ids: not the client's to see
+                return False
+            out_event = _nulled(_nulled(out_event, _PROMPT_IDS), _TOKEN_IDS)
+        await out.write(out_event + b"\n\n")
+        if ids:
+            self.ids.extend(ids)
+            if not any(marker in event for marker in _EMPTY_TEXT):
+                self.safe = len(self.ids)
+        if _UNFINISHED not in event and _NO_CHOICES not in event:
+            self.finished = True
+        return False
+
+    def _restated_usage(self, event: bytes) -> bytes:
+        prompt = len(self.prompt_ids or ())
+
+        def restate(m: re.Match[bytes]) -> bytes:
+            completion = int(m.group(3)) + self.offset
+            return b'"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d' % (
+                prompt,
+                prompt + completion,
+                completion,
+            )
+
+        return _USAGE.sub(restate, event)
+
+    def can_resume(self) -> bool:
+        """Is there a known place to go on from?"""
+        return self.prompt_ids is not None and not self.done and not self.finished
+
+    def resume_body(self, client: dict[str, Any]) -> dict[str, Any] | None:
+        """The next leg's request: the client's, from the prompt and output so far as token ids.
+        None when nothing is left to generate."""
+        body = dict(client)
+        body.pop("kv_transfer_params", None)
+        context = [*(self.prompt_ids or ()), *self.ids[: self.safe]]
+        limit = self.max_tokens
+        if limit is None and not self.chat:
+            limit = _COMPLETIONS_DEFAULT_MAX_TOKENS
+        if limit is not None:
+            left = limit - self.safe
+            if left < 1:
+                return None
+            for name in ("max_tokens", "max_completion_tokens"):
+                if name in body or (name == "max_tokens" and not self.chat):
+                    body[name] = left
+        if isinstance(body.get("min_tokens"), int):
+            body["min_tokens"] = max(0, body["min_tokens"] - self.safe)
+        if self.chat:
+            body["kv_transfer_params"] = {"prompt_token_ids": context}
+        else:
+            body["prompt"] = context
+        body["return_token_ids"] = True
+        body["stream"] = True
+        return body
