@@ -112,8 +112,19 @@ class SimEngineConfig:
     timing: SimTiming = field(default_factory=SimTiming)
     kv_lease_s: float = 30.0  # blocks held for a decoder are freed after this if never pulled
     kv_events_port: int = 0  # publish vLLM-style KV-cache events on a ZeroMQ PUB socket here; 0: off
+    # vLLM's --enable-prompt-tokens-details: usage reports the prompt tokens served from cache (local
+    # prefix hits and KV pulled from a prefill engine). Off by default, as in vLLM.
+    prompt_tokens_details: bool = False
+    # vLLM's kv_load_failure_policy: "fail" answers 500 when the KV cannot be pulled; "recompute"
+    # computes the prompt locally instead (silently slower: the gateway detects it from the usage).
+    kv_load_failure_policy: str = "fail"
 
     def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in ("fail", "recompute"):
+            raise ConfigError(
+                "sim.kv_load_failure_policy must be 'fail' or 'recompute', "
+                f"got {self.kv_load_failure_policy!r}"
+            )
         _port("sim", "port", self.port)
         _port("sim", "kv_events_port", self.kv_events_port)
         _positive(

@@ -354,3 +354,47 @@ async def test_when_the_last_decode_instance_fails_a_prefill_instance_serves_the
         ("decode", "d0", "connect"),
         ("decode", "p0", "ok"),
     ]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_decode_instance_that_recomputes_instead_of_loading_the_kv_is_caught_and_its_link_avoided(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory, stream: bool
+) -> None:
+    # P forgets the blocks it holds at once, so D's pull finds nothing and (vLLM's "recompute"
+    # policy) D computes the prompt itself: the answer is right, only slow. Its usage says so.
+    p = await sim_engine(kv_lease_s=1e-6)
+    d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
+    await cluster.add("p0", p.url, "prefill")
+    await cluster.add("d0", d.url, "decode")
+    await cluster.ready(1, 1)
+    for n in range(3):
+        status, raw, headers = await complete(
+            http, cluster, f"slow-{n}", stream=stream, prompt=f"{n} {PROMPT}"
+        )
+        assert status == 200 and text_of(raw, stream) == expected_text(f"{n} {PROMPT}", 8)
+        assert headers["X-Disagg-Mode"] == "disaggregated"
+        assert b"cached_tokens" not in raw or not stream, "the usage the gateway asked for stays with it"
+    rec = await record(http, cluster, "slow-0")
+    decode = rec["attempts"][-1]
+    assert (decode["leg"], decode["outcome"]) == ("decode", "recomputed")
+    assert "computed the rest" in decode["error"]
+    samples = await scrape(http, cluster.server.url)
+    assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 3
+    assert sample(samples, "vllm_disagg_link_breaker_open", prefill="p0", decode="d0") == 1
+    # The pair is no longer made; D serves by itself until the link's half-open probe.
+    status, raw, headers = await complete(http, cluster, "after", stream=stream)
+    assert status == 200 and headers["X-Disagg-Mode"] == "colocated"
+
+
+async def test_a_decode_instance_that_loads_the_kv_is_not_flagged(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    await cluster.add("p0", (await sim_engine()).url, "prefill")
+    await cluster.add("d0", (await sim_engine(prompt_tokens_details=True)).url, "decode")
+    await cluster.ready(1, 1)
+    for stream in (False, True):
+        status, _, headers = await complete(http, cluster, f"fine-{stream}", stream=stream)
+        assert status == 200 and headers["X-Disagg-Mode"] == "disaggregated"
+        assert attempts(await record(http, cluster, f"fine-{stream}"))[-1] == ("decode", "d0", "ok")
+    samples = await scrape(http, cluster.server.url)
+    assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 0

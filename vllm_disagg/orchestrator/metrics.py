@@ -176,6 +176,12 @@ class OrchestratorMetrics:
             ["cause"],
             registry=r,
         )
+        self._kv_recomputed = Counter(
+            "vllm_disagg_kv_recomputed",
+            "Decode legs that computed the prompt themselves instead of loading the prefill's KV, by pair",
+            ["prefill", "decode"],
+            registry=r,
+        )
         self._kv_released = Counter(
             "vllm_disagg_kv_released",
             "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
@@ -242,6 +248,10 @@ class OrchestratorMetrics:
     def resume(self, cause: str) -> None:
         """Count a stream resumed on another instance."""
         self._resume_children[(cause,)].inc()
+
+    def kv_recomputed(self, prefill: str, decode: str) -> None:
+        """Count a decode leg that recomputed the prompt instead of loading its KV."""
+        self._kv_recomputed.labels(prefill, decode).inc()
 
     def kv_released(self) -> None:
         """Count a one-token decode that freed an abandoned prefill's KV."""

@@ -27,6 +27,7 @@ _ENGINE_FLAGS: tuple[tuple[str, str, type], ...] = (
     ("--default-max-tokens", "default_max_tokens", int),
     ("--kv-lease-s", "kv_lease_s", float),
     ("--kv-events-port", "kv_events_port", int),
+    ("--kv-load-failure-policy", "kv_load_failure_policy", str),
 )
 _HELP = {
     "model": "served model name",
@@ -37,6 +38,7 @@ _HELP = {
     "default_max_tokens": "max_tokens when a request gives none",
     "kv_lease_s": "seconds blocks held for a decoder survive without a pull",
     "kv_events_port": "publish vLLM-style KV-cache events on tcp://127.0.0.1:PORT (0: off)",
+    "kv_load_failure_policy": "a KV pull that fails: 'fail' (500) or 'recompute' (locally), as vLLM's",
 }
 
 
@@ -44,13 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``sim-engine`` flags; defaults are ``SimEngineConfig()``'s."""
     for flag, name, kind in _ENGINE_FLAGS:
         parser.add_argument(flag, dest=name, type=kind, default=getattr(_DEFAULT, name), help=_HELP[name])
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        dest="prompt_tokens_details",
+        action="store_true",
+        help="usage reports the prompt tokens served from cache, as vLLM's flag",
+    )
     add_sim_timing_arguments(parser, defaults=True)
 
 
 def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
     """The validated config the flags describe (``ConfigError`` on values that cannot work)."""
     return SimEngineConfig(
-        timing=sim_timing_from_args(args), **{name: getattr(args, name) for _, name, _ in _ENGINE_FLAGS}
+        timing=sim_timing_from_args(args),
+        prompt_tokens_details=args.prompt_tokens_details,
+        **{name: getattr(args, name) for _, name, _ in _ENGINE_FLAGS},
     )
 
 
@@ -61,6 +71,8 @@ def sim_engine_argv(config: SimEngineConfig) -> list[str]:
         if name == "engine_id" and not config.engine_id:
             continue  # the default: derived from host and port
         argv += [flag, str(getattr(config, name))]
+    if config.prompt_tokens_details:
+        argv.append("--enable-prompt-tokens-details")
     for flag, name, _ in sim_timing_flags():
         argv += [flag, repr(getattr(config.timing, name))]  # repr: floats round-trip exactly
     return argv

@@ -31,6 +31,7 @@ class Seq:
     __slots__ = (
         "arrival",
         "blocks",
+        "cached_tokens",
         "done",
         "external_tokens",
         "first_token",
@@ -49,6 +50,7 @@ class Seq:
         self.external_tokens = external_tokens
         self.arrival = arrival
         self.blocks = 0
+        self.cached_tokens = 0  # prompt tokens not computed here: local prefix hits and pulled KV
         self.scheduled = arrival
         self.first_token = arrival
         self.last_token = arrival
@@ -109,6 +111,7 @@ class EngineCore:
             m.prefix_cache_queries += n
             m.prefix_cache_hits += cached
         sources = perf_model.prompt_sources(n, cached, seq.external_tokens)
+        seq.cached_tokens = sources.local_cache_hit + sources.external_kv_transfer
         by_source = m.prompt_tokens_by_source
         by_source["local_compute"] += sources.local_compute
         by_source["local_cache_hit"] += sources.local_cache_hit

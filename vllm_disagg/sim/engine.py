@@ -98,6 +98,8 @@ class SimEngine:
                 reason = f"the {n} pulled tokens are not this request's prompt prefix"
         if reason:
             m.nixl_num_failed_transfers += 1
+            if self.config.kv_load_failure_policy == "recompute":
+                return 0  # vLLM's "recompute" policy: the prompt is computed here instead
             raise RequestError(f"KV transfer failed from {where}: {reason}")
         m.nixl_bytes_transferred += 4 * len(tokens)
         m.nixl_xfer_time.observe(self.clock.monotonic() - started)
@@ -176,6 +178,11 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     return await _respond_stepped(request, engine, seq, encoder, headers)
 
 
+def _cached(engine: SimEngine, seq: Seq) -> int | None:
+    """The usage's cached prompt tokens, when the engine reports them (``prompt_tokens_details``)."""
+    return seq.cached_tokens if engine.config.prompt_tokens_details else None
+
+
 def _full_response(
     engine: SimEngine, seq: Seq, encoder: ResponseEncoder, headers: dict[str, str]
 ) -> web.Response:
@@ -183,7 +190,14 @@ def _full_response(
     req = seq.req
     text = engine.prompts.text(seq.prompt, req.max_tokens)
     ids = engine.prompts.output_ids(seq.prompt, req.max_tokens) if req.return_token_ids else None
-    body = encoder.full(text, len(seq.prompt.token_ids), req.max_tokens, seq.kv_params, token_ids=ids)
+    body = encoder.full(
+        text,
+        len(seq.prompt.token_ids),
+        req.max_tokens,
+        seq.kv_params,
+        token_ids=ids,
+        cached_tokens=_cached(engine, seq),
+    )
     return web.Response(body=body, content_type="application/json", headers=headers)
 
 
@@ -200,7 +214,7 @@ async def _respond_now(
     ids = engine.prompts.output_ids(seq.prompt, req.max_tokens) if req.return_token_ids else ()
     parts = [encoder.role_chunk(), encoder.chunks(words, ids)]
     if req.include_usage:
-        parts.append(encoder.usage_chunk(n_prompt, req.max_tokens))
+        parts.append(encoder.usage_chunk(n_prompt, req.max_tokens, _cached(engine, seq)))
     parts.append(DONE)
     resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
     core.in_flight_now += 1
@@ -252,7 +266,7 @@ async def _respond_stepped(
                     pending.append(encoder.token_chunk(words[pos], pos == last, pos, ids[pos]))
                 if pos == last:
                     if req.include_usage:
-                        pending.append(encoder.usage_chunk(n_prompt, req.max_tokens))
+                        pending.append(encoder.usage_chunk(n_prompt, req.max_tokens, _cached(engine, seq)))
                     pending.append(DONE)
                     await resp.write(b"".join(pending))
                     await resp.write_eof()

@@ -235,13 +235,13 @@ def check_length(prompt_tokens: int, max_tokens: int, max_model_len: int, kv_cap
         )
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """vLLM's usage object in a non-streaming answer."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """vLLM's usage object in a non-streaming answer (``cached_tokens``: --enable-prompt-tokens-details)."""
     return {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
+        "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens},
         "completion_tokens_details": None,
     }
 
@@ -334,8 +334,10 @@ class ResponseEncoder:
         kv_params: Any,
         *,
         token_ids: Sequence[int] | None = None,
+        cached_tokens: int | None = None,
     ) -> bytes:
-        """The non-streaming response body (``token_ids``: the output ids, for ``return_token_ids``)."""
+        """The non-streaming response body (``token_ids``: the output ids, for ``return_token_ids``;
+        ``cached_tokens``: the prompt tokens not computed, shown as vLLM's prompt_tokens_details)."""
         rti = self.return_token_ids
         out_ids = list(token_ids) if rti and token_ids is not None else None
         prompt_ids = list(self.prompt_token_ids) if rti else None
@@ -377,7 +379,7 @@ class ResponseEncoder:
             ]
         body["service_tier"] = None
         body["system_fingerprint"] = self._fingerprint
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         if self.kind == "chat":
             body["prompt_logprobs"] = None
             body["prompt_token_ids"] = prompt_ids
@@ -438,12 +440,19 @@ class ResponseEncoder:
         end = self._final_suffix + ids_null + (b"" if self.include_usage else self._fp_tail) + b"}\n\n"
         return self._chunk_prefix + mid.join(json_words) + end
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> bytes:
+    def usage_chunk(
+        self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+    ) -> bytes:
         """The final chunk when ``stream_options.include_usage`` is true."""
+        details = (
+            b"" if cached_tokens is None else b',"prompt_tokens_details":{"cached_tokens":%d}' % cached_tokens
+        )
         return (
             self._head_bytes
-            + b'],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d}'
+            + b'],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d'
             % (prompt_tokens, prompt_tokens + completion_tokens, completion_tokens)
+            + details
+            + b"}"
             + self._fp_tail
             + b"}\n\n"
         )

@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from vllm_disagg.errors import EngineRejected, UpstreamError
-from vllm_disagg.orchestrator.gateway.handoff import decode_body, dumps_leg, prefill_body, run_prefill
+from vllm_disagg.orchestrator.gateway.handoff import (
+    Prefilled,
+    cached_tokens,
+    decode_body,
+    dumps_leg,
+    prefill_body,
+    run_prefill,
+)
 from vllm_disagg.orchestrator.gateway.records import Attempt
 from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming, continue_stream, end_with_error, run_decode
@@ -71,18 +78,19 @@ class Flow:
         self.prefill_tries = 0
         self.fallback = ""
         self.resumes = 0
+        self.prefilled: Prefilled | None = None  # the last successful prefill leg
         # A stream that can move to another instance mid-way keeps what that needs.
         self.state: StreamState | None = None
-        if (
-            parsed.stream
-            and gateway.config.max_resumes > 0
-            and resumable(parsed.body, route != "completions")
-        ):
+        self._usage_wanted = False  # the gateway wants D's usage that the client did not ask for
+        chat = route != "completions"
+        if parsed.stream and gateway.config.max_resumes > 0 and resumable(parsed.body, chat):
+            options = parsed.body.get("stream_options")
             self.state = StreamState(
-                chat=route != "completions",
+                chat=chat,
                 client_ids=parsed.body.get("return_token_ids") is True,
                 max_tokens=parsed.max_tokens,
             )
+            self._usage_wanted = not (isinstance(options, dict) and options.get("include_usage"))
         self._set_headers()
 
     def _set_headers(self) -> None:
@@ -158,7 +166,7 @@ class Flow:
         )
         try:
             async with gw.watch.leg(p, target.describe()):
-                kv = await asyncio.shield(leg)
+                self.prefilled = await asyncio.shield(leg)
         except UpstreamError as exc:
             leg.cancel()
             self._attempt("prefill", p, started, exc.cause, exc.message)
@@ -175,7 +183,7 @@ class Flow:
             self.prefill_s = (self.prefill_s or 0.0) + ended - started
             self.engine_s += ended - started
         self._attempt("prefill", p, started, "ok")
-        return kv
+        return self.prefilled.kv
 
     # --- decode -------------------------------------------------------------------------------------
 
@@ -208,15 +216,47 @@ class Flow:
                 self.failed.add(d)
                 if not self.timing.client_gone and not await self._resume(response):
                     await end_with_error(response, self.timing.cut, self.timing)
-            else:
+            elif not self._recomputed(d, response):
                 gw.registry.leg_succeeded(d, partner=self.prefill_id)
             return response
+
+    def _recomputed(self, d: str, response: web.StreamResponse) -> bool:
+        """Did the decode engine compute the prompt itself instead of loading the prefill's KV?
+
+        vLLM counts KV pulled from a prefill engine as cached prompt tokens (with
+        ``--enable-prompt-tokens-details``, which the agent turns on): a decode leg that reports fewer
+        than half the prompt as cached, after a prefill that handed over blocks, recomputed it — the
+        answer is right, but slow, and the link is suspect. Counted by pair; repeats open the link's
+        breaker; the request's record shows it.
+        """
+        prefilled, p = self.prefilled, self.prefill_id
+        if p is None or prefilled is None or not prefilled.transfers_kv or not prefilled.prompt_tokens:
+            return False
+        cached = self.state.cached_tokens if self.state is not None else cached_tokens(response)
+        if cached is None or 2 * cached >= prefilled.prompt_tokens:
+            return False
+        gw = self.gw
+        gw.metrics.kv_recomputed(p, d)
+        gw.registry.leg_failed(d, gw.clock.monotonic(), p, instance_fault=False)
+        last = self.attempts[-1]
+        self.attempts[-1] = dataclasses.replace(
+            last,
+            outcome="recomputed",
+            error=f"decode instance '{d}' loaded {cached} of {prefilled.prompt_tokens} prompt tokens "
+            f"from prefill instance '{p}' and computed the rest",
+        )
+        return True
 
     def _decode_body(self, kv: Any | None) -> bytes:
         """The decode leg's body: the client's bytes when nothing needs to change."""
         if self.state is None:
             return decode_body(self.parsed.body, kv) if kv is not None else self.raw
         body = dict(self.parsed.body, return_token_ids=True)  # what a resume starts from
+        self.state.forced_usage = kv is not None and self._usage_wanted
+        if self.state.forced_usage:
+            # The usage tells whether D loaded the KV or recomputed it (``_recomputed``); the relay
+            # drops it again for a client that did not ask.
+            body["stream_options"] = {"include_usage": True}
         return decode_body(body, kv) if kv is not None else dumps_leg(body)
 
     async def _resume(self, out: web.StreamResponse) -> bool:

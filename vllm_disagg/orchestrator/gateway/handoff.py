@@ -7,10 +7,12 @@ Prefill leg (DESIGN §2): the client's body with ``max_tokens=1``, ``stream=fals
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 from yarl import URL
 
 from vllm_disagg import jsonutil
@@ -20,6 +22,16 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
 # Longest engine error text quoted back to a client.
 _MAX_QUOTE = 300
+_CACHED = re.compile(rb'"cached_tokens":(\d+)')
+
+
+def cached_tokens(response: web.StreamResponse) -> int | None:
+    """A whole (non-streamed) answer's ``usage.prompt_tokens_details.cached_tokens``, if it has one."""
+    body = response.body if isinstance(response, web.Response) else None
+    if not isinstance(body, bytes):
+        return None
+    m = _CACHED.search(body)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,13 +140,26 @@ def _quote_error(body: bytes) -> str:
     return str(message)[:_MAX_QUOTE]
 
 
+@dataclass(frozen=True, slots=True)
+class Prefilled:
+    """A prefill leg's outcome: the KV handle for the decode leg, and how much of the prompt it holds."""
+
+    kv: dict[str, Any]  # ``kv_transfer_params``, passed to the decode leg unchanged
+    prompt_tokens: int | None  # the engine's count, from its usage
+
+    @property
+    def transfers_kv(self) -> bool:
+        """Does the handle name blocks for the decode engine to pull (a prompt of a full block or more)?"""
+        return bool(self.kv.get("remote_block_ids"))
+
+
 async def run_prefill(
     session: aiohttp.ClientSession,
     target: Target,
     body: bytes,
     headers: dict[str, str],
     metrics: OrchestratorMetrics,
-) -> Any:
+) -> Prefilled:
     """POST the prefill leg; its ``kv_transfer_params``, or an ``UpstreamError`` (retry elsewhere) or
     ``EngineRejected`` (the engine's own 4xx: the request is at fault)."""
     try:
@@ -159,4 +184,6 @@ async def run_prefill(
             f"{target.describe()} returned no kv_transfer_params (is its engine a KV producer?)",
             cause="invalid_response",
         )
-    return kv
+    usage = parsed.get("usage")
+    tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return Prefilled(kv, tokens if isinstance(tokens, int) else None)

@@ -36,6 +36,8 @@ _EMPTY_TEXT = (b'"text":"",', b'"delta":{"content":""}', b'"delta":{}')
 _ROLE = b'"delta":{"role":'
 _UNFINISHED = b'"finish_reason":null'
 _NO_CHOICES = b'"choices":[]'
+_FINGERPRINT = b',"system_fingerprint":'
+_CACHED = re.compile(rb'"cached_tokens":(\d+)')
 _USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":(\d+),"completion_tokens":(\d+)')
 # Fields that make a resumed leg differ from an uninterrupted one (offsets, several choices, tool-call
 # parser state, echoed prompts): such requests are not resumed.
@@ -57,6 +59,10 @@ def resumable(body: dict[str, Any], chat: bool) -> bool:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     return isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
+
+
+def _has_text(event: bytes) -> bool:
+    return not any(marker in event for marker in _EMPTY_TEXT)
 
 
 def _ids_at(event: bytes, key: bytes) -> list[int] | None:
@@ -84,6 +90,10 @@ class StreamState:
     chat: bool
     client_ids: bool  # the client asked for return_token_ids itself
     max_tokens: int | None
+    # The decode leg was asked for a usage chunk the client did not ask for: it is dropped (and the
+    # system fingerprint vLLM moves there goes back to the last token's event).
+    forced_usage: bool = False
+    cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens, when seen
     prompt_ids: list[int] | None = None
     ids: list[int] = field(default_factory=list)  # output ids of the events the client has
     safe: int = 0  # output tokens up to the client's last event with text: where a resume starts
@@ -95,6 +105,9 @@ class StreamState:
     leg_head: bytes = b""
     leg_first: bool = True
     skip: int = 0  # tokens this leg regenerates that the client already has
+    held: bytes = b""  # with forced usage: the finish event, until the usage chunk says its fingerprint
+    held_ids: list[int] = field(default_factory=list)
+    held_text: bool = False
     offset: int = 0  # output tokens before this leg's prompt ended (usage is restated with it)
     _buffer: bytes = b""
 
@@ -103,7 +116,8 @@ class StreamState:
         self.resumes += 1
         self.offset = self.safe
         self.skip = len(self.ids) - self.safe
-        self.leg_head, self.leg_first, self._buffer = b"", True, b""
+        self.leg_head, self.leg_first, self._buffer, self.held = b"", True, b"", b""
+        self.forced_usage = False  # a resumed leg is the client's own request
 
     async def relay(self, out: web.StreamResponse, first: bytes, chunks: AsyncIterator[bytes]) -> bool:
         """Relay one leg; True when the client's stream is complete. Raises ``UpstreamError`` when the
@@ -126,9 +140,20 @@ class StreamState:
 
     async def _event(self, out: web.StreamResponse, event: bytes) -> bool:
         if event.startswith(_DONE):
+            if self.held:
+                await self._deliver(out, self.held, b"")
             self.done = True
             await out.write(event + b"\n\n")
             return True
+        if _NO_CHOICES in event and b'"usage":{' in event:
+            m = _CACHED.search(event)
+            if m:
+                self.cached_tokens = int(m.group(1))
+            if self.forced_usage:
+                fingerprint = event[event.find(_FINGERPRINT) : -1] if _FINGERPRINT in event else b""
+                if self.held:
+                    await self._deliver(out, self.held, fingerprint)
+                return False
         if event.startswith(_ERROR):
             raise StreamBroken(f"reported an error mid-stream: {event[6:306]!r}", cause="status")
         ids = _ids_at(event, _TOKEN_IDS) or []
@@ -158,14 +183,27 @@ class StreamState:
                 self.ids.extend(ids)  # sent only because we asked for ids: not the client's to see
                 return False
             out_event = _nulled(_nulled(out_event, _PROMPT_IDS), _TOKEN_IDS)
+        if self.forced_usage and _UNFINISHED not in event and _NO_CHOICES not in event:
+            self.held, self.held_ids, self.held_text = out_event, ids, _has_text(event)
+            return False
         await out.write(out_event + b"\n\n")
+        self._delivered(event, ids, _has_text(event))
+        return False
+
+    def _delivered(self, event: bytes, ids: list[int], text: bool) -> None:
         if ids:
             self.ids.extend(ids)
-            if not any(marker in event for marker in _EMPTY_TEXT):
+            if text:
                 self.safe = len(self.ids)
         if _UNFINISHED not in event and _NO_CHOICES not in event:
             self.finished = True
-        return False
+
+    async def _deliver(self, out: web.StreamResponse, held: bytes, fingerprint: bytes) -> None:
+        """The held finish event, with the fingerprint vLLM moved to the (dropped) usage chunk."""
+        self.held = b""
+        event = held[:-1] + fingerprint + b"}" if fingerprint else held
+        await out.write(event + b"\n\n")
+        self._delivered(held, self.held_ids, self.held_text)
 
     def _restated_usage(self, event: bytes) -> bytes:
         prompt = len(self.prompt_ids or ())

@@ -31,7 +31,7 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import BadRequest, EngineRejected, PayloadTooLarge, RequestError, UpstreamError
 from vllm_disagg.orchestrator.gateway.flow import Flow
-from vllm_disagg.orchestrator.gateway.handoff import Target, decode_body
+from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
@@ -198,7 +198,7 @@ class Gateway:
 
     def release_when_done(
         self,
-        prefill: asyncio.Future[Any],
+        prefill: asyncio.Future[Prefilled],
         decode_id: str,
         route: Route,
         body: dict[str, Any],
@@ -213,7 +213,7 @@ class Gateway:
 
         async def release() -> None:
             try:
-                kv = await prefill
+                kv = (await prefill).kv
             except Exception:  # it failed: nothing is held
                 return
             target = self.target("decode", decode_id, route)
