@@ -155,7 +155,9 @@ class OrchestratorConfig:
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
     scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
     # --- recovery (docs/operations.md "Failures") ---
-    suspect_after_s: float = 0.5  # no heartbeat this long: stop routing (dead after heartbeat_timeout_s)
+    # No heartbeat this long: stop routing (dead after heartbeat_timeout_s). None: half the timeout, so a
+    # cluster that tolerates long stalls (a large timeout) does not stop routing at the first one.
+    suspect_after_s: float | None = None
     prefill_attempts: int = 2  # prefill instances tried per request before running it colocated
     decode_attempts: int = 3  # decode instances tried per request before its first byte
     max_resumes: int = 3  # mid-stream resumes of one request on another instance
@@ -176,13 +178,14 @@ class OrchestratorConfig:
             idle_timeout_s=self.idle_timeout_s,
             max_frame_bytes=self.max_frame_bytes,
             command_timeout_s=self.command_timeout_s,
-            suspect_after_s=self.suspect_after_s,
             prefill_attempts=self.prefill_attempts,
             decode_attempts=self.decode_attempts,
             breaker_failures=self.breaker_failures,
             breaker_open_s=self.breaker_open_s,
         )
         _non_negative("orchestrator", max_resumes=self.max_resumes)
+        if self.suspect_after_s is not None:
+            _positive("orchestrator", suspect_after_s=self.suspect_after_s)
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ConfigError(
                 "orchestrator.heartbeat_timeout_s must exceed heartbeat_interval_s "

@@ -17,7 +17,12 @@ from vllm_disagg.runtime import run_service
 _DEFAULTS = OrchestratorConfig()
 # (flag, OrchestratorConfig field, type, help)
 _RECOVERY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--suspect-after-s", "suspect_after_s", float, "no heartbeat this long: stop routing to the instance"),
+    (
+        "--suspect-after-s",
+        "suspect_after_s",
+        float,
+        "no heartbeat this long: stop routing to the instance (default: half --heartbeat-timeout-s)",
+    ),
     ("--prefill-attempts", "prefill_attempts", int, "prefill instances tried before running colocated"),
     ("--decode-attempts", "decode_attempts", int, "decode instances tried before the first byte"),
     ("--max-resumes", "max_resumes", int, "mid-stream resumes of one request on another instance"),
