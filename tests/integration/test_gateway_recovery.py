@@ -398,3 +398,21 @@ async def test_a_decode_instance_that_loads_the_kv_is_not_flagged(
         assert attempts(await record(http, cluster, f"fine-{stream}"))[-1] == ("decode", "d0", "ok")
     samples = await scrape(http, cluster.server.url)
     assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 0
+
+
+async def test_with_no_decode_instance_ready_a_prefill_instance_serves_new_requests_by_itself(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    await cluster.add("p0", (await sim_engine()).url, "prefill")
+    d = await cluster.add("d0", (await sim_engine()).url, "decode")
+    await cluster.ready(1, 1)
+    d.engine_state = "restarting"  # its engine died; the agent is bringing it back
+    d.heartbeat_now()
+    await cluster.ready(1, 0)
+    status, raw, headers = await complete(http, cluster, "no-decode")
+    assert status == 200 and text_of(raw, False) == expected_text(PROMPT, 8)
+    assert (headers["X-Disagg-Mode"], headers["X-Disagg-Decode"]) == ("colocated", "p0")
+    explanation = (await record(http, cluster, "no-decode"))["explanation"]
+    assert (
+        explanation["scheduler"] == "last-resort" and "no ready instance can decode" in explanation["reason"]
+    )

@@ -29,7 +29,14 @@ from yarl import URL
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import BadRequest, EngineRejected, PayloadTooLarge, RequestError, UpstreamError
+from vllm_disagg.errors import (
+    BadRequest,
+    EngineRejected,
+    NoCapacity,
+    PayloadTooLarge,
+    RequestError,
+    UpstreamError,
+)
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
@@ -39,7 +46,13 @@ from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
-from vllm_disagg.orchestrator.scheduling.framework import NO_CACHE, Explanation, Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.framework import (
+    NO_CACHE,
+    Decision,
+    Explanation,
+    Scheduler,
+    SchedulingRequest,
+)
 from vllm_disagg.protocol.messages import InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -131,6 +144,28 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
         raise BadRequest(f"'{PIN_FIELD}' must be a non-empty string, got {_quote(pinned)}", param=PIN_FIELD)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class _LastResort:
+    """The explanation of a request no decode instance could take, served by a prefill instance."""
+
+    reason: str
+    pick: str
+
+    def to_json(self) -> dict[str, object]:
+        return {"scheduler": "last-resort", "reason": self.reason, "pick": self.pick}
+
+
+def last_resort(request: SchedulingRequest, snapshot: RegistrySnapshot, no_decode: NoCapacity) -> Decision:
+    """No decode instance is ready: the least busy ready prefill instance serves the request by itself
+    (colocated; a vLLM KV producer serves a request without ``kv_transfer_params`` like any engine).
+    Re-raises ``no_decode`` when there is none either."""
+    spare = snapshot.ready_prefill.get(request.model, ())
+    if not spare:
+        raise no_decode
+    pick = min(spare, key=lambda v: (snapshot.in_flight_of(v.agent_id), v.agent_id)).agent_id
+    return Decision("colocated", None, pick, _LastResort(no_decode.message, pick))
 
 
 def error_response(error: RequestError, headers: dict[str, str]) -> web.Response:
@@ -324,7 +359,10 @@ class Gateway:
             scheduling = self.scheduling_request(
                 request_id, route, parsed, snapshot, pin or parsed.pinned_prefill
             )
-            decision = self.scheduler.decide(scheduling, snapshot, t0)
+            try:
+                decision = self.scheduler.decide(scheduling, snapshot, t0)
+            except NoCapacity as exc:
+                decision = last_resort(scheduling, snapshot, exc)
             t_decided = clock.monotonic()
             explanation = decision.explanation
             up_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
