@@ -416,3 +416,32 @@ async def test_with_no_decode_instance_ready_a_prefill_instance_serves_new_reque
     assert (
         explanation["scheduler"] == "last-resort" and "no ready instance can decode" in explanation["reason"]
     )
+
+
+async def test_vllm_032_decode_figures_that_only_echo_the_prefill_cache_never_flag_a_recompute(
+    cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
+) -> None:
+    # vLLM 0.32's P adds its own prefix-cache hits to the handle as remote_prefill_cached_tokens, and D
+    # reports that figure as its cached tokens (0 for a fresh prompt) whether it loaded the KV or not.
+    # Here D does recompute (P forgets its blocks at once), yet no verdict can be drawn from its figure.
+    real_p = await sim_engine(kv_lease_s=1e-6)
+
+    async def p_032(request: web.Request) -> web.Response:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(real_p.url + request.path, data=await request.read(), headers=request.headers) as r,
+        ):
+            body = jsonutil.loads(await r.read())
+        body["kv_transfer_params"]["remote_prefill_cached_tokens"] = 0
+        return web.json_response(body)
+
+    async with fake_engine(p_032) as p:
+        await cluster.add("p0", p.url, "prefill")
+        d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
+        await cluster.add("d0", d.url, "decode")
+        await cluster.ready(1, 1)
+        for n in range(4):
+            status, _, headers = await complete(http, cluster, f"echo-{n}", prompt=f"{n} {PROMPT}")
+            assert status == 200 and headers["X-Disagg-Mode"] == "disaggregated", "the pair is still made"
+    samples = await scrape(http, cluster.server.url)
+    assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 0

@@ -18,13 +18,20 @@ import zmq
 from tests.helpers import eventually, free_port
 from vllm_disagg.agent import kv_events
 from vllm_disagg.agent.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
-from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint, to_protocol
+from vllm_disagg.agent.kv_forwarder import KvEventForwarder, _items, forwarder_endpoint, to_protocol
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.session import AgentSession
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.protocol.messages import InstanceInfo, KvEvent, KvEvents, MetricsSnapshot
+from vllm_disagg.protocol.messages import (
+    PROTOCOL_VERSION,
+    InstanceInfo,
+    KvEvent,
+    KvEvents,
+    MetricsSnapshot,
+    Welcome,
+)
 from vllm_disagg.protocol.transport import DealerTransport, RouterTransport
 
 BS = 4
@@ -229,32 +236,91 @@ async def test_a_batch_that_does_not_decode_is_counted_and_the_next_one_still_go
     assert (message.events, message.missed) == (as_sent(blocks(1, 1)), 1)
 
 
-async def test_while_not_registered_the_oldest_batches_beyond_the_bound_are_dropped_and_counted(
+async def test_beyond_the_queue_bound_the_queue_becomes_a_resync_so_nothing_is_lost_or_missed(
     rig: Rig,
 ) -> None:
-    # Each one-block batch costs 4 tokens + 1 hash + 1 = 6 items: 3 fit in 20.
+    # A removal costs 2 items, a one-block batch 4 tokens + 1 hash + 1 = 6: the fourth block goes beyond 20.
     forwarder = await rig.start(max_queued_items=20)
     rig.session.registered = False
+    rig.publish(BlockRemoved((7,)))
     for h in range(1, 6):
         rig.publish(blocks(h, 1, parent=h - 1 if h > 1 else None))
-    await eventually(lambda: forwarder.missed_total == 2, what="two batches dropped")
-    assert forwarder.queued_events == 3
+    rig.publish(BlockRemoved((5,)))
+    await eventually(lambda: forwarder.engine_seq == rig.seq - 1, what="every batch read")
+    assert (forwarder.resync_pending, forwarder.queued_events, forwarder.missed_total) == (True, 0, 0)
     rig.session.registered = True
     message = await rig.next_message()
-    assert (message.missed, [e.block_hashes for e in message.events]) == (2, [[3], [4], [5]])
+    assert (message.missed, message.events) == (0, [KvEvent("cleared"), *as_sent(blocks(1, 4))])
+    assert forwarder.resyncs == 1
 
 
-async def test_dropping_a_removal_queues_a_clear_so_the_orchestrator_keeps_no_stale_block(rig: Rig) -> None:
-    forwarder = await rig.start(max_queued_items=19)
+async def test_every_welcome_discards_the_queue_and_resyncs_the_index_before_anything_else(rig: Rig) -> None:
+    forwarder = await rig.start()
+    rig.session.on_welcome = forwarder.session_started
+    rig.publish(blocks(1, 2))
+    rig.publish(blocks(3, 1, parent=2))
+    first = await rig.messages_until(lambda got: len(events_of(got)) == 2)
+    assert events_of(first) == as_sent(blocks(1, 2), blocks(3, 1, parent=2))
+    # The orchestrator restarted (or expired us): our next messages are refused, then a Welcome.
     rig.session.registered = False
-    rig.publish(BlockRemoved((7,)))  # 2 items, then 6 per one-block batch: the third overflows
-    for h in range(1, 4):
-        rig.publish(blocks(h, 1, parent=h - 1 if h > 1 else None))
-    await eventually(lambda: forwarder.missed_total == 1, what="the removal dropped")
+    rig.publish(BlockRemoved((3,)))
+    await queued(forwarder, 1)
+    for _ in range(2):  # a repeated Hello is answered twice: each Welcome resyncs
+        rig.session.handle(
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                agent_id="agent-1",
+                heartbeat_interval_s=0.25,
+                heartbeat_timeout_s=1.0,
+            )
+        )
+        resync = await rig.next_message()
+        assert resync.events == [KvEvent("cleared"), *as_sent(blocks(1, 2))]
+    rig.publish(blocks(3, 1, parent=2))
+    assert (await rig.next_message()).events == as_sent(blocks(3, 1, parent=2))
+    assert (forwarder.resyncs, rig.session.welcomes) == (2, 2)
+
+
+def test_a_welcome_hook_that_fails_is_logged_and_the_session_stays_registered(
+    rig: Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken() -> None:
+        raise RuntimeError("resync bug")
+
+    rig.session.registered = False
+    rig.session.on_welcome = broken
+    rig.session.handle(
+        Welcome(
+            protocol_version=PROTOCOL_VERSION,
+            agent_id="agent-1",
+            heartbeat_interval_s=0.25,
+            heartbeat_timeout_s=1.0,
+        )
+    )
+    assert (rig.session.registered, rig.session.welcomes) == (True, 1)
+    assert "the Welcome hook failed" in caplog.text
+
+
+async def test_a_resync_bigger_than_a_message_leaves_in_bounded_messages_that_rebuild_the_index(
+    rig: Rig,
+) -> None:
+    forwarder = await rig.start(max_message_items=13, max_message_events=2)  # two blocks an event
+    rig.session.registered = False
+    rig.publish(blocks(1, 10))
+    rig.publish(BlockRemoved((1, 2)))  # ghosts: blocks 3-10 still chain through them
+    await eventually(lambda: forwarder.engine_seq == rig.seq - 1, what="every batch read")
+    stale = KvIndex()
+    stale.apply("agent-1", as_sent(blocks(1, 3)))  # what the orchestrator knew: replaced, not merged
+    live = KvIndex()
+    live.apply("agent-1", as_sent(blocks(1, 10), BlockRemoved((1, 2))))
     rig.session.registered = True
-    message = await rig.next_message()
-    assert message.missed == 1
-    assert [e.kind for e in message.events] == ["cleared", "stored", "stored", "stored"]
+    forwarder.session_started()
+    messages = await rig.messages_until(lambda got: bool(got) and got[-1].events[-1].kind == "removed")
+    assert all(len(m.events) <= 2 and sum(map(_items, m.events)) <= 13 for m in messages)
+    assert [m.seq for m in messages] == list(range(messages[0].seq, messages[0].seq + len(messages)))
+    stale.apply("agent-1", events_of(messages))
+    assert stale.engine_blocks("agent-1") == live.engine_blocks("agent-1")
+    assert len(live.engine_blocks("agent-1")) == 8
 
 
 async def test_nothing_is_lost_while_the_orchestrator_is_not_connected() -> None:
@@ -317,5 +383,5 @@ def test_the_kv_events_endpoint_flag_reaches_the_config_and_must_be_a_zeromq_end
 
 
 def test_keyed_blocks_are_not_forwarded_so_their_tokens_never_score_a_hit() -> None:
-    keyed = BlockStored((1, 2), None, TOKENS[:8], BS, keyed=True)
+    keyed = BlockStored((1, 2), None, tuple(TOKENS[:8]), BS, keyed=True)
     assert list(to_protocol(keyed)) == []

@@ -2,18 +2,22 @@
 
 A SUB socket on the engine's KV-events PUB (vLLM's ``--kv-events-config``, the sim's
 ``--kv-events-port``). Each loop drains everything readable: every engine batch is decoded
-(``decode_frames``), turned into protocol ``KvEvent``s and queued; then, while the session is
-registered, the queue goes out as ``KvEvents`` messages of at most ``MAX_MESSAGE_EVENTS`` events and
-``MAX_MESSAGE_ITEMS`` token ids plus hashes, far below the orchestrator's 1 MiB frame limit (an event
-too big for one message is split into chained pieces first).
+(``decode_frames``), turned into protocol ``KvEvent``s, applied to the agent's ``KvMirror`` of the
+engine's blocks and queued; then, while the session is registered, the queue goes out as ``KvEvents``
+messages of at most ``MAX_MESSAGE_EVENTS`` events and ``MAX_MESSAGE_ITEMS`` token ids plus hashes, far
+below the orchestrator's 1 MiB frame limit (an event too big for one message is split into chained
+pieces first).
+
+Every ``Welcome`` starts a session whose index of this instance is empty (the orchestrator drops it at
+each Hello, and a restarted one never had it): the queue is discarded and a *resync* goes first, the
+mirror's ``snapshot()`` (a ``cleared``, then every block the engine holds), so the index is rebuilt
+whatever was lost before. The same resync replaces the queue when it outgrows its bound (the
+orchestrator unreachable for long), so no engine batch is ever dropped for want of room.
 
 Nothing here is fatal. A batch that does not decode is logged and counted (``bad_batches``); a gap in
-the engine's sequence numbers, and an engine batch dropped because the queue is full (it is bounded
-while the session is not registered or not connected), add to the next message's ``missed``. A
-dropped ``removed``/``cleared`` would leave the orchestrator believing in blocks that are gone, so
-such a drop queues a ``cleared`` first: the orchestrator's view may miss blocks, never invent them. An
-engine restart (the supervisor's ``on_restart``, or the engine's sequence going back) queues a
-``cleared`` too: the new engine's cache starts empty.
+the engine's sequence numbers adds to the next message's ``missed``. An engine restart (the
+supervisor's ``on_restart``, or the engine's sequence going back) is a ``cleared``: the new engine's
+cache starts empty.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg.agent import kv_events
+from vllm_disagg.agent.kv_mirror import KvMirror
 from vllm_disagg.agent.session import AgentSession
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
@@ -37,7 +42,7 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGE_ITEMS = 50_000  # token ids + block hashes in one KvEvents (~450 KB at worst)
 MAX_MESSAGE_EVENTS = 2_000
-MAX_QUEUED_ITEMS = 1_000_000  # held while not registered; beyond it the oldest engine batches go
+MAX_QUEUED_ITEMS = 1_000_000  # held while they cannot be sent; beyond it a resync replaces them
 FLUSH_INTERVAL_S = 0.01  # engine batches published within this long go out as one message
 POLL_MS = 100  # a queue held back (not registered, not connected) is retried this often
 MAX_DRAIN = 10_000  # engine batches read per loop before sending, so a flood cannot starve the sends
@@ -84,11 +89,10 @@ def to_protocol(event: kv_events.KvEvent, max_items: int = MAX_MESSAGE_ITEMS) ->
 
 @dataclass(slots=True)
 class _Batch:
-    """Queued events of one engine batch (or one the forwarder made up: ``engine`` False)."""
+    """Queued events: of one engine batch, or a resync (``counted`` False: bounded by the mirror)."""
 
     events: list[KvEvent]
-    items: int
-    engine: bool = True
+    counted: bool = True
 
 
 class KvEventForwarder:
@@ -103,6 +107,7 @@ class KvEventForwarder:
         max_message_events: int = MAX_MESSAGE_EVENTS,
         max_queued_items: int = MAX_QUEUED_ITEMS,
         flush_interval_s: float = FLUSH_INTERVAL_S,
+        mirror: KvMirror | None = None,
     ) -> None:
         self.endpoint = endpoint
         self._flush_interval_s = flush_interval_s
@@ -112,15 +117,18 @@ class KvEventForwarder:
         self._max_queued = max_queued_items
         self._queue: deque[_Batch] = deque()
         self._offset = 0  # events of the front batch already sent
-        self._queued_items = 0
+        self._queued_items = 0  # of counted batches
+        self._resync = False  # the orchestrator's index needs the whole mirror before anything else
         self._missed = 0  # not yet reported
         self._last_seq: int | None = None  # the engine's, of the last batch read
         self._sub: zmq.Socket[bytes] | None = None  # a blocking view of the SUB socket, for draining
+        self.mirror = mirror if mirror is not None else KvMirror()
         self.seq = 0  # of the last KvEvents sent; grows for the agent's whole life
         self.batches = 0  # engine batches decoded
         self.bad_batches = 0  # engine batches that did not decode
         self.missed_total = 0  # engine batches lost, over the agent's life
         self.events_sent = 0
+        self.resyncs = 0  # resyncs started, over the agent's life
 
     @property
     def engine_seq(self) -> int | None:
@@ -131,6 +139,11 @@ class KvEventForwarder:
     def queued_events(self) -> int:
         """Events waiting to be sent."""
         return sum(len(b.events) for b in self._queue) - self._offset
+
+    @property
+    def resync_pending(self) -> bool:
+        """True while a resync is due but could not start (not registered)."""
+        return self._resync
 
     async def run(self) -> None:
         """Subscribe, then drain and forward until cancelled."""
@@ -171,7 +184,7 @@ class KvEventForwarder:
         return read
 
     def feed(self, frames: list[bytes]) -> None:
-        """Queue one engine batch as the engine published it."""
+        """Take one engine batch as the engine published it."""
         try:
             batch = kv_events.decode_frames(frames)
         except KvEventsError as exc:
@@ -185,44 +198,69 @@ class KvEventForwarder:
         last, self._last_seq = self._last_seq, batch.seq
         if last is not None and batch.seq <= last:
             log.info("the engine's KV event sequence went back (%d -> %d): it restarted", last, batch.seq)
-            self._enqueue(_Batch([_CLEARED], 1, engine=False))
+            self._record([_CLEARED])
         elif last is not None and batch.seq > last + 1:
             self._lost(batch.seq - last - 1)
         events = [piece for event in batch.events for piece in to_protocol(event, self._max_items)]
         if events:
-            self._enqueue(_Batch(events, sum(map(_items, events))))
+            self._record(events)
 
     def engine_restarted(self) -> None:
         """The supervisor replaced the engine: what the old one published is read first, then cleared."""
         self.drain()
         self._last_seq = None  # the new engine counts from 0
-        self._enqueue(_Batch([_CLEARED], 1, engine=False))
+        self._record([_CLEARED])
+
+    def session_started(self) -> None:
+        """A ``Welcome``: the orchestrator knows nothing of this instance's blocks; resync it first."""
+        self._discard()
+        self._resync = True
+        self.flush()
 
     def _lost(self, batches: int) -> None:
         self._missed += batches
         self.missed_total += batches
 
-    def _enqueue(self, batch: _Batch) -> None:
-        self._queue.append(batch)
-        self._queued_items += batch.items
-        lost_removals = False
-        while self._queued_items > self._max_queued and self._queue:
-            dropped = self._queue.popleft()
-            unsent = dropped.events[self._offset :]
-            self._offset = 0
-            self._queued_items -= sum(map(_items, unsent))
-            if dropped.engine:
-                self._lost(1)
-            lost_removals = lost_removals or any(e.kind != "stored" for e in unsent)
-        if lost_removals:  # the orchestrator could keep blocks that are gone: make it forget them all
-            self._queue.appendleft(_Batch([_CLEARED], 1, engine=False))
-            self._queued_items += 1
+    def _record(self, events: list[KvEvent]) -> None:
+        self.mirror.apply(events)
+        if self._resync:
+            return  # the resync is built from the mirror when it starts: it will hold these
+        self._queue.append(_Batch(events))
+        self._queued_items += sum(map(_items, events))
+        if self._queued_items > self._max_queued:
+            # The orchestrator has been unreachable for long: the mirror holds the state in less
+            # room than the history of how it came about.
+            log.warning(
+                "%d KV event items could not be sent; a resync of the index will replace them",
+                self._queued_items,
+            )
+            self._discard()
+            self._resync = True
+
+    def _discard(self) -> None:
+        self._queue.clear()
+        self._offset = 0
+        self._queued_items = 0
+
+    def _start_resync(self) -> None:
+        events = self.mirror.snapshot(self._max_items)
+        self._discard()
+        self._queue.append(_Batch(events, counted=False))
+        self._resync = False
+        self.resyncs += 1
+        log.info(
+            "resyncing the orchestrator's KV index: %d blocks in %d events", len(self.mirror), len(events)
+        )
 
     def flush(self) -> int:
         """Send what is queued, while the session is registered and connected; messages sent."""
+        if not self._session.registered:
+            return 0
+        if self._resync:
+            self._start_resync()
         sent = 0
-        while (self._queue or self._missed) and self._session.registered:
-            events, items, batches, offset = self._next_message()
+        while self._queue or self._missed:
+            events, counted, batches, offset = self._next_message()
             message = KvEvents(seq=self.seq + 1, events=events, missed=self._missed)
             if not self._session.send_kv_events(message):
                 break  # not connected, or its queue is full: keep everything for the next try
@@ -232,14 +270,14 @@ class KvEventForwarder:
             for _ in range(batches):
                 self._queue.popleft()
             self._offset = offset
-            self._queued_items -= items
+            self._queued_items -= counted
             sent += 1
         return sent
 
     def _next_message(self) -> tuple[list[KvEvent], int, int, int]:
-        """The next message's events, their items, the batches it finishes and the new front offset."""
+        """The next message's events, their counted items, the batches it finishes, the new front offset."""
         events: list[KvEvent] = []
-        items = 0
+        items = counted = 0
         offset = self._offset
         batches = 0
         for batch in self._queue:
@@ -247,10 +285,11 @@ class KvEventForwarder:
                 event = batch.events[offset]
                 cost = _items(event)
                 if events and (len(events) >= self._max_events or items + cost > self._max_items):
-                    return events, items, batches, offset
+                    return events, counted, batches, offset
                 events.append(event)
                 items += cost
+                counted += cost if batch.counted else 0
                 offset += 1
             batches += 1
             offset = 0
-        return events, items, batches, offset
+        return events, counted, batches, offset

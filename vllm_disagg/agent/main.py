@@ -129,10 +129,13 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             engine_state=lambda: engine.state,
             metrics=scraper.latest,
         )
+        # An engine that exits or turns unhealthy is reported at once: detection does not wait a beat.
+        engine.on_state = lambda _state: session.report_now()
         endpoint = forwarder_endpoint(cfg)
         forwarder = KvEventForwarder(endpoint, session) if endpoint else None
         if forwarder is not None:
             engine.on_restart = forwarder.engine_restarted
+            session.on_welcome = forwarder.session_started  # rebuild the orchestrator's KV index
         try:
             end = await _until_done(engine, scraper, session, forwarder, stop)
             if end is None:  # a signal: tell the orchestrator first so it stops routing to us

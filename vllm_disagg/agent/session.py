@@ -87,6 +87,10 @@ class AgentSession:
         self.draining = False
         self.seq = 0  # of the last heartbeat sent; grows for the agent's whole life
         self.hellos_sent = 0
+        self.welcomes = 0  # sessions started (a repeated Welcome counts: each may follow a new Hello)
+        # Called on every Welcome, registered already: the orchestrator has just dropped (or never had)
+        # what it knew of this instance beyond the Hello, e.g. its KV index entries.
+        self.on_welcome: Callable[[], None] | None = None
 
     @property
     def agent_id(self) -> str:
@@ -107,6 +111,10 @@ class AgentSession:
     def send_kv_events(self, message: KvEvents) -> bool:
         """Forward engine KV events; False (nothing sent) while not registered or not connected."""
         return self.registered and self._transport.send(message)
+
+    def report_now(self) -> None:
+        """Send a heartbeat now, not at the next interval (the engine's state changed)."""
+        self._poke()
 
     def goodbye(self, reason: str) -> None:
         """Tell the orchestrator we are leaving on purpose."""
@@ -135,9 +143,15 @@ class AgentSession:
                 if not self.registered:
                     log.info("registered; heartbeat every %.3g s", message.heartbeat_interval_s)
                 self.registered = True
+                self.welcomes += 1
                 if message.heartbeat_interval_s > 0:
                     self.interval_s = message.heartbeat_interval_s
                 self._poke()
+                if self.on_welcome is not None:
+                    try:
+                        self.on_welcome()
+                    except Exception:  # a bug in a hook must not end the session
+                        log.exception("the Welcome hook failed")
             case Refuse(code=VersionMismatch.code):
                 log.error("refused by the orchestrator (%s): %s", message.code, message.reason)
                 self._finish(SessionEnd(EXIT_REFUSED, f"{message.code}: {message.reason}"))

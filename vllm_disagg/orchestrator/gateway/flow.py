@@ -232,6 +232,8 @@ class Flow:
         prefilled, p = self.prefilled, self.prefill_id
         if p is None or prefilled is None or not prefilled.transfers_kv or not prefilled.prompt_tokens:
             return False
+        if not prefilled.decode_reports_loading:
+            return False  # D's figure is P's (vLLM 0.32): no per-request verdict; see the agent's counters
         cached = self.state.cached_tokens if self.state is not None else cached_tokens(response)
         if cached is None or 2 * cached >= prefilled.prompt_tokens:
             return False

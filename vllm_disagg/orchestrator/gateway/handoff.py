@@ -152,6 +152,15 @@ class Prefilled:
         """Does the handle name blocks for the decode engine to pull (a prompt of a full block or more)?"""
         return bool(self.kv.get("remote_block_ids"))
 
+    @property
+    def decode_reports_loading(self) -> bool:
+        """Will the decode engine's ``cached_tokens`` tell how much KV it loaded?
+
+        Not with vLLM 0.32: P adds ``remote_prefill_cached_tokens`` (its own prefix-cache hits) to the
+        handle, and D then reports that figure as its cached tokens, whatever it loaded or recomputed.
+        """
+        return "remote_prefill_cached_tokens" not in self.kv
+
 
 async def run_prefill(
     session: aiohttp.ClientSession,
