@@ -67,8 +67,9 @@ async def complete(
     stream: bool = False,
     max_tokens: int = 8,
     prompt: str = PROMPT,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[int, bytes, dict[str, str]]:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": stream, **(extra or {})}
     async with asyncio.timeout(30):  # a recovery never hangs
         async with http.post(
             f"{cluster.server.url}/v1/completions",

@@ -314,7 +314,11 @@ async def _leave_during_prefill(
     await cluster.ready(1, 1)
     for n in range(5):
         # A new prompt each time: a cached one would be prefilled too fast to leave during it.
-        task = asyncio.ensure_future(complete(http, cluster, f"gone-{n}", prompt=f"{n} {PROMPT}"))
+        # Streams asking for usage too: the one-token decode that frees the KV must drop stream options.
+        usage = {"stream_options": {"include_usage": True}} if n % 2 else None
+        task = asyncio.ensure_future(
+            complete(http, cluster, f"gone-{n}", prompt=f"{n} {PROMPT}", stream=n % 2 == 1, extra=usage)
+        )
         await eventually(
             lambda: cluster.server.registry.snapshot().in_flight_of("p0") == 1, what="the prefill leg running"
         )

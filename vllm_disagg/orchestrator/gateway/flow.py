@@ -254,7 +254,9 @@ class Flow:
         if self.state is None:
             return decode_body(self.parsed.body, kv) if kv is not None else self.raw
         body = dict(self.parsed.body, return_token_ids=True)  # what a resume starts from
-        self.state.forced_usage = kv is not None and self._usage_wanted
+        # Only where D's figure says what it loaded (not vLLM 0.32's echo of P's cache hits).
+        judged = kv is not None and self.prefilled is not None and self.prefilled.decode_reports_loading
+        self.state.forced_usage = judged and self._usage_wanted
         if self.state.forced_usage:
             # The usage tells whether D loaded the KV or recomputed it (``_recomputed``); the relay
             # drops it again for a client that did not ask.

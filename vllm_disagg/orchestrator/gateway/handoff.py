@@ -47,8 +47,8 @@ class Target:
         return f"{self.leg} instance '{self.agent_id}' ({self.url.origin()})"
 
 
-def prefill_body(request: dict[str, Any]) -> bytes:
-    """The prefill leg's body: one token, no stream, asking the engine to keep the KV for a remote decode."""
+def one_token_body(request: dict[str, Any]) -> dict[str, Any]:
+    """The client's body for one token, not streamed (a prefill leg, or a decode that only frees KV)."""
     body = dict(request)
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
@@ -56,7 +56,13 @@ def prefill_body(request: dict[str, Any]) -> bytes:
     # vLLM refuses min_tokens > max_tokens; the decode leg still honours the client's value.
     body.pop("min_tokens", None)
     body["stream"] = False
-    body.pop("stream_options", None)
+    body.pop("stream_options", None)  # vLLM refuses stream options without a stream
+    return body
+
+
+def prefill_body(request: dict[str, Any]) -> bytes:
+    """The prefill leg's body: one token, no stream, asking the engine to keep the KV for a remote decode."""
+    body = one_token_body(request)
     body["kv_transfer_params"] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,

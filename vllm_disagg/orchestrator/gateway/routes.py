@@ -38,7 +38,7 @@ from vllm_disagg.errors import (
     UpstreamError,
 )
 from vllm_disagg.orchestrator.gateway.flow import Flow
-from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body
+from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body, one_token_body
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
@@ -252,13 +252,16 @@ class Gateway:
             except Exception:  # it failed: nothing is held
                 return
             target = self.target("decode", decode_id, route)
-            released = decode_body({**body, "max_tokens": 1, "stream": False}, kv)
+            released = decode_body(one_token_body(body), kv)
             released_headers = {**headers, "X-Request-Id": headers["X-Request-Id"] + "-release"}
             session = self.session_or_fail()
             with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, UpstreamError):
                 async with session.post(target.url, data=released, headers=released_headers) as resp:
                     await resp.read()
-                self.metrics.kv_released()
+                if resp.status == 200:
+                    self.metrics.kv_released()
+                else:
+                    log.warning("freeing the KV of %s failed: HTTP %d", headers["X-Request-Id"], resp.status)
 
         task = asyncio.ensure_future(release())
         self._background.add(task)
