@@ -20,16 +20,26 @@ import aiohttp
 import pytest
 import zmq
 
-from tests.e2e.vllm_support import START_TIMEOUT_S, free_engine_ports, running_vllm
+from tests.e2e.vllm_support import (
+    BLOCK,
+    JSON,
+    MAX_TOKENS,
+    MODEL,
+    START_TIMEOUT_S,
+    Case,
+    ask,
+    free_engine_ports,
+    prompts_for,
+    running_vllm,
+    up_1p1d_argv,
+)
 from tests.helpers import (
-    cli_argv,
     eventually,
     eventually_sync,
     free_port,
     http_json,
     metric_sum,
     parse_prometheus,
-    sse_text,
     stop_process_group,
 )
 from vllm_disagg import jsonutil
@@ -39,55 +49,6 @@ from vllm_disagg.errors import KvEventsError
 from vllm_disagg.procfs import engine_servers, group_members
 
 pytestmark = pytest.mark.timeout(1800)
-MODEL = "tiny"
-BLOCK = 128  # vLLM's block size on CPU
-MAX_TOKENS = 16
-JSON = {"Content-Type": "application/json"}
-
-
-def _words() -> list[str]:
-    text = (Path(__file__).parent.parent.parent / "docs" / "architecture.md").read_text()
-    return [w for w in text.split() if w.isascii()]
-
-
-@dataclass(frozen=True)
-class Case:
-    """One request: route, body, and how to read its text."""
-
-    name: str
-    chat: bool
-    stream: bool
-    prompt: str
-
-    def body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
-        body["stream"] = self.stream
-        if self.chat:
-            body["messages"] = [{"role": "user", "content": self.prompt}]
-        else:
-            body["prompt"] = self.prompt
-        return body
-
-    @property
-    def route(self) -> str:
-        return "/v1/chat/completions" if self.chat else "/v1/completions"
-
-
-def _prompts(model_dir: Path, n: int, first_tokens: int) -> list[str]:
-    """``n`` different prompts of a little over ``first_tokens`` tokens each (more than two blocks)."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    words = _words()
-    prompts = []
-    for i in range(n):
-        chosen: list[str] = [f"Request {i}:"]
-        j = i * 37
-        while len(tokenizer.encode(" ".join(chosen), add_special_tokens=False)) < first_tokens + 4 * (i % 8):
-            chosen.append(words[j % len(words)])
-            j += 1
-        prompts.append(" ".join(chosen))
-    return prompts
 
 
 def _cases(prompts: list[str]) -> list[Case]:
@@ -101,34 +62,13 @@ def _cases(prompts: list[str]) -> list[Case]:
     ]
 
 
-async def _ask(session: aiohttp.ClientSession, base: str, case: Case) -> tuple[str, dict[str, Any], Any]:
-    """The generated text, the usage (non-stream only) and the response headers."""
-    async with session.post(base + case.route, data=jsonutil.dumps(case.body()), headers=JSON) as resp:
-        raw = await resp.read()
-        assert resp.status == 200, (case.name, resp.status, raw[:500])
-        headers = resp.headers
-    if case.stream:
-        return sse_text(raw, chat=case.chat), {}, headers
-    body = jsonutil.loads(raw)
-    choice = body["choices"][0]
-    return (choice["message"]["content"] if case.chat else choice["text"]), body["usage"], headers
-
-
 def _port_of(instance: dict[str, Any]) -> int:
     return int(str(instance["url"]).rsplit(":", 1)[1])
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    from vllm_disagg.model.tiny import build_tiny_model
-    from vllm_disagg.up import tiny_model_dir
-
-    return build_tiny_model(tiny_model_dir()).path
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_model: Path) -> list[str]:
-    return _prompts(tiny_model, 16, first_tokens=2 * BLOCK + 20)
+    return prompts_for(tiny_model, 16, first_tokens=2 * BLOCK + 20)
 
 
 @dataclass
@@ -153,7 +93,7 @@ def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.Tem
             ref = Reference({}, {})
             async with aiohttp.ClientSession() as session:
                 for case in _cases(prompts) + _concurrent_cases(prompts):
-                    text, usage, _ = await _ask(session, base, case)
+                    text, usage, _ = await ask(session, base, case)
                     ref.texts[case.name] = text
                     if usage:
                         ref.prompt_tokens[case.name] = usage["prompt_tokens"]
@@ -245,16 +185,7 @@ def cluster(
     port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
     prefill_blocks = EngineBlocks(f"tcp://127.0.0.1:{engine_base + 2000}")  # prefill-0's KV events
-    argv = cli_argv(
-        "up", "--engine", "vllm", "--model", str(tiny_model), "--served-model-name", MODEL,
-        "--prefill", "1", "--decode", "1",
-        "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
-        "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
-        # The first NIXL handshakes of the CPU build stall this whole 2-core machine, agents and
-        # engines' accept loops included, for up to 22 s (seen in CI): this test proves correctness,
-        # not latency. Failure detection and timeouts are tested on simulated engines.
-        "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60", "--health-timeout-s", "20",
-    )  # fmt: skip
+    argv = up_1p1d_argv(tiny_model, port, zmq_port, engine_base)
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     running = Cluster(proc, f"http://127.0.0.1:{port}", log, prefill_blocks)
@@ -295,13 +226,13 @@ async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
         before = await decode_metrics()
         # Every route and mode, one at a time.
         for case in _cases(prompts):
-            text, _, headers = await _ask(session, cluster.base, case)
+            text, _, headers = await ask(session, cluster.base, case)
             assert headers["X-Disagg-Mode"] == "disaggregated", case.name
             assert (headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"]) == ("prefill-0", "decode-0")
             assert text == reference.texts[case.name], case.name
         # Sixteen at once.
         concurrent = _concurrent_cases(prompts)
-        answers = await asyncio.gather(*(_ask(session, cluster.base, c) for c in concurrent))
+        answers = await asyncio.gather(*(ask(session, cluster.base, c) for c in concurrent))
         for case, (text, _, headers) in zip(concurrent, answers, strict=True):
             assert headers["X-Disagg-Mode"] == "disaggregated"
             assert text == reference.texts[case.name], case.name
@@ -333,7 +264,7 @@ async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
 async def test_agents_report_what_they_scrape_from_real_vllm(cluster: Cluster, prompts: list[str]) -> None:
     async with aiohttp.ClientSession() as session:
         for case in _concurrent_cases(prompts)[:2]:
-            await _ask(session, cluster.base, case)
+            await ask(session, cluster.base, case)
 
     # Each agent's windowed snapshot (TTFT/TPOT from histogram deltas) reflects real vLLM /metrics.
     def scraped() -> dict[str, dict[str, Any]] | None:

@@ -26,10 +26,19 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.test_real_vllm import BLOCK, JSON, MODEL, Case, _ask, _prompts
-from tests.e2e.vllm_support import START_TIMEOUT_S, free_engine_ports, running_vllm
+from tests.e2e.vllm_support import (
+    BLOCK,
+    JSON,
+    MODEL,
+    START_TIMEOUT_S,
+    Case,
+    ask,
+    free_engine_ports,
+    prompts_for,
+    running_vllm,
+    up_1p1d_argv,
+)
 from tests.helpers import (
-    cli_argv,
     eventually,
     eventually_sync,
     free_port,
@@ -56,16 +65,8 @@ class LongCase(Case):
 
 
 @pytest.fixture(scope="module")
-def tiny_model() -> Path:
-    from vllm_disagg.model.tiny import build_tiny_model
-    from vllm_disagg.up import tiny_model_dir
-
-    return build_tiny_model(tiny_model_dir()).path
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_model: Path) -> list[str]:
-    return _prompts(tiny_model, 8, first_tokens=2 * BLOCK + 20)
+    return prompts_for(tiny_model, 8, first_tokens=2 * BLOCK + 20)
 
 
 def _long_cases(prompts: list[str]) -> list[LongCase]:
@@ -93,7 +94,7 @@ def reference(
         async def collect() -> dict[str, str]:
             async with aiohttp.ClientSession() as session:
                 cases: list[Case] = [*_long_cases(prompts), *_short_cases(prompts)]
-                return {case.name: (await _ask(session, base, case))[0] for case in cases}
+                return {case.name: (await ask(session, base, case))[0] for case in cases}
 
         return asyncio.run(collect())
 
@@ -131,16 +132,7 @@ class Up:
 def up(tiny_model: Path, reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
-    argv = cli_argv(
-        "up", "--engine", "vllm", "--model", str(tiny_model), "--served-model-name", MODEL,
-        "--prefill", "1", "--decode", "1",
-        "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
-        "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
-        # This 2-core machine stalls for seconds around NIXL transfers (see test_real_vllm.py): the
-        # test proves recovery, not detection speed. Killed engines are reported by their agents at
-        # once whatever the heartbeat timeout.
-        "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60", "--health-timeout-s", "20",
-    )  # fmt: skip
+    argv = up_1p1d_argv(tiny_model, port, zmq_port, engine_base)
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     running = Up(proc, f"http://127.0.0.1:{port}")
@@ -174,7 +166,7 @@ async def test_clients_that_leave_at_random_points_leave_no_kv_held_on_the_prefi
             case = Case(f"leave-{i}", i % 2 == 1, i % 3 == 0, f"Leaving {i}. " + prompts[i % len(prompts)])
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(rng.uniform(0.0, 1.5)):
-                    await _ask(session, up.base, case)
+                    await ask(session, up.base, case)
 
         for start in range(0, 50, 5):  # 50 in all, 5 at a time
             await asyncio.gather(*(leave(i) for i in range(start, start + 5)))
@@ -232,7 +224,7 @@ async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             cases = _short_cases(prompts)
-            tasks = [asyncio.ensure_future(_ask(session, up.base, c)) for c in cases]
+            tasks = [asyncio.ensure_future(ask(session, up.base, c)) for c in cases]
             await eventually(
                 lambda: up.instances()["prefill-0"]["in_flight"] == len(cases), timeout=60, what="all on P"
             )

@@ -7,10 +7,15 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 from tests.e2e.up_support import port_free
-from tests.helpers import eventually_sync, free_port, http_json
+from tests.helpers import cli_argv, eventually_sync, free_port, http_json, sse_text
+from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import group_members
@@ -55,3 +60,84 @@ def running_vllm(cfg: AgentConfig, log: Path) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
         eventually_sync(lambda: not group_members({proc.pid}), timeout=30, what="vLLM's process group gone")
+
+
+# --- requests and the 1P1D cluster the real-vLLM tests share ----------------------------------------
+
+MODEL = "tiny"
+BLOCK = 128  # vLLM's block size on CPU
+MAX_TOKENS = 16
+JSON = {"Content-Type": "application/json"}
+
+
+def _words() -> list[str]:
+    text = (Path(__file__).parent.parent.parent / "docs" / "architecture.md").read_text()
+    return [w for w in text.split() if w.isascii()]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One request: route, body, and how to read its text."""
+
+    name: str
+    chat: bool
+    stream: bool
+    prompt: str
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": MAX_TOKENS, "temperature": 0.0}
+        body["stream"] = self.stream
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        return body
+
+    @property
+    def route(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+
+def prompts_for(model_dir: Path, n: int, first_tokens: int) -> list[str]:
+    """``n`` different prompts of a little over ``first_tokens`` tokens each (more than two blocks)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    words = _words()
+    prompts = []
+    for i in range(n):
+        chosen: list[str] = [f"Request {i}:"]
+        j = i * 37
+        while len(tokenizer.encode(" ".join(chosen), add_special_tokens=False)) < first_tokens + 4 * (i % 8):
+            chosen.append(words[j % len(words)])
+            j += 1
+        prompts.append(" ".join(chosen))
+    return prompts
+
+
+async def ask(session: aiohttp.ClientSession, base: str, case: Case) -> tuple[str, dict[str, Any], Any]:
+    """The generated text, the usage (non-stream only) and the response headers."""
+    async with session.post(base + case.route, data=jsonutil.dumps(case.body()), headers=JSON) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, (case.name, resp.status, raw[:500])
+        headers = resp.headers
+    if case.stream:
+        return sse_text(raw, chat=case.chat), {}, headers
+    body = jsonutil.loads(raw)
+    choice = body["choices"][0]
+    return (choice["message"]["content"] if case.chat else choice["text"]), body["usage"], headers
+
+
+def up_1p1d_argv(model_dir: Path, port: int, zmq_port: int, engine_base: int) -> list[str]:
+    """``vllm-disagg up`` for 1P1D real vLLM on the tiny model, tolerant of this machine's stalls."""
+    return cli_argv(
+        "up", "--engine", "vllm", "--model", str(model_dir), "--served-model-name", MODEL,
+        "--prefill", "1", "--decode", "1",
+        "--port", str(port), "--zmq-port", str(zmq_port), "--engine-base-port", str(engine_base),
+        "--ready-timeout-s", str(START_TIMEOUT_S), "--stop-grace-s", "20",
+        # The first NIXL handshakes of the CPU build stall this whole 2-core machine, agents and
+        # engines' accept loops included, for up to 22 s (seen in CI): these tests prove correctness
+        # and recovery, not latency. Failure detection speed is tested on simulated engines; a killed
+        # engine is reported by its agent at once whatever the heartbeat timeout.
+        "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60", "--health-timeout-s", "20",
+    )  # fmt: skip
