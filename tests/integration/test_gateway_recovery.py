@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 import aiohttp
 import pytest
@@ -66,12 +65,10 @@ PREFILL_FAILURES = [
 ]
 
 
-async def _failing_url(handler: Handler | None, stack: list[Any]) -> str:
+async def _failing_url(handler: Handler | None, stack: contextlib.AsyncExitStack) -> str:
     if handler is None:
         return f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    engine = fake_engine(handler)
-    stack.append(engine)
-    return (await engine.__aenter__()).url
+    return (await stack.enter_async_context(fake_engine(handler))).url
 
 
 @pytest.mark.parametrize(("handler", "cause"), PREFILL_FAILURES)
@@ -82,8 +79,7 @@ async def test_a_failed_prefill_is_retried_on_another_prefill_instance(
     handler: Handler | None,
     cause: str,
 ) -> None:
-    stack: list[Any] = []
-    try:
+    async with contextlib.AsyncExitStack() as stack:
         await cluster.add("p-bad", await _failing_url(handler, stack), "prefill")
         await cluster.add("p-good", (await sim_engine()).url, "prefill", busy=True)
         await cluster.add("d0", (await sim_engine()).url, "decode")
@@ -102,9 +98,6 @@ async def test_a_failed_prefill_is_retried_on_another_prefill_instance(
         samples = await scrape(http, cluster.server.url)
         assert sample(samples, "vllm_disagg_retries_total", leg="prefill", cause=cause) == 1
         assert sample(samples, "vllm_disagg_instance_in_flight", instance="p-bad") == 0
-    finally:
-        for engine in stack:
-            await engine.__aexit__(None, None, None)
 
 
 @pytest.mark.parametrize(("handler", "cause"), PREFILL_FAILURES)
@@ -115,8 +108,7 @@ async def test_when_no_prefill_instance_succeeds_the_request_runs_colocated_on_i
     handler: Handler | None,
     cause: str,
 ) -> None:
-    stack: list[Any] = []
-    try:
+    async with contextlib.AsyncExitStack() as stack:
         await cluster.add("p-bad", await _failing_url(handler, stack), "prefill")
         d = await sim_engine()
         await cluster.add("d0", d.url, "decode")
@@ -133,9 +125,6 @@ async def test_when_no_prefill_instance_succeeds_the_request_runs_colocated_on_i
         assert sample(samples, "vllm_disagg_fallbacks_total", cause=cause) == 2
         d_samples = await scrape(http, d.url)
         assert sample(d_samples, "vllm:nixl_num_failed_transfers_total") == 0, "D computed, never pulled"
-    finally:
-        for engine in stack:
-            await engine.__aexit__(None, None, None)
 
 
 async def test_an_engine_refusing_the_request_itself_is_answered_as_is_without_retries(
@@ -174,8 +163,7 @@ async def test_a_decode_failing_before_its_first_byte_is_retried_on_another_deco
     prefills: int,
     stream: bool,
 ) -> None:
-    stack: list[Any] = []
-    try:
+    async with contextlib.AsyncExitStack() as stack:
         await cluster.add("p0", (await sim_engine()).url, "prefill")
         await cluster.add("d-bad", await _failing_url(handler, stack), "decode")
         d_good = await sim_engine()
@@ -194,9 +182,6 @@ async def test_a_decode_failing_before_its_first_byte_is_retried_on_another_deco
         assert sample(samples, "vllm_disagg_retries_total", leg="decode", cause=cause) == 1
         d_samples = await scrape(http, d_good.url)
         assert sample(d_samples, "vllm:nixl_num_failed_transfers_total") == 0, "the KV it pulled was there"
-    finally:
-        for engine in stack:
-            await engine.__aexit__(None, None, None)
 
 
 async def test_a_stream_cut_mid_way_ends_with_an_error_event_and_counts_as_failed(

@@ -9,6 +9,7 @@ real stream and then fails the way vLLM does (docs/vllm-resume-facts.md §4): th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable, Callable
 
 import aiohttp
@@ -158,17 +159,15 @@ async def test_resumes_stop_at_the_cap_and_the_stream_then_ends_with_an_error_ev
     cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
 ) -> None:
     # Every decode instance breaks off after one more event: 3 resumes (the cap), then an honest end.
-    proxies = [fake_engine(cutting_proxy(await sim_engine(), 2, "api-server-died")) for _ in range(5)]
-    try:
-        for n, proxy in enumerate(proxies):
-            engine = await proxy.__aenter__()
+    async with contextlib.AsyncExitStack() as stack:
+        for n in range(5):
+            engine = await stack.enter_async_context(
+                fake_engine(cutting_proxy(await sim_engine(), 2, "api-server-died"))
+            )
             await cluster.add(f"d{n}", engine.url, "decode")
         await cluster.ready(0, 5)
         s = spec("capped", "completion", max_tokens=30)
         status, raw = await stream(http, cluster, s)
-    finally:
-        for proxy in proxies:
-            await proxy.__aexit__(None, None, None)
     assert status == 200
     assert b'data: {"error"' in raw and raw.endswith(b"data: [DONE]\n\n")
     rec = await record(http, cluster, "capped")
