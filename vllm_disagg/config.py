@@ -155,8 +155,9 @@ class OrchestratorConfig:
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
     scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
     # --- recovery (docs/operations.md "Failures") ---
-    # No heartbeat this long: stop routing (dead after heartbeat_timeout_s). None: half the timeout, so a
-    # cluster that tolerates long stalls (a large timeout) does not stop routing at the first one.
+    # No heartbeat this long: stop routing (dead after heartbeat_timeout_s). None: not before death,
+    # since agents starved of CPU for a moment send late heartbeats on busy hosts (opt in where hosts
+    # are reliable: detection stays heartbeat_timeout_s, routing stops earlier).
     suspect_after_s: float | None = None
     prefill_attempts: int = 2  # prefill instances tried per request before running it colocated
     decode_attempts: int = 3  # decode instances tried per request before its first byte

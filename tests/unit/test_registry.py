@@ -33,7 +33,16 @@ def clock() -> FakeClock:
 
 @pytest.fixture
 def reg(clock: FakeClock) -> Registry:
-    return Registry(heartbeat_timeout_s=TIMEOUT)
+    return Registry(heartbeat_timeout_s=TIMEOUT, suspect_after_s=TIMEOUT / 2)
+
+
+def test_by_default_a_late_heartbeat_changes_nothing_until_the_instance_is_dead(clock: FakeClock) -> None:
+    reg = Registry(heartbeat_timeout_s=TIMEOUT)
+    reg.hello("a", info(), clock.monotonic())
+    reg.heartbeat("a", hb(), clock.monotonic())
+    assert reg.tick(clock.monotonic() + TIMEOUT * 0.99) == []
+    assert reg.get("a").state == "ready"  # type: ignore[union-attr]
+    assert reg.tick(clock.monotonic() + TIMEOUT) == ["a"]
 
 
 Step = Callable[[Registry, float], object]

@@ -21,7 +21,7 @@ _RECOVERY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--suspect-after-s",
         "suspect_after_s",
         float,
-        "no heartbeat this long: stop routing to the instance (default: half --heartbeat-timeout-s)",
+        "no heartbeat this long: stop routing to the instance before it is dead (default: off)",
     ),
     ("--prefill-attempts", "prefill_attempts", int, "prefill instances tried before running colocated"),
     ("--decode-attempts", "decode_attempts", int, "decode instances tried before the first byte"),

@@ -165,7 +165,9 @@ class Registry:
     ) -> None:
         self._timeout = heartbeat_timeout_s
         # Silence for this long stops routing at once; death (and a new session) waits for the timeout.
-        self._suspect_after = suspect_after_s if suspect_after_s is not None else heartbeat_timeout_s / 2
+        # None: only death counts. On a host whose agents are starved of CPU now and then, heartbeats
+        # half a timeout late are common, and routing around them misplaces requests for nothing.
+        self._suspect_after = suspect_after_s if suspect_after_s is not None else float("inf")
         self._policy = breaker or BreakerPolicy()
         self._instances: dict[str, _Instance] = {}
         self._in_flight: dict[str, int] = {}

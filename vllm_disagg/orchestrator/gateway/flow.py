@@ -360,6 +360,15 @@ class Flow:
         except UpstreamError as exc:
             self._attempt("decode", d, started, exc.cause, exc.message)
             raise
+        except asyncio.CancelledError:
+            # The client left before D's first byte: D aborts its request, but if it was already
+            # pulling the KV, P may keep the blocks for its lease. A one-token decode of the same
+            # handle takes them (or finds them gone, which is as good).
+            if self.prefilled is not None and self.prefill_id is not None and timing.first_byte is None:
+                done: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
+                done.set_result(self.prefilled)
+                gw.release_when_done(done, d, self.route, self.parsed.body, self.up_headers)
+            raise
         finally:
             gw.registry.release(d)
             self.engine_s += (timing.finished or gw.clock.monotonic()) - started
