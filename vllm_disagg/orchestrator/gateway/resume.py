@@ -32,7 +32,7 @@ _ERROR = b'data: {"error"'
 _PROMPT_IDS = b'"prompt_token_ids":['
 _TOKEN_IDS = b'"token_ids":['
 _MODEL = b'"model":'
-_EMPTY_TEXT = (b'"text":"",', b'"delta":{"content":""}', b'"delta":{}')
+_EMPTY_TEXT = re.compile(rb'"text":"",|"delta":\{"content":""\}|"delta":\{\}')  # one scan
 _ROLE = b'"delta":{"role":'
 _UNFINISHED = b'"finish_reason":null'
 _NO_CHOICES = b'"choices":[]'
@@ -62,7 +62,7 @@ def resumable(body: dict[str, Any], chat: bool) -> bool:
 
 
 def _has_text(event: bytes) -> bool:
-    return not any(marker in event for marker in _EMPTY_TEXT)
+    return _EMPTY_TEXT.search(event) is None
 
 
 def _ids_at(event: bytes, key: bytes) -> list[int] | None:
@@ -110,6 +110,7 @@ class StreamState:
     held_text: bool = False
     offset: int = 0  # output tokens before this leg's prompt ended (usage is restated with it)
     _buffer: bytes = b""
+    _pending: list[bytes] = field(default_factory=list)  # the client's bytes of the chunk being read
 
     def start_leg(self) -> None:
         """A resumed leg begins: it regenerates from ``safe``."""
@@ -121,15 +122,24 @@ class StreamState:
 
     async def relay(self, out: web.StreamResponse, first: bytes, chunks: AsyncIterator[bytes]) -> bool:
         """Relay one leg; True when the client's stream is complete. Raises ``UpstreamError`` when the
-        engine breaks off or reports an error mid-stream (the caller resumes or ends the stream)."""
+        engine breaks off or reports an error mid-stream (the caller resumes or ends the stream).
+
+        What one engine chunk carries goes to the client in one write, however many events it holds.
+        """
         chunk = first
+        pending = self._pending
         while True:
             if chunk:
                 data = self._buffer + chunk if self._buffer else chunk
                 *events, self._buffer = data.split(b"\n\n")
-                for event in events:
-                    if event and await self._event(out, event):
-                        return True
+                try:
+                    for event in events:
+                        if event and self._event(event):
+                            return True
+                finally:
+                    if pending:  # what the client is counted as having, even when the next event broke
+                        await out.write(b"".join(pending))
+                        pending.clear()
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
@@ -138,12 +148,13 @@ class StreamState:
             raise StreamBroken("ended its stream inside an event", cause="disconnect")
         raise StreamBroken("ended its stream without [DONE]", cause="disconnect")
 
-    async def _event(self, out: web.StreamResponse, event: bytes) -> bool:
+    def _event(self, event: bytes) -> bool:
+        """Take one event; what the client gets of it goes to ``_pending``. True at [DONE]."""
         if event.startswith(_DONE):
             if self.held:
-                await self._deliver(out, self.held, b"")
+                self._deliver(self.held, b"")
             self.done = True
-            await out.write(event + b"\n\n")
+            self._pending.append(event + b"\n\n")
             return True
         if _NO_CHOICES in event and b'"usage":{' in event:
             m = _CACHED.search(event)
@@ -152,7 +163,7 @@ class StreamState:
             if self.forced_usage:
                 fingerprint = event[event.find(_FINGERPRINT) : -1] if _FINGERPRINT in event else b""
                 if self.held:
-                    await self._deliver(out, self.held, fingerprint)
+                    self._deliver(self.held, fingerprint)
                 return False
         if event.startswith(_ERROR):
             raise StreamBroken(f"reported an error mid-stream: {event[6:306]!r}", cause="status")
@@ -186,8 +197,8 @@ class StreamState:
         if self.forced_usage and _UNFINISHED not in event and _NO_CHOICES not in event:
             self.held, self.held_ids, self.held_text = out_event, ids, _has_text(event)
             return False
-        await out.write(out_event + b"\n\n")
-        self._delivered(event, ids, _has_text(event))
+        self._pending.append(out_event + b"\n\n")
+        self._delivered(event, ids, bool(ids) and _has_text(event))
         return False
 
     def _delivered(self, event: bytes, ids: list[int], text: bool) -> None:
@@ -198,11 +209,11 @@ class StreamState:
         if _UNFINISHED not in event and _NO_CHOICES not in event:
             self.finished = True
 
-    async def _deliver(self, out: web.StreamResponse, held: bytes, fingerprint: bytes) -> None:
+    def _deliver(self, held: bytes, fingerprint: bytes) -> None:
         """The held finish event, with the fingerprint vLLM moved to the (dropped) usage chunk."""
         self.held = b""
         event = held[:-1] + fingerprint + b"}" if fingerprint else held
-        await out.write(event + b"\n\n")
+        self._pending.append(event + b"\n\n")
         self._delivered(held, self.held_ids, self.held_text)
 
     def _restated_usage(self, event: bytes) -> bytes:
