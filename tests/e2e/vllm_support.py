@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from tests.e2e.up_support import port_free
-from tests.helpers import cli_argv, eventually_sync, free_port, http_json, sse_text
+from tests.helpers import cli_argv, eventually_sync, http_json, sse_text
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
@@ -24,13 +26,17 @@ from vllm_disagg.runtime import die_with_parent
 START_TIMEOUT_S = 900.0  # two cold vLLM starts side by side on 2 cores took 92 s; leave room
 
 
+# Below Linux's ephemeral range (32768-60999): a port picked there can be taken by any outgoing
+# connection between the check and vLLM's bind (seen: the KV-events PUB port, "Address already in use").
+_ENGINE_PORTS = range(20000, 28000)
+
+
 def free_engine_ports(n: int) -> int:
     """A base port where n engines, their NIXL side channels (+1000) and KV event ports (+2000) are free."""
+    rng = random.Random()
     while True:
-        base = free_port()
-        if base + 2000 + n < 65535 and all(
-            port_free(base + k + d) for k in range(n) for d in (0, 1000, 2000)
-        ):
+        base = rng.randrange(_ENGINE_PORTS.start, _ENGINE_PORTS.stop - 2000 - n)
+        if all(port_free(base + k + d) for k in range(n) for d in (0, 1000, 2000)):
             return base
 
 
@@ -47,11 +53,22 @@ def running_vllm(cfg: AgentConfig, log: Path) -> Iterator[str]:
             start_new_session=True, preexec_fn=die_with_parent,
         )  # fmt: skip
     base = f"http://127.0.0.1:{cfg.engine_port}"
+
+    def healthy() -> bool:
+        if proc.poll() is not None:  # it will never be ready: say why now, not after the timeout
+            raise AssertionError(
+                f"vLLM exited with {proc.returncode} before it was ready:\n{log.read_text()[-3000:]}"
+            )
+        with contextlib.suppress(Exception):  # not listening yet
+            return http_json(f"{base}/health")[0] == 200
+        return False
+
     try:
-        eventually_sync(
-            lambda: proc.poll() is None and http_json(f"{base}/health")[0] == 200,
-            timeout=START_TIMEOUT_S, interval=0.5, what=f"vLLM ready (log {log})",
-        )  # fmt: skip
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not healthy():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vLLM not ready after {START_TIMEOUT_S}s (log {log})")
+            time.sleep(0.5)  # polling a condition with a deadline
         yield base
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
