@@ -229,6 +229,10 @@ class AgentConfig:
     engine_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when nvidia-smi is found)
     engine_python: str = ""  # interpreter whose venv holds vLLM; empty: the agent's own
     kv_connector: str = "NixlConnector"  # empty: no --kv-transfer-config (a plain colocated engine)
+    # vLLM's kv_transfer_config.kv_load_failure_policy, for a decode engine whose KV pull fails: "fail"
+    # answers an error, "recompute" computes the prompt itself (silently slower). Empty: vLLM's default
+    # ("fail" in 0.32). Passed only with a connector.
+    kv_load_failure_policy: str = ""
     nixl_side_channel_port: int = 0  # 0: engine_port + 1000
     kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
@@ -264,6 +268,11 @@ class AgentConfig:
         if self.engine_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"agent.engine_device must be 'auto', 'cpu' or 'cuda', got {self.engine_device!r}"
+            )
+        if self.kv_load_failure_policy not in ("", "fail", "recompute"):
+            raise ConfigError(
+                "agent.kv_load_failure_policy must be 'fail', 'recompute' or empty (vLLM's default), "
+                f"got {self.kv_load_failure_policy!r}"
             )
 
     @property

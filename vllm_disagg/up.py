@@ -57,6 +57,7 @@ class ClusterSpec:
     model: str = "tiny"  # the served name clients ask for
     model_path: str = ""  # vLLM weights directory
     engine_args: str = ""  # more vLLM flags for every instance
+    kv_load_failure_policy: str = ""  # a decode engine's failed KV pull: "fail", "recompute"; "": default
     engine_startup_timeout_s: float = 900.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -118,6 +119,8 @@ class ClusterSpec:
             "--engine-port", str(plan.engine_port),
             "--health-timeout-s", str(self.health_timeout_s),
         ]  # fmt: skip
+        if self.kv_load_failure_policy:
+            argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]
         if self.engine == "vllm":
             cores = os.cpu_count() or 1
             argv += [
@@ -243,6 +246,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default="", help="the name clients ask for (default: tiny, or --model)"
     )
     parser.add_argument("--engine-args", default="", help="more vLLM flags for every instance, one string")
+    parser.add_argument(
+        "--kv-load-failure-policy",
+        choices=("fail", "recompute"),
+        default=None,
+        help="what a decode engine does when pulling KV fails: answer an error, or compute the prompt "
+        "itself (silently slower; the orchestrator's KV audit finds it). Default: vLLM's (fail)",
+    )
     parser.add_argument("--host", default=d.host, help="gateway host")
     parser.add_argument("--port", type=int, default=d.port, help="gateway port")
     parser.add_argument("--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents")
@@ -277,6 +287,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         model=args.served_model_name or args.model or DEFAULT_MODELS[args.engine],
         model_path=args.model if args.engine == "vllm" else "",
         engine_args=args.engine_args,
+        kv_load_failure_policy=args.kv_load_failure_policy or "",
         host=args.host,
         port=args.port,
         zmq_port=args.zmq_port,

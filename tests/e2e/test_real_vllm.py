@@ -238,11 +238,35 @@ async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
             assert text == reference.texts[case.name], case.name
         after = await decode_metrics()
 
+        async def audit() -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+            async with session.get(f"{cluster.base}/metrics") as resp:
+                return parse_prometheus(await resp.text())
+
+        requests = len(_cases(prompts)) + len(concurrent)
+
+        # The orchestrator's KV audit judges every leg from D's counters once a scrape includes it.
+        async def judged() -> bool:
+            return (
+                metric_sum(await audit(), "vllm_disagg_kv_audited_legs_total", outcome="loaded") >= requests
+            )
+
+        await eventually(judged, timeout=180, what="every decode leg audited as loaded")
+        orchestrator = await audit()
+
+    assert metric_sum(orchestrator, "vllm_disagg_kv_audited_legs_total", outcome="recomputed") == 0
+    assert metric_sum(orchestrator, "vllm_disagg_kv_recomputed_total") == 0
+
     def grew(source: str) -> float:
         name = "vllm:prompt_tokens_by_source_total"
         return metric_sum(after, name, source=source) - metric_sum(before, name, source=source)
 
-    requests = len(_cases(prompts)) + len(concurrent)
+    # What the KV audit relies on: every prompt token D did not compute, it pulled or found cached.
+    handed = sum(
+        reference.prompt_tokens[c.name.replace("-stream-", "-nonstream-")]
+        for c in _cases(prompts) + concurrent
+    )
+    assert grew("external_kv_transfer") + grew("local_cache_hit") == handed
+    assert grew("local_compute") == 0
     # A prompt D has seen before is a local prefix-cache hit there; the first time, its KV must come
     # from P. Distinct prompts: the 4 completions, their 4 chat forms, and the 12 other concurrent ones.
     first_seen = [f"{kind}-nonstream-{i}" for kind in ("completions", "chat") for i in range(4)]

@@ -46,37 +46,55 @@ def running_vllm(cfg: AgentConfig, log: Path) -> Iterator[str]:
 
     On exit its process group gets SIGTERM (SIGKILL after 30 s) and is waited for until empty.
     """
-    command = VllmEngineCommand()
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            command.argv(cfg), env={**os.environ, **command.env(cfg)}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=die_with_parent,
-        )  # fmt: skip
-    base = f"http://127.0.0.1:{cfg.engine_port}"
-
-    def healthy() -> bool:
-        if proc.poll() is not None:  # it will never be ready: say why now, not after the timeout
-            raise AssertionError(
-                f"vLLM exited with {proc.returncode} before it was ready:\n{log.read_text()[-3000:]}"
-            )
-        with contextlib.suppress(Exception):  # not listening yet
-            return http_json(f"{base}/health")[0] == 200
-        return False
-
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vLLM not ready after {START_TIMEOUT_S}s (log {log})")
-            time.sleep(0.5)  # polling a condition with a deadline
+    with running_vllms([(cfg, log)]) as (base,):
         yield base
+
+
+@contextlib.contextmanager
+def running_vllms(engines: list[tuple[AgentConfig, Path]]) -> Iterator[tuple[str, ...]]:
+    """Several engines started side by side (a cold start is a minute or more here); their base URLs
+    once all are healthy. On exit each process group is stopped as ``running_vllm`` does."""
+    command = VllmEngineCommand()
+    procs: list[tuple[subprocess.Popen[bytes], str, Path]] = []
+    try:
+        for cfg, log in engines:
+            with log.open("wb") as out:
+                proc = subprocess.Popen(
+                    command.argv(cfg), env={**os.environ, **command.env(cfg)}, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+                )  # fmt: skip
+            procs.append((proc, f"http://127.0.0.1:{cfg.engine_port}", log))
+
+        def healthy(proc: subprocess.Popen[bytes], base: str, log: Path) -> bool:
+            if proc.poll() is not None:  # it will never be ready: say why now, not after the timeout
+                raise AssertionError(
+                    f"vLLM exited with {proc.returncode} before it was ready:\n{log.read_text()[-3000:]}"
+                )
+            with contextlib.suppress(Exception):  # not listening yet
+                return http_json(f"{base}/health")[0] == 200
+            return False
+
+        deadline = time.monotonic() + START_TIMEOUT_S
+        waiting = list(procs)
+        while waiting:
+            waiting = [p for p in waiting if not healthy(*p)]
+            if waiting and time.monotonic() > deadline:
+                raise AssertionError(
+                    f"vLLM not ready after {START_TIMEOUT_S}s (logs {[p[2] for p in waiting]})"
+                )
+            if waiting:
+                time.sleep(0.5)  # polling a condition with a deadline
+        yield tuple(base for _, base, _ in procs)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        eventually_sync(lambda: not group_members({proc.pid}), timeout=30, what="vLLM's process group gone")
+        for proc, _, _ in procs:
+            os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _, _ in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+        pids = {proc.pid for proc, _, _ in procs}
+        eventually_sync(lambda: not group_members(pids), timeout=30, what="vLLM's process groups gone")
 
 
 # --- requests and the 1P1D cluster the real-vLLM tests share ----------------------------------------

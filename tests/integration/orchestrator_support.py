@@ -13,6 +13,8 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from vllm_disagg.agent.scraper import MetricsScraper
+from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
@@ -78,6 +80,16 @@ class FakeAgent:
         self._seq = 0
         self._reader = asyncio.create_task(self._read())
         self._heartbeats: asyncio.Task[None] | None = None
+        self._scraper: tuple[aiohttp.ClientSession, asyncio.Task[None]] | None = None
+
+    def follow_metrics(self, engine_url: str) -> None:
+        """Report what the agent's real scraper reads from ``engine_url`` instead of ``metrics``."""
+        http = aiohttp.ClientSession()
+        scraper = MetricsScraper(engine_url, http, SystemClock(), interval_s=self.interval_s, window_s=10.0)
+        self._scraper = (http, asyncio.create_task(scraper.run()))
+        self._metrics_source = scraper.latest
+
+    _metrics_source: Callable[[], MetricsSnapshot] | None = None
 
     async def _read(self) -> None:
         while True:
@@ -118,7 +130,10 @@ class FakeAgent:
         self._seq += 1
         self.transport.send(
             Heartbeat(
-                seq=self._seq, engine_state=self.engine_state, draining=self.draining, metrics=self.metrics
+                seq=self._seq,
+                engine_state=self.engine_state,
+                draining=self.draining,
+                metrics=self._metrics_source() if self._metrics_source else self.metrics,
             )
         )
 
@@ -156,6 +171,12 @@ class FakeAgent:
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
         self.transport.close()
+        if self._scraper is not None:
+            http, task = self._scraper
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await http.close()
 
 
 class FakeEngine:

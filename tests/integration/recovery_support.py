@@ -28,10 +28,15 @@ class Cluster:
         self.server = server
         self.agents: list[FakeAgent] = []
 
-    async def add(self, agent_id: str, url: str, role: Role, *, busy: bool = False) -> FakeAgent:
+    async def add(
+        self, agent_id: str, url: str, role: Role, *, busy: bool = False, scrape: str = ""
+    ) -> FakeAgent:
+        """An agent for the engine at ``url``; ``scrape``: report that engine's real metrics."""
         agent = FakeAgent(self.server.zmq_endpoint, agent_id, url, role, interval_s=0.05)
         if busy:
             agent.metrics = BUSY
+        if scrape:
+            agent.follow_metrics(scrape)
         self.agents.append(agent)
         await agent.join()
         return agent

@@ -69,16 +69,17 @@ async def decode(
 
 
 @TIMINGS
-async def test_prefill_then_decode_moves_the_full_blocks_and_answers_like_colocated(
+async def test_prefill_then_decode_moves_the_whole_prompt_and_answers_like_colocated(
     http: aiohttp.ClientSession, engines: StartEngine, timing: SimTiming
 ) -> None:
     p = await engines(timing, engine_id="prefill-0")
     d = await engines(timing)
     prompt_len = len(textgen.tokenize(LONG_PROMPT))
-    full = prompt_len // BLOCK * BLOCK
+    blocks = -(-prompt_len // BLOCK)  # the partial last block moves too, as with vLLM 0.32's NixlConnector
+    assert prompt_len % BLOCK, "the prompt ends in a partial block"
     params = await prefill(http, p, LONG_PROMPT, "pd-1")
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    assert len(params["remote_block_ids"]) == prompt_len // BLOCK
+    assert len(params["remote_block_ids"]) == blocks
     assert params["remote_engine_id"] == "prefill-0"
     assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", p.port), "the actual port"
     assert (params["tp_size"], params["remote_request_id"]) == (1, "pd-1")
@@ -95,13 +96,13 @@ async def test_prefill_then_decode_moves_the_full_blocks_and_answers_like_coloca
     def grew(name: str, **labels: str) -> float:
         return value(after, name, **labels) - value(before, name, **labels)
 
-    assert grew("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == full
-    assert grew("vllm:prompt_tokens_by_source_total", source="local_compute") == prompt_len - full
-    assert grew("vllm:nixl_bytes_transferred_total") == 4 * full
+    assert grew("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == prompt_len
+    assert grew("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+    assert grew("vllm:nixl_bytes_transferred_total") == 4 * prompt_len
     assert value(after, "vllm:nixl_num_failed_transfers_total") == 0
     assert value(after, "vllm:request_params_max_tokens_bucket", le="1.0") == 0, "the decode leg ran on D"
     assert await metric(http, p, "vllm:kv_cache_usage_perc") == 0, "a pull frees the held blocks"
-    assert await metric(http, p, "vllm:sim_kv_pulls_served_total") == prompt_len // BLOCK
+    assert await metric(http, p, "vllm:sim_kv_pulls_served_total") == blocks
 
 
 async def test_streamed_decode_after_remote_prefill(
@@ -116,18 +117,27 @@ async def test_streamed_decode_after_remote_prefill(
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == textgen.expected_text(LONG_PROMPT, 6)
 
 
-async def test_a_prompt_without_a_full_block_hands_over_no_blocks(
+async def test_a_prompt_shorter_than_a_block_moves_its_one_partial_block(
     http: aiohttp.ClientSession, engines: StartEngine
 ) -> None:
     p, d = await engines(), await engines()
+    prompt_len = len(textgen.tokenize("short"))
+    assert prompt_len < BLOCK
     params = await prefill(http, p, "short", "pd-short")
-    assert params["remote_block_ids"] == []
-    before = await metric(http, d, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert len(params["remote_block_ids"]) == 1
+    before = await scrape(http, d)
     status, payload = await decode(http, d, "short", params, "pd-short", max_tokens=3)
     assert status == 200 and payload["choices"][0]["text"] == textgen.expected_text("short", 3)
-    after = await metric(http, d, "vllm:prompt_tokens_by_source_total", source="local_compute")
-    assert after - before == len("short")
-    assert await metric(http, d, "vllm:nixl_num_failed_transfers_total") == 0
+    after = await scrape(http, d)
+
+    def grew(name: str, **labels: str) -> float:
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert grew("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == prompt_len
+    assert grew("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+    assert grew("vllm:nixl_bytes_transferred_total") == 4 * prompt_len
+    assert value(after, "vllm:nixl_num_failed_transfers_total") == 0
+    assert await metric(http, p, "vllm:kv_cache_usage_perc") == 0, "the pull freed the held block"
 
 
 @pytest.mark.parametrize(

@@ -184,3 +184,11 @@ def test_launching_vllm_without_a_model_path_is_a_config_error() -> None:
     assert engine_command(agent(engine="vllm")) is not None  # vllm is launchable now
     with pytest.raises(ConfigError, match="model_path"):
         instance_info(agent(engine="vllm"))
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("", "fail"), ("fail", "fail"), ("recompute", "recompute")])
+def test_a_launched_sim_engine_follows_the_agents_kv_load_failure_policy(policy: str, expected: str) -> None:
+    argv = SimEngineCommand().argv(agent(engine_port=8123, kv_load_failure_policy=policy))
+    rest = argv[argv.index("sim-engine") + 1 :]
+    flags = dict(zip(rest[::2], rest[1::2], strict=True))
+    assert flags["--kv-load-failure-policy"] == expected

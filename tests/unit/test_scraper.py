@@ -346,3 +346,42 @@ def test_the_simulated_engines_exposition_gives_queue_time_prefill_throughput_an
     after = Scrape(1, 1, parse_exposition(engine.render().decode()))
     snap = snapshot((before, after))
     assert (snap.queue_s, snap.prefill_tokens_per_s, snap.mean_prompt_tokens) == (0.375, 4000.0, 2000.0)
+
+
+def test_prompt_tokens_are_kept_apart_by_source_and_summed_over_engines() -> None:
+    registry = CollectorRegistry()
+    by_source = Counter(
+        "vllm:prompt_tokens_by_source", "doc", ["engine", "model_name", "source"], registry=registry
+    )
+    for engine, (computed, cached, transferred) in (("0", (10, 32, 236)), ("1", (5, 0, 41))):
+        by_source.labels(engine, "m", "local_compute").inc(computed)
+        by_source.labels(engine, "m", "local_cache_hit").inc(cached)
+        by_source.labels(engine, "m", "external_kv_transfer").inc(transferred)
+    snap = snapshot((Scrape(0, 0, parse_exposition(generate_latest(registry).decode())),))
+    assert (snap.prompt_tokens_computed, snap.prompt_tokens_cached, snap.prompt_tokens_transferred) == (
+        15,
+        32,
+        277,
+    )
+
+
+def test_an_engine_without_prompt_tokens_by_source_reports_none_rather_than_zero() -> None:
+    snap = snapshot((Scrape(0, 0, parse_exposition(vllm_text(prompt=100))),))
+    assert snap.prompt_tokens == 100
+    assert (snap.prompt_tokens_computed, snap.prompt_tokens_cached, snap.prompt_tokens_transferred) == (
+        None,
+        None,
+        None,
+    )
+
+
+def test_the_simulated_engine_counts_a_colocated_prompt_as_computed() -> None:
+    engine = EngineMetrics("sim-model", lambda: GaugeValues(running=0, waiting=0, kv_cache_usage=0.0))
+    engine.prompt_tokens_by_source["local_compute"] += 7
+    engine.prompt_tokens_by_source["external_kv_transfer"] += 64
+    snap = snapshot((Scrape(0, 0, parse_exposition(engine.render().decode())),))
+    assert (snap.prompt_tokens_computed, snap.prompt_tokens_cached, snap.prompt_tokens_transferred) == (
+        7,
+        0,
+        64,
+    )

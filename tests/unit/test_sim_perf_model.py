@@ -81,26 +81,27 @@ def test_admit(
 
 
 @pytest.mark.parametrize(
-    ("prompt_len", "max_tokens", "block_size", "full", "needed", "cacheable"),
+    ("prompt_len", "max_tokens", "block_size", "full", "moved", "needed", "cacheable"),
     [
-        (15, 1, 16, 0, 1, 0),
-        (16, 1, 16, 1, 2, 0),
-        (17, 1, 16, 1, 2, 1),
-        (40, 8, 16, 2, 3, 2),
-        (48, 16, 16, 3, 4, 2),
+        (15, 1, 16, 0, 1, 1, 0),
+        (16, 1, 16, 1, 1, 2, 0),
+        (17, 1, 16, 1, 2, 2, 1),
+        (40, 8, 16, 2, 3, 3, 2),
+        (48, 16, 16, 3, 3, 4, 2),
     ],
     ids=[
-        "a prompt shorter than a block has no full block",
+        "a prompt shorter than a block has no full block but moves one partial block",
         "a prompt of exactly one block: its last token is always computed",
-        "one token past a block makes that block cacheable",
+        "one token past a block makes that block cacheable and moves a second block",
         "reservation covers prompt and output",
         "an exact multiple keeps its last block uncached",
     ],
 )
 def test_block_arithmetic(
-    prompt_len: int, max_tokens: int, block_size: int, full: int, needed: int, cacheable: int
+    prompt_len: int, max_tokens: int, block_size: int, full: int, moved: int, needed: int, cacheable: int
 ) -> None:
     assert perf_model.full_blocks(prompt_len, block_size) == full
+    assert len(TransferHolds(block_size, lease_s=30).hold("r", list(range(prompt_len)), now=0.0)) == moved
     assert perf_model.blocks_needed(prompt_len, max_tokens, block_size) == needed
     assert perf_model.cacheable_blocks(prompt_len, block_size) == cacheable
 
@@ -168,10 +169,10 @@ def test_prefix_cache_evicts_least_recently_used_beyond_capacity() -> None:
 
 def test_held_blocks_are_pulled_once_in_the_order_asked() -> None:
     holds = TransferHolds(block_size=4, lease_s=30)
-    ids = holds.hold("req-1", list(range(10)), now=0.0)  # two full blocks; the tail is not held
-    assert len(ids) == 2 and holds.held_blocks == 2
+    ids = holds.hold("req-1", list(range(10)), now=0.0)  # two full blocks and the partial tail
+    assert len(ids) == 3 and holds.held_blocks == 3
     out = holds.pull(list(reversed(ids)), "req-1", now=1.0)
-    assert out.token_ids == (4, 5, 6, 7, 0, 1, 2, 3)
+    assert out.token_ids == (8, 9, 4, 5, 6, 7, 0, 1, 2, 3)
     assert holds.held_blocks == 0
     again = holds.pull(ids, "req-1", now=1.0)
     assert again.token_ids is None and "already pulled" in again.reason
@@ -219,9 +220,18 @@ def test_next_deadline_skips_leases_already_pulled() -> None:
     assert holds.next_deadline() == 35.0
 
 
-def test_a_prompt_without_a_full_block_holds_nothing() -> None:
+def test_a_prompt_shorter_than_a_block_holds_one_partial_block() -> None:
     holds = TransferHolds(block_size=16, lease_s=30)
-    assert holds.hold("a", list(range(10)), now=0.0) == ()
+    ids = holds.hold("a", list(range(10)), now=0.0)
+    assert len(ids) == 1
+    assert holds.held_blocks == 1 and holds.next_deadline() == 30.0
+    assert holds.pull(ids, "a", now=1.0).token_ids == tuple(range(10)), "the whole short prompt moves"
+    assert holds.held_blocks == 0
+
+
+def test_an_empty_prompt_holds_nothing() -> None:
+    holds = TransferHolds(block_size=16, lease_s=30)
+    assert holds.hold("a", [], now=0.0) == ()
     assert holds.held_blocks == 0 and holds.next_deadline() is None
 
 

@@ -14,6 +14,7 @@ from vllm_disagg.agent.vllm_command import (
     VllmEngineCommand,
     flag_value,
     kv_events_endpoint,
+    kv_transfer_config,
     vllm_argv,
     vllm_env,
 )
@@ -71,6 +72,28 @@ def test_without_a_connector_no_kv_transfer_config_and_no_side_channel() -> None
     cfg = agent(kv_connector="")
     assert "--kv-transfer-config" not in vllm_argv(cfg, "cpu")
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in vllm_env(cfg, "cpu")
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_a_kv_load_failure_policy_goes_into_the_kv_transfer_config(policy: str) -> None:
+    cfg = agent(role="decode", kv_load_failure_policy=policy)
+    assert kv_transfer_config(cfg, "cuda") == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": policy,
+    }
+    transfer = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-transfer-config"])
+    assert transfer["kv_load_failure_policy"] == policy
+
+
+def test_an_unset_kv_load_failure_policy_leaves_vllms_default() -> None:
+    assert "kv_load_failure_policy" not in kv_transfer_config(agent(role="decode"), "cpu")
+
+
+def test_without_a_connector_the_kv_load_failure_policy_is_not_passed() -> None:
+    cfg = agent(role="decode", kv_connector="", kv_load_failure_policy="recompute")
+    assert kv_transfer_config(cfg, "cpu") == {}
+    assert "--kv-transfer-config" not in vllm_argv(cfg, "cpu")
 
 
 def test_the_engine_is_vllm_serve_of_the_model_path_with_the_verified_cpu_flags() -> None:
@@ -227,10 +250,22 @@ def test_agent_flags_reach_the_vllm_command() -> None:
     assert VllmEngineCommand().env(cfg)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
 
 
+def test_the_kv_load_failure_policy_flag_reaches_the_kv_transfer_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    base = ["--agent-id=d0", "--role=decode", "--engine=vllm", "--model-path=/m", "--engine-device=cpu"]
+    assert config_from_args(parser.parse_args(base)).kv_load_failure_policy == ""
+    cfg = config_from_args(parser.parse_args([*base, "--kv-load-failure-policy=recompute"]))
+    transfer = flag_value(VllmEngineCommand().argv(cfg), "--kv-transfer-config")
+    assert transfer is not None
+    assert jsonutil.loads(transfer)["kv_load_failure_policy"] == "recompute"
+
+
 BAD_CONFIGS = [
     pytest.param({"engine_device": "tpu"}, "engine_device", id="unknown-device"),
     pytest.param({"kv_events_port": 70000}, "kv_events_port", id="events-port-out-of-range"),
     pytest.param({"max_model_len": 0}, "max_model_len", id="zero-context-length"),
+    pytest.param({"kv_load_failure_policy": "retry"}, "kv_load_failure_policy", id="unknown-kv-load-policy"),
 ]
 
 

@@ -88,6 +88,7 @@ class SimEngineCommand(EngineCommand):
             port=cfg.engine_port,
             timing=cfg.sim,
             kv_events_port=kv_events_port(cfg),
+            kv_load_failure_policy=cfg.kv_load_failure_policy or "fail",  # vLLM 0.32's default
         )
 
     def argv(self, cfg: AgentConfig) -> list[str]:

@@ -57,6 +57,12 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--engine-device", "engine_device", str, "cpu, cuda or auto"),
     ("--engine-python", "engine_python", str, "interpreter of the venv holding vLLM (default: this one)"),
     ("--kv-connector", "kv_connector", str, "KV connector for P/D transfer; empty for none"),
+    (
+        "--kv-load-failure-policy",
+        "kv_load_failure_policy",
+        str,
+        "a failed KV pull: fail (error) or recompute (compute the prompt); empty: vLLM's default",
+    ),
     ("--nixl-side-channel-port", "nixl_side_channel_port", int, "NIXL handshake port (0: engine port+1000)"),
     ("--kv-events-port", "kv_events_port", int, "KV cache events PUB port (0: engine port+2000)"),
     ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),

@@ -12,6 +12,7 @@ restarted: the window starts afresh.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import re
@@ -45,15 +46,32 @@ TPOT = (
 QUEUE_TIME = "vllm:request_queue_time_seconds"
 PREFILL_TIME = "vllm:request_prefill_time_seconds"
 PROMPT_LENGTH = "vllm:request_prompt_tokens"  # a histogram of prompt lengths, one sample per request
+# Prompt tokens by where they came from; kept apart by the ``source`` label (see ``parse_exposition``).
+BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+COMPUTED = f"{BY_SOURCE}:local_compute"
+CACHED = f"{BY_SOURCE}:local_cache_hit"
+TRANSFERRED = f"{BY_SOURCE}:external_kv_transfer"
 _PER_REQUEST = (QUEUE_TIME, PREFILL_TIME, PROMPT_LENGTH)
 
 HISTOGRAM_SERIES = tuple(
     f"{h}{suffix}" for h in (*TTFT, *TPOT, *_PER_REQUEST) for suffix in ("_sum", "_count")
 )
 COUNTERS = frozenset(
-    (PROMPT_TOKENS, GENERATION_TOKENS, REQUEST_SUCCESS, *PREFIX_QUERIES, *PREFIX_HITS, *HISTOGRAM_SERIES)
+    (
+        PROMPT_TOKENS,
+        GENERATION_TOKENS,
+        REQUEST_SUCCESS,
+        *PREFIX_QUERIES,
+        *PREFIX_HITS,
+        *HISTOGRAM_SERIES,
+        COMPUTED,
+        CACHED,
+        TRANSFERRED,
+    )
 )
-WANTED = frozenset((RUNNING, WAITING, *KV_USAGE, *COUNTERS))
+WANTED = frozenset((RUNNING, WAITING, *KV_USAGE, *COUNTERS, BY_SOURCE))
+
+_SOURCE = re.compile(r'source="([a-z_]+)"')
 
 _NAME = re.compile(r"[^{\s]+")
 
@@ -97,7 +115,8 @@ def parse_exposition(text: str, names: frozenset[str] = WANTED) -> dict[str, Ser
 
     Lines of other metrics are skipped after reading their name, which is what keeps this fast on
     vLLM's large output (hundreds of bucket lines). Comments, malformed lines and NaN samples are
-    ignored rather than failing the scrape.
+    ignored rather than failing the scrape. ``vllm:prompt_tokens_by_source_total`` is summed per
+    ``source`` label, under ``NAME:SOURCE`` keys.
     """
     totals: dict[str, float] = {}
     counts: dict[str, int] = {}
@@ -112,9 +131,15 @@ def parse_exposition(text: str, names: frozenset[str] = WANTED) -> dict[str, Ser
             continue
         rest = match.end()
         if rest < len(line) and line[rest] == "{":
+            labels = rest
             rest = _end_of_labels(line, rest)
             if rest < 0:
                 continue
+            if name == BY_SOURCE:
+                source = _SOURCE.search(line, labels, rest)
+                if source is None:
+                    continue
+                name = f"{name}:{source.group(1)}"
         fields = line[rest:].split()
         if not fields:
             continue
@@ -216,7 +241,16 @@ def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
         queue_s=_mean_latency(first, last, (QUEUE_TIME,)),
         prefill_tokens_per_s=_prefill_rate(first, last),
         mean_prompt_tokens=_mean_latency(first, last, (PROMPT_LENGTH,)),
+        prompt_tokens_computed=_lifetime(last, COMPUTED),
+        prompt_tokens_cached=_lifetime(last, CACHED),
+        prompt_tokens_transferred=_lifetime(last, TRANSFERRED),
     )
+
+
+def _lifetime(scrape: Scrape, name: str) -> int | None:
+    """A lifetime counter, None when the engine does not export it."""
+    s = scrape.series.get(name)
+    return int(s.total) if s is not None else None
 
 
 class MetricsScraper:
@@ -240,14 +274,19 @@ class MetricsScraper:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._window: tuple[Scrape, ...] = ()
         self._latest = MetricsSnapshot()
+        self._started_at: float | None = None  # when the latest successful scrape began (monotonic)
         self._failing = False
 
     def latest(self) -> MetricsSnapshot:
-        """The snapshot from the most recent successful scrape (all defaults before the first)."""
-        return self._latest
+        """The snapshot from the most recent successful scrape (all defaults before the first), with its
+        age: the orchestrator needs to know how old the counters are to compare them with its own."""
+        if self._started_at is None:
+            return self._latest
+        return dataclasses.replace(self._latest, age_s=self._clock.monotonic() - self._started_at)
 
     async def scrape_once(self) -> bool:
         """Fetch and fold in one scrape; False (and the old snapshot kept) when the engine did not answer."""
+        started = self._clock.monotonic()
         try:
             async with self._http.get(self._url, timeout=self._timeout) as resp:
                 if resp.status != 200:
@@ -262,6 +301,7 @@ class MetricsScraper:
         scrape = Scrape(self._clock.monotonic(), self._clock.wall(), parse_exposition(text))
         self._window = push(self._window, scrape, self._window_s)
         self._latest = snapshot(self._window)
+        self._started_at = started
         return True
 
     async def run(self) -> None:

@@ -78,6 +78,9 @@ def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, str]:
     if device == "cpu":
         # No device memory to register: NIXL moves blocks between host buffers over UCX.
         config["kv_buffer_device"] = "cpu"
+    if cfg.kv_load_failure_policy:
+        # What a decode engine does when a pull fails; unset, vLLM's default applies ("fail" in 0.32).
+        config["kv_load_failure_policy"] = cfg.kv_load_failure_policy
     return config
 
 

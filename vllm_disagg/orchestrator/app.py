@@ -90,6 +90,7 @@ def build_app(
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
     registry.on_lost = gateway.instance_lost
+    registry.on_kv_audit = gateway.kv_audited
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
     admin = Admin(registry, control, metrics, request_log, clock, gateway.describe)
 

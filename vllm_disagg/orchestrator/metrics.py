@@ -16,6 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.registry import RegistrySnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -182,6 +183,20 @@ class OrchestratorMetrics:
             ["prefill", "decode"],
             registry=r,
         )
+        self._kv_recomputed_tokens = Counter(
+            "vllm_disagg_kv_recomputed_tokens",
+            "Prompt tokens decode engines computed although a prefill handed their KV over, by pair "
+            "(from the engines' prompt_tokens_by_source counters)",
+            ["prefill", "decode"],
+            registry=r,
+        )
+        self._kv_audited = Counter(
+            "vllm_disagg_kv_audited_legs",
+            "Decode legs the KV audit judged from the engine's prompt_tokens_by_source counters, by "
+            "outcome: loaded, or recomputed (a leg among those a shortfall was found in)",
+            ["decode", "outcome"],
+            registry=r,
+        )
         self._kv_released = Counter(
             "vllm_disagg_kv_released",
             "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
@@ -249,9 +264,26 @@ class OrchestratorMetrics:
         """Count a stream resumed on another instance."""
         self._resume_children[(cause,)].inc()
 
-    def kv_recomputed(self, prefill: str, decode: str) -> None:
-        """Count a decode leg that recomputed the prompt instead of loading its KV."""
+    def kv_recomputed(self, prefill: str, decode: str, tokens: int) -> None:
+        """Count a decode leg that recomputed ``tokens`` of the prompt instead of loading their KV."""
         self._kv_recomputed.labels(prefill, decode).inc()
+        self._kv_recomputed_tokens.labels(prefill, decode).inc(tokens)
+
+    def kv_audited(self, outcome: Outcome) -> None:
+        """Count the legs a KV audit judged; a verdict once per pair, its tokens shared by what each
+        pair handed over."""
+        if outcome.loaded:
+            self._kv_audited.labels(outcome.decode, "loaded").inc(len(outcome.loaded))
+        verdict = outcome.recomputed
+        if verdict is None:
+            return
+        legs = verdict.legs
+        self._kv_audited.labels(verdict.decode, "recomputed").inc(len(legs))
+        handed = sum(leg.tokens for leg in legs) or 1
+        for prefill in verdict.prefills:
+            share = sum(leg.tokens for leg in legs if leg.prefill == prefill) / handed
+            self._kv_recomputed.labels(prefill, verdict.decode).inc()
+            self._kv_recomputed_tokens.labels(prefill, verdict.decode).inc(round(verdict.tokens * share))
 
     def kv_released(self) -> None:
         """Count a one-token decode that freed an abandoned prefill's KV."""

@@ -33,6 +33,7 @@ from vllm_disagg.orchestrator.health import (
     BreakerPolicy,
     InstanceState,
 )
+from vllm_disagg.orchestrator.kv_audit import DecodeAudit, Outcome
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 __all__ = ["INSTANCE_STATES", "InstanceState", "InstanceView", "Registry", "RegistrySnapshot"]
@@ -122,6 +123,7 @@ class _Instance:
     dead_reason: str = ""
     breaker: Breaker = CLOSED
     late: bool = False
+    audit: DecodeAudit | None = None  # its decode legs' KV loads, from its counters (``kv_audit``)
 
     def derive_state(self) -> InstanceState:
         """The state a live session is in, from every signal (see ``health.derive_state``)."""
@@ -185,6 +187,8 @@ class Registry:
         self._cached_in_flight: dict[str, int] | None = None
         # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
         self.on_lost: Callable[[str, str], None] | None = None
+        # Called with what each heartbeat's KV audit settled (``kv_audit``): legs loaded, a verdict.
+        self.on_kv_audit: Callable[[Outcome], None] | None = None
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -227,6 +231,7 @@ class Registry:
             joined_at=now,
             last_heartbeat=now,
             admin_cordoned=old.admin_cordoned if old else False,  # the operator's word outlives sessions
+            audit=DecodeAudit(agent_id, info.block_size),
         )
         self._instances[agent_id] = inst
         self._drop_links(agent_id)
@@ -246,7 +251,44 @@ class Registry:
         inst.agent_draining = hb.draining
         inst.late = False
         self._update(inst, f"engine {hb.engine_state}" if lost else "")
+        if inst.audit is not None:
+            self._judge_links(inst.agent_id, inst.audit.observe(hb.metrics, now), now)
         return self._views[agent_id]
+
+    # --- the KV audit of decode legs (see ``kv_audit``) -------------------------------------------
+
+    def audit_dispatch(
+        self, decode: str, request_id: str, prefill: str, tokens: int, now: float
+    ) -> int | None:
+        """A decode leg carrying ``prefill``'s KV handle is sent: its audit key, or None when its
+        engine's counters cannot judge it (then the gateway judges the link by the leg's outcome)."""
+        inst = self._instances.get(decode)
+        if inst is None or inst.audit is None or inst.state == "dead":
+            return None
+        return inst.audit.dispatch(request_id, prefill, tokens, now)
+
+    def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None:
+        """The audited leg ended: ``answered`` (its engine counted its prompt) or failed before that."""
+        inst = self._instances.get(decode)
+        if inst is None or inst.audit is None:
+            return
+        if answered:
+            inst.audit.answered(key, now)
+        else:
+            inst.audit.abandon(key)
+
+    def _judge_links(self, decode: str, outcome: Outcome, now: float) -> None:
+        """Feed an audit's outcome to the P→D link breakers, and report a verdict."""
+        for leg in outcome.loaded:
+            key = (leg.prefill, decode)
+            if key in self._links:
+                self._set_link(key, CLOSED)
+        verdict = outcome.recomputed
+        if verdict is not None:
+            for prefill in verdict.prefills:
+                self.leg_failed(decode, now, prefill, instance_fault=False)
+        if self.on_kv_audit is not None and (outcome.loaded or verdict is not None):
+            self.on_kv_audit(outcome)
 
     def goodbye(self, agent_id: str, reason: str = "") -> InstanceView | None:
         """The agent left on purpose; None when it was not known."""

@@ -59,6 +59,12 @@ class MetricsSnapshot:
     queue_s: float | None = None  # mean time a request waited in the engine's queue over the window
     prefill_tokens_per_s: float | None = None  # prompt tokens prefilled per second of prefill time
     mean_prompt_tokens: float | None = None  # mean prompt length of requests over the window
+    # The engine's lifetime ``vllm:prompt_tokens_by_source_total``: prompt tokens it computed, found in
+    # its own prefix cache, and pulled from a prefill engine. None where the engine does not export them.
+    prompt_tokens_computed: int | None = None
+    prompt_tokens_cached: int | None = None
+    prompt_tokens_transferred: int | None = None
+    age_s: float = 0.0  # seconds from the start of the scrape to the heartbeat that carries it
 
 
 @dataclass(frozen=True, slots=True)

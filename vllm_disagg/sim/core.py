@@ -128,9 +128,8 @@ class EngineCore:
         req = seq.req
         n = req.max_tokens
         if req.remote_decode:
-            ids = seq.prompt.token_ids
-            full = perf_model.full_blocks(len(ids), self.timing.block_size) * self.timing.block_size
-            block_ids = self.holds.hold(req.request_id, ids[:full], now)
+            # The whole prompt, its partial last block included, as vLLM 0.32's NixlConnector moves it.
+            block_ids = self.holds.hold(req.request_id, seq.prompt.token_ids, now)
             seq.kv_params = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,

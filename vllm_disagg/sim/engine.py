@@ -65,7 +65,7 @@ class SimEngine:
     async def pull_kv(self, remote: RemotePrefill, prompt: PromptInfo) -> int:
         """Pull a prompt's blocks from the prefill engine; returns the tokens received, or raises 500."""
         if not remote.block_ids:
-            return 0  # the prompt had no full block: everything is computed here, as in vLLM
+            return 0  # a handle naming no blocks: nothing to pull, everything is computed here
         m = self.core.metrics
         where = f"remote engine {remote.engine_id!r} at {remote.host}:{remote.port}"
         started = self.clock.monotonic()

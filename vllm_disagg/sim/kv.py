@@ -115,7 +115,11 @@ class PullOutcome:
 
 
 class TransferHolds:
-    """Full prompt blocks a prefill engine keeps for a decoder, until pulled or until the lease ends."""
+    """Prompt blocks a prefill engine keeps for a decoder, until pulled or until the lease ends.
+
+    Every block of the prompt is held, the partial last one included, as vLLM's NixlConnector hands
+    them over; the prefix cache (``PrefixCache``) still knows full blocks only.
+    """
 
     def __init__(self, block_size: int, lease_s: float) -> None:
         self._block_size = block_size
@@ -131,11 +135,12 @@ class TransferHolds:
         return len(self._blocks)
 
     def hold(self, request_id: str, token_ids: Sequence[int], now: float) -> tuple[int, ...]:
-        """Hold the full blocks of ``token_ids`` for ``request_id``; returns their new block ids."""
+        """Hold every block of ``token_ids`` for ``request_id``, the partial last one included
+        (``ceil(len / block_size)`` blocks); returns their new block ids."""
         bs = self._block_size
         deadline = now + self._lease_s
         ids: list[int] = []
-        for start in range(0, len(token_ids) - bs + 1, bs):
+        for start in range(0, len(token_ids), bs):
             block_id = self._next_id
             self._next_id += 1
             self._blocks[block_id] = _HeldBlock(request_id, tuple(token_ids[start : start + bs]), deadline)

@@ -13,7 +13,8 @@ from vllm_disagg.config import SimTiming
 
 
 def full_blocks(num_tokens: int, block_size: int) -> int:
-    """How many whole blocks ``num_tokens`` fill; only whole blocks are cached or transferred."""
+    """How many whole blocks ``num_tokens`` fill; only whole blocks enter the prefix cache (a KV
+    transfer moves the partial last block too: ``kv.TransferHolds``)."""
     return num_tokens // block_size
 
 

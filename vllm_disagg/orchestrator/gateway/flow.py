@@ -194,6 +194,7 @@ class Flow:
             tries += 1
             d = self.decode_id
             body = self._decode_body(kv)
+            audit = self._audit_dispatch(d, kv)
             try:
                 response = await self._decode_once(d, body)
             except UpstreamError as exc:
@@ -211,14 +212,32 @@ class Flow:
                     # The failed instance may have pulled the KV, and the prefill instance freed it.
                     kv = await self._prefill()
                 continue
+            finally:
+                if audit is not None:
+                    answered = self.timing.first_byte is not None  # D counted the prompt by then
+                    gw.registry.audit_done(d, audit, gw.clock.monotonic(), answered=answered)
             if self.timing.cut:
                 gw.registry.leg_failed(d, gw.clock.monotonic(), partner=self.prefill_id)
                 self.failed.add(d)
                 if not self.timing.client_gone and not await self._resume(response):
                     await end_with_error(response, self.timing.cut, self.timing)
             elif not self._recomputed(d, response):
-                gw.registry.leg_succeeded(d, partner=self.prefill_id)
+                # An audited leg's link is judged by the audit, once D's counters include it.
+                gw.registry.leg_succeeded(d, partner=self.prefill_id if audit is None else None)
             return response
+
+    def _audit_dispatch(self, d: str, kv: Any | None) -> int | None:
+        """Start the counter audit of a decode leg that should load KV (``kv_audit``), where D's own
+        figure cannot tell (vLLM 0.32); its key, or None."""
+        prefilled, p = self.prefilled, self.prefill_id
+        if kv is None or p is None or prefilled is None or prefilled.decode_reports_loading:
+            return None
+        if not prefilled.transfers_kv or not prefilled.prompt_tokens:
+            return None
+        gw = self.gw
+        return gw.registry.audit_dispatch(
+            d, self.scheduling.request_id, p, prefilled.prompt_tokens, gw.clock.monotonic()
+        )
 
     def _recomputed(self, d: str, response: web.StreamResponse) -> bool:
         """Did the decode engine compute the prompt itself instead of loading the prefill's KV?
@@ -238,7 +257,7 @@ class Flow:
         if cached is None or 2 * cached >= prefilled.prompt_tokens:
             return False
         gw = self.gw
-        gw.metrics.kv_recomputed(p, d)
+        gw.metrics.kv_recomputed(p, d, prefilled.prompt_tokens - cached)
         gw.registry.leg_failed(d, gw.clock.monotonic(), p, instance_fault=False)
         last = self.attempts[-1]
         self.attempts[-1] = dataclasses.replace(

@@ -155,7 +155,7 @@ class Prefilled:
 
     @property
     def transfers_kv(self) -> bool:
-        """Does the handle name blocks for the decode engine to pull (a prompt of a full block or more)?"""
+        """Does the handle name blocks for the decode engine to pull (vLLM 0.32: any non-empty prompt)?"""
         return bool(self.kv.get("remote_block_ids"))
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class RequestRecord:
     attempts: tuple[Attempt, ...] = ()  # every engine leg, failed ones included, in order
     fallback: str = ""  # why it ran colocated after its prefill legs failed ("" when it did not)
     resumes: int = 0  # times its stream moved to another instance mid-way
+    # What its decode engine's counters said later: it computed KV it was handed (``kv_audit``).
+    kv_check: str = ""
 
 
 class RequestLog:
@@ -75,6 +78,12 @@ class RequestLog:
         records[record.request_id] = record
         if len(records) > self._capacity:
             records.popitem(last=False)
+
+    def note_kv_check(self, request_id: str, note: str) -> None:
+        """Add a KV audit's finding to a record still kept (it comes after the request ended)."""
+        record = self._records.get(request_id)
+        if record is not None:
+            self._records[request_id] = dataclasses.replace(record, kv_check=note)
 
     def get(self, request_id: str) -> RequestRecord | None:
         """The record of a request, if still kept."""

@@ -43,6 +43,7 @@ from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
+from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
@@ -287,6 +288,18 @@ class Gateway:
         n = self.watch.lost(agent_id, reason)
         if n:
             log.warning("instance %s lost (%s): failing over %d in-flight legs", agent_id, reason, n)
+
+    def kv_audited(self, outcome: Outcome) -> None:
+        """The KV audit judged decode legs: count them; where a decode instance computed KV it was
+        handed, say so in the records of the requests it may have been."""
+        self.metrics.kv_audited(outcome)
+        verdict = outcome.recomputed
+        if verdict is None:
+            return
+        note = verdict.note()
+        for leg in verdict.legs:
+            self.request_log.note_kv_check(leg.request_id, note)
+        log.warning("%s", note)
 
     async def _read_body(self, request: web.Request) -> bytes:
         limit = self.config.max_body_bytes

@@ -1,0 +1,180 @@
+"""Silent degradation on real vLLM: a decode engine whose KV pulls fail computes each prompt itself, and
+the orchestrator finds it from the engine's counters.
+
+Real vLLM 0.32 engines: P (``kv_producer``) and D (``kv_consumer`` with ``kv_load_failure_policy:
+recompute``), each followed by a real agent in attach mode, and a real orchestrator. P is attached
+through a proxy that points every KV handle at a port where no NIXL side channel listens (with a fresh
+engine id, so D never reuses a handshake): D's handshake times out (5 s in vLLM 0.32) and D computes
+the prompt itself. The answers stay right and nothing errors; D's own ``cached_tokens`` only echoes P's
+figure. The KV audit sees D's ``prompt_tokens_by_source`` counters fall short, names the request,
+counts each case against the P→D link, opens it, and the next request runs colocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import subprocess
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.e2e.vllm_support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.helpers import cli_argv, eventually, free_port, metric_sum, parse_prometheus, stop_process_group
+from tests.integration.orchestrator_support import orch_config
+from vllm_disagg import jsonutil
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
+
+pytestmark = pytest.mark.timeout(1800)
+PROMPT = "The decode engine could not reach the prefill engine's side channel, so it computed: "
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    base = free_engine_ports(2)
+    logs = tmp_path_factory.mktemp("engines")
+
+    def engine(role: str, port: int, **extra: str) -> AgentConfig:
+        return AgentConfig(
+            agent_id=f"{role}-0", role=role, engine="vllm", model=MODEL,  # type: ignore[arg-type]
+            model_path=str(tiny_model), engine_port=port, **extra,
+        )  # fmt: skip
+
+    with running_vllms([
+        (engine("prefill", base), logs / "prefill.log"),
+        (engine("decode", base + 1, kv_load_failure_policy="recompute"), logs / "decode.log"),
+    ]) as (p, d):  # fmt: skip
+        yield p, d
+
+
+@contextlib.asynccontextmanager
+async def unreachable_handles(prefill: str) -> AsyncIterator[str]:
+    """``prefill`` behind a proxy whose KV handles name a side channel nobody listens on; its URL."""
+    dead_port = free_port()
+
+    async def forward(request: web.Request) -> web.Response:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.request(
+                request.method, prefill + request.path_qs, data=await request.read(), headers=JSON
+            ) as r,
+        ):
+            body, status, kind = await r.read(), r.status, r.content_type
+        if request.method == "POST" and status == 200:
+            answer = jsonutil.loads(body)
+            params = answer.get("kv_transfer_params")
+            if isinstance(params, dict):
+                params.update(remote_port=dead_port, remote_engine_id=uuid.uuid4().hex)
+                body = jsonutil.dumps(answer)
+        return web.Response(body=body, status=status, content_type=kind)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@contextlib.contextmanager
+def attached_agents(server: OrchestratorServer, engines: dict[str, str], log: Path) -> Iterator[None]:
+    """A real agent process in attach mode for each ``role -> engine URL``."""
+    procs = []
+    with log.open("wb") as out:
+        for role, url in engines.items():
+            argv = cli_argv(
+                "agent", "--agent-id", f"{role}-0", "--role", role, "--model", MODEL, "--engine", "vllm",
+                "--orchestrator", server.zmq_endpoint, "--attach", url, "--health-timeout-s", "20",
+            )  # fmt: skip
+            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        yield
+    finally:
+        for proc in procs:
+            stop_process_group(proc, timeout=30)
+
+
+async def complete(session: aiohttp.ClientSession, base: str, request_id: str) -> tuple[str, dict[str, str]]:
+    body = {"model": MODEL, "prompt": f"{request_id}: {PROMPT}", "max_tokens": 8, "temperature": 0}
+    headers = {**JSON, "X-Request-Id": request_id}
+    async with session.post(f"{base}/v1/completions", json=body, headers=headers) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, raw
+        return jsonutil.loads(raw)["choices"][0]["text"], dict(resp.headers)
+
+
+async def test_a_decode_engine_that_recomputes_is_found_by_its_counters_and_its_link_avoided(
+    engines: tuple[str, str], tmp_path: Path
+) -> None:
+    p, d = engines
+    # This machine stalls for seconds during NIXL work: nothing here is about detection speed.
+    server = await start_orchestrator(
+        orch_config(heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0),
+        shutdown_timeout_s=5.0,
+    )
+    try:
+        async with unreachable_handles(p) as proxy, aiohttp.ClientSession() as session:
+            agents = attached_agents(server, {"prefill": proxy, "decode": d}, tmp_path / "agents.log")
+            with agents:
+                await _recomputes_are_found(server, session, d)
+    finally:
+        await server.close()
+
+
+async def _recomputes_are_found(server: OrchestratorServer, session: aiohttp.ClientSession, d: str) -> None:
+
+    def ready() -> bool:
+        view = server.registry.get("decode-0")
+        snap = server.registry.snapshot()
+        return (
+            len(snap.ready_prefill.get(MODEL, ())) == 1
+            and view is not None
+            and view.state == "ready"
+            and view.metrics.prompt_tokens_transferred is not None
+        )
+
+    await eventually(ready, timeout=300, what="1P1D ready, D's counters reported")
+    # What D answers by itself: the reference a recomputed prompt must still match.
+    reference = {}
+    for n in range(3):
+        async with session.post(
+            f"{d}/v1/completions",
+            json={"model": MODEL, "prompt": f"slow-{n}: {PROMPT}", "max_tokens": 8, "temperature": 0},
+        ) as resp:
+            reference[f"slow-{n}"] = (await resp.json())["choices"][0]["text"]
+
+    async def audited(n: int) -> bool:
+        async with session.get(f"{server.url}/metrics") as resp:
+            samples = parse_prometheus(await resp.text())
+        return (
+            metric_sum(samples, "vllm_disagg_kv_audited_legs_total", decode="decode-0", outcome="recomputed")
+            >= n
+        )
+
+    for n in range(3):
+        request_id = f"slow-{n}"
+        text, headers = await complete(session, server.url, request_id)
+        assert headers["X-Disagg-Mode"] == "disaggregated", "the pair is made until the audit says"
+        assert text == reference[request_id], "a recomputed prompt still gives the right answer"
+        await eventually(functools.partial(audited, n + 1), timeout=180, what=f"verdict {n + 1}")
+
+    async with session.get(f"{server.url}/admin/v1/requests/slow-0") as resp:
+        record = await resp.json()
+    assert "decode instance 'decode-0' computed" in record["kv_check"], record
+    async with session.get(f"{server.url}/metrics") as resp:
+        samples = parse_prometheus(await resp.text())
+    pair = {"prefill": "prefill-0", "decode": "decode-0"}
+    assert metric_sum(samples, "vllm_disagg_kv_recomputed_total", **pair) == 3
+    assert metric_sum(samples, "vllm_disagg_kv_recomputed_tokens_total", **pair) >= 3 * 16
+    assert metric_sum(samples, "vllm_disagg_link_breaker_open", **pair) == 1
+    _, headers = await complete(session, server.url, "after")
+    assert headers["X-Disagg-Mode"] == "colocated", "the link is avoided"

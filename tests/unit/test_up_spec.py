@@ -1,0 +1,31 @@
+"""``vllm-disagg up``: what its flags make of the cluster's child processes."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from vllm_disagg.up import add_arguments, spec_from_args
+
+
+def spec_of(*flags: str) -> list[list[str]]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = spec_from_args(parser.parse_args(["--engine", "sim", "--prefill", "1", "--decode", "2", *flags]))
+    return [spec.agent_argv(plan) for plan in spec.plans()]
+
+
+def test_every_agent_gets_the_kv_load_failure_policy() -> None:
+    for argv in spec_of("--kv-load-failure-policy", "recompute"):
+        assert argv[argv.index("--kv-load-failure-policy") + 1] == "recompute"
+
+
+def test_without_the_flag_the_agents_keep_the_engines_default() -> None:
+    assert all("--kv-load-failure-policy" not in argv for argv in spec_of())
+
+
+def test_an_unknown_policy_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        spec_of("--kv-load-failure-policy", "retry")
+    assert "invalid choice: 'retry'" in capsys.readouterr().err
