@@ -118,6 +118,10 @@ class SimEngineConfig:
     # vLLM's kv_load_failure_policy: "fail" answers 500 when the KV cannot be pulled; "recompute"
     # computes the prompt locally instead (silently slower: the gateway detects it from the usage).
     kv_load_failure_policy: str = "fail"
+    # vLLM 0.32: a prefill's KV handle carries its own prefix-cache hits (remote_prefill_cached_tokens)
+    # and the decode engine reports that figure as its cached_tokens, whatever it loaded. False: the
+    # handle has no such key, and D reports what it loaded (engines that do).
+    prefill_cache_in_handle: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_load_failure_policy not in ("fail", "recompute"):

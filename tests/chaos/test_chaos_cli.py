@@ -108,6 +108,13 @@ def test_no_request_fails_or_is_garbled_while_engines_and_agents_are_killed(chao
     assert (r["failed"], r["garbled"]) == (0, 0), r["examples"]
 
 
+def test_the_kv_audit_judges_decode_legs_under_chaos_and_raises_no_false_alarm(chaos: Run) -> None:
+    # The simulated engines never compute a prompt they were handed (a failed pull answers 500): every
+    # verdict would be a false alarm, from kills, restarts and counters that start again.
+    r = chaos.report
+    assert r["kv_audited"] > 0 and r["recomputed"] == 0
+
+
 def test_without_faults_every_response_is_byte_exact_and_the_exit_code_is_0(tmp_path: Path) -> None:
     run = run_chaos([*QUIET, "--json", "--log-file", str(tmp_path / "cluster.log")])
     r = run.report

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
@@ -17,7 +16,7 @@ from aiohttp import web
 
 from tests.helpers import eventually, free_port
 from tests.integration.conftest import EngineFactory
-from tests.integration.orchestrator_support import FakeEngine, fake_engine, sample, scrape
+from tests.integration.orchestrator_support import fake_engine, sample, scrape
 from tests.integration.recovery_support import (
     PROMPT,
     Cluster,
@@ -31,7 +30,6 @@ from tests.integration.recovery_support import (
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
 from vllm_disagg.orchestrator.app import REQUEST_LOG_KEY
-from vllm_disagg.sim.engine import SimServer
 from vllm_disagg.sim.textgen import expected_text
 
 
@@ -352,8 +350,9 @@ async def test_a_decode_instance_that_recomputes_instead_of_loading_the_kv_is_ca
     cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory, stream: bool
 ) -> None:
     # P forgets the blocks it holds at once, so D's pull finds nothing and (vLLM's "recompute"
-    # policy) D computes the prompt itself: the answer is right, only slow. Its usage says so.
-    p = await sim_engine(kv_lease_s=1e-6)
+    # policy) D computes the prompt itself: the answer is right, only slow. Its usage says so (an
+    # engine whose handle does not carry P's own figure, which vLLM 0.32's D would report instead).
+    p = await sim_engine(kv_lease_s=1e-6, prefill_cache_in_handle=False)
     d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
     await cluster.add("p0", p.url, "prefill")
     await cluster.add("d0", d.url, "decode")
@@ -380,7 +379,7 @@ async def test_a_decode_instance_that_recomputes_instead_of_loading_the_kv_is_ca
 async def test_a_decode_instance_that_loads_the_kv_is_not_flagged(
     cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
 ) -> None:
-    await cluster.add("p0", (await sim_engine()).url, "prefill")
+    await cluster.add("p0", (await sim_engine(prefill_cache_in_handle=False)).url, "prefill")
     await cluster.add("d0", (await sim_engine(prompt_tokens_details=True)).url, "decode")
     await cluster.ready(1, 1)
     for stream in (False, True):
@@ -409,25 +408,6 @@ async def test_with_no_decode_instance_ready_a_prefill_instance_serves_new_reque
     )
 
 
-@contextlib.asynccontextmanager
-async def like_vllm_032(prefill: SimServer) -> AsyncIterator[FakeEngine]:
-    """``prefill`` behind a proxy that adds what vLLM 0.32's P adds to its handle: its own prefix-cache
-    hits as ``remote_prefill_cached_tokens``. D then reports that figure as its cached tokens (0 for a
-    fresh prompt), whether it loaded the KV or not."""
-
-    async def p_032(request: web.Request) -> web.Response:
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(prefill.url + request.path, data=await request.read(), headers=request.headers) as r,
-        ):
-            body = jsonutil.loads(await r.read())
-        body["kv_transfer_params"]["remote_prefill_cached_tokens"] = 0
-        return web.json_response(body)
-
-    async with fake_engine(p_032) as p:
-        yield p
-
-
 async def audited(http: aiohttp.ClientSession, cluster: Cluster, outcome: str, n: int) -> None:
     """Wait until the KV audit has judged ``n`` of D's legs as ``outcome`` (loaded, recomputed)."""
 
@@ -449,16 +429,18 @@ async def counters_reported(cluster: Cluster) -> None:
 async def test_vllm_032_decode_figures_that_only_echo_the_prefill_cache_never_flag_a_recompute(
     cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
 ) -> None:
-    # D does recompute (P forgets its blocks at once), yet no verdict can be drawn from its figure, and
-    # without its counters (this agent reports none) nothing else can tell.
-    async with like_vllm_032(await sim_engine(kv_lease_s=1e-6)) as p:
-        await cluster.add("p0", p.url, "prefill")
-        d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
-        await cluster.add("d0", d.url, "decode")
-        await cluster.ready(1, 1)
-        for n in range(4):
-            status, _, headers = await complete(http, cluster, f"echo-{n}", prompt=f"{n} {PROMPT}")
-            assert status == 200 and headers["X-Disagg-Mode"] == "disaggregated", "the pair is still made"
+    # vLLM 0.32's P adds its own prefix-cache hits to the handle as remote_prefill_cached_tokens, and D
+    # reports that figure as its cached tokens (0 for a fresh prompt) whether it loaded the KV or not.
+    # D does recompute here (P forgets its blocks at once), yet no verdict can be drawn from its
+    # figure, and without its counters (this agent reports none) nothing else can tell.
+    p = await sim_engine(kv_lease_s=1e-6)
+    await cluster.add("p0", p.url, "prefill")
+    d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
+    await cluster.add("d0", d.url, "decode")
+    await cluster.ready(1, 1)
+    for n in range(4):
+        status, _, headers = await complete(http, cluster, f"echo-{n}", prompt=f"{n} {PROMPT}")
+        assert status == 200 and headers["X-Disagg-Mode"] == "disaggregated", "the pair is still made"
     samples = await scrape(http, cluster.server.url)
     assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 0
 
@@ -466,51 +448,46 @@ async def test_vllm_032_decode_figures_that_only_echo_the_prefill_cache_never_fl
 async def test_a_vllm_032_decode_instance_that_recomputes_is_caught_by_its_counters_and_its_link_avoided(
     cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
 ) -> None:
-    async with like_vllm_032(await sim_engine(kv_lease_s=1e-6)) as p:
-        await cluster.add("p0", p.url, "prefill")
-        d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
-        await cluster.add("d0", d.url, "decode", scrape=d.url)
-        await cluster.ready(1, 1)
-        await counters_reported(cluster)
-        for n in range(3):
-            prompt = f"{n} {PROMPT}"
-            status, raw, headers = await complete(http, cluster, f"slow-{n}", stream=n == 1, prompt=prompt)
-            assert status == 200 and text_of(raw, n == 1) == expected_text(prompt, 8)
-            assert headers["X-Disagg-Mode"] == "disaggregated"
-            await audited(http, cluster, "recomputed", n + 1)
-        rec = await record(http, cluster, "slow-0")
-        assert "decode instance 'd0' computed" in rec["kv_check"] and "p0" in rec["kv_check"]
-        samples = await scrape(http, cluster.server.url)
-        assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 3
-        recomputed_tokens = sample(
-            samples, "vllm_disagg_kv_recomputed_tokens_total", prefill="p0", decode="d0"
-        )
-        assert recomputed_tokens >= 3 * len(PROMPT)  # the sim's tokens are the prompt's bytes
-        assert sample(samples, "vllm_disagg_link_breaker_open", prefill="p0", decode="d0") == 1
-        # The pair is no longer made; D serves by itself until the link's half-open probe.
-        status, _, headers = await complete(http, cluster, "after")
-        assert status == 200 and headers["X-Disagg-Mode"] == "colocated"
+    p = await sim_engine(kv_lease_s=1e-6)  # it forgets its blocks at once: D's pulls fail
+    await cluster.add("p0", p.url, "prefill")
+    d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
+    await cluster.add("d0", d.url, "decode", scrape=d.url)
+    await cluster.ready(1, 1)
+    await counters_reported(cluster)
+    for n in range(3):
+        prompt = f"{n} {PROMPT}"
+        status, raw, headers = await complete(http, cluster, f"slow-{n}", stream=n == 1, prompt=prompt)
+        assert status == 200 and text_of(raw, n == 1) == expected_text(prompt, 8)
+        assert headers["X-Disagg-Mode"] == "disaggregated"
+        await audited(http, cluster, "recomputed", n + 1)
+    rec = await record(http, cluster, "slow-0")
+    assert "decode instance 'd0' computed" in rec["kv_check"] and "p0" in rec["kv_check"]
+    samples = await scrape(http, cluster.server.url)
+    assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 3
+    recomputed_tokens = sample(samples, "vllm_disagg_kv_recomputed_tokens_total", prefill="p0", decode="d0")
+    assert recomputed_tokens >= 3 * len(PROMPT)  # the sim's tokens are the prompt's bytes
+    assert sample(samples, "vllm_disagg_link_breaker_open", prefill="p0", decode="d0") == 1
+    # The pair is no longer made; D serves by itself until the link's half-open probe.
+    status, _, headers = await complete(http, cluster, "after")
+    assert status == 200 and headers["X-Disagg-Mode"] == "colocated"
 
 
 async def test_a_vllm_032_decode_instance_that_loads_the_kv_is_never_flagged_by_its_counters(
     cluster: Cluster, http: aiohttp.ClientSession, sim_engine: EngineFactory
 ) -> None:
-    async with like_vllm_032(await sim_engine()) as p:
-        await cluster.add("p0", p.url, "prefill")
-        d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
-        await cluster.add("d0", d.url, "decode", scrape=d.url)
-        await cluster.ready(1, 1)
-        await counters_reported(cluster)
-        prompts = [f"{n % 3} {PROMPT}" for n in range(6)]  # repeats: D may find them in its own cache
-        answers = await asyncio.gather(
-            *(
-                complete(http, cluster, f"fine-{n}", stream=n % 2 == 1, prompt=pr)
-                for n, pr in enumerate(prompts)
-            )
-        )
-        for status, _, headers in answers:
-            assert status == 200 and headers["X-Disagg-Mode"] == "disaggregated"
-        await audited(http, cluster, "loaded", len(prompts))
+    p = await sim_engine()
+    await cluster.add("p0", p.url, "prefill")
+    d = await sim_engine(prompt_tokens_details=True, kv_load_failure_policy="recompute")
+    await cluster.add("d0", d.url, "decode", scrape=d.url)
+    await cluster.ready(1, 1)
+    await counters_reported(cluster)
+    prompts = [f"{n % 3} {PROMPT}" for n in range(6)]  # repeats: D may find them in its own cache
+    answers = await asyncio.gather(
+        *(complete(http, cluster, f"fine-{n}", stream=n % 2 == 1, prompt=pr) for n, pr in enumerate(prompts))
+    )
+    for status, _, headers in answers:
+        assert status == 200 and headers["X-Disagg-Mode"] == "disaggregated"
+    await audited(http, cluster, "loaded", len(prompts))
     samples = await scrape(http, cluster.server.url)
     assert sample(samples, "vllm_disagg_kv_audited_legs_total", decode="d0", outcome="recomputed") == 0
     assert sample(samples, "vllm_disagg_kv_recomputed_total", prefill="p0", decode="d0") == 0

@@ -315,3 +315,21 @@ async def test_build_app_on_a_foreign_runner_advertises_the_real_port(http: aioh
         assert payload["kv_transfer_params"]["remote_engine_id"] == f"127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("in_handle", [True, False], ids=["vllm-0.32", "no-prefill-figure"])
+async def test_the_decode_engine_reports_the_prefills_cache_hits_as_its_own_as_vllm_032_does(
+    http: aiohttp.ClientSession, engines: StartEngine, in_handle: bool
+) -> None:
+    p = await engines(prefill_cache_in_handle=in_handle)
+    d = await engines(prompt_tokens_details=True)
+    prompt_len = len(textgen.tokenize(LONG_PROMPT))
+    full = prompt_len // BLOCK * BLOCK
+    await prefill(http, p, LONG_PROMPT, "warm")  # P now holds the prompt's full blocks in its cache
+    params = await prefill(http, p, LONG_PROMPT, "pd-2")
+    assert params.get("remote_prefill_cached_tokens") == (full if in_handle else None)
+    status, payload = await decode(http, d, LONG_PROMPT, params, "pd-2")
+    assert status == 200, payload
+    # vLLM 0.32's D echoes P's hits; otherwise it reports what it did not compute: the whole prompt.
+    cached = payload["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (full if in_handle else prompt_len)

@@ -1,7 +1,7 @@
 """The chaos run's result: counts, recovery counters from the orchestrator, faults, examples.
 
-``resumed``, ``fell_back`` and ``retried`` are deltas over the run of the orchestrator's Prometheus
-counters (summed over labels); a counter the orchestrator does not export counts as 0.
+``resumed``, ``fell_back``, ``retried``, ``recomputed`` and ``kv_audited`` are deltas over the run of
+the orchestrator's Prometheus counters (summed over labels); a counter it does not export counts as 0.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ RECOVERY_COUNTERS: dict[str, str] = {
     "resumed": "vllm_disagg_resumes_total",
     "fell_back": "vllm_disagg_fallbacks_total",
     "retried": "vllm_disagg_retries_total",
+    # D computed a prompt it was handed (docs/operations.md, "Silent degradation"): simulated engines
+    # never do under chaos (their failed pulls answer 500), so any count here is a false alarm.
+    "recomputed": "vllm_disagg_kv_recomputed_total",
+    "kv_audited": "vllm_disagg_kv_audited_legs_total",  # decode legs judged from engine counters
 }
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{.*\})?\s+(\S+)")
 
@@ -63,6 +67,8 @@ class ChaosReport:
     examples: dict[str, list[dict[str, Any]]]
     abandoned: int = 0
     skipped_faults: int = 0
+    recomputed: int = 0
+    kv_audited: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     log_file: str = ""
 
@@ -86,6 +92,8 @@ class ChaosReport:
             "resumed": self.resumed,
             "fell_back": self.fell_back,
             "retried": self.retried,
+            "recomputed": self.recomputed,
+            "kv_audited": self.kv_audited,
             "duration_s": round(self.duration_s, 3),
             "rps": round(self.rps, 2),
             "abandoned": self.abandoned,
@@ -109,6 +117,8 @@ class ChaosReport:
             f"  {self.sent:>9} {self.completed:>9} {self.failed:>7} {self.garbled:>7} "
             f"{self.resumed:>7} {self.fell_back:>9} {self.retried:>7} {self.rps:>7.1f}",
         ]
+        if self.recomputed:
+            lines.append(f"  {self.recomputed} decode legs judged to have recomputed their KV (false alarms)")
         if self.abandoned:
             lines.append(f"  {self.abandoned} requests in flight when interrupted (not judged)")
         for f in self.faults:

@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="usage reports the prompt tokens served from cache, as vLLM's flag",
     )
+    parser.add_argument(
+        "--no-prefill-cache-in-handle",
+        dest="prefill_cache_in_handle",
+        action="store_false",
+        help="a prefill's KV handle leaves out its own cache hits (vLLM 0.32 adds them, and D reports "
+        "that figure as its cached tokens)",
+    )
     add_sim_timing_arguments(parser, defaults=True)
 
 
@@ -60,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> SimEngineConfig:
     return SimEngineConfig(
         timing=sim_timing_from_args(args),
         prompt_tokens_details=args.prompt_tokens_details,
+        prefill_cache_in_handle=args.prefill_cache_in_handle,
         **{name: getattr(args, name) for _, name, _ in _ENGINE_FLAGS},
     )
 
@@ -73,6 +81,8 @@ def sim_engine_argv(config: SimEngineConfig) -> list[str]:
         argv += [flag, str(getattr(config, name))]
     if config.prompt_tokens_details:
         argv.append("--enable-prompt-tokens-details")
+    if not config.prefill_cache_in_handle:
+        argv.append("--no-prefill-cache-in-handle")
     for flag, name, _ in sim_timing_flags():
         argv += [flag, repr(getattr(config.timing, name))]  # repr: floats round-trip exactly
     return argv

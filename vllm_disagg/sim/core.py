@@ -140,6 +140,9 @@ class EngineCore:
                 "tp_size": 1,
                 "remote_request_id": req.request_id,
             }
+            if self.config.prefill_cache_in_handle:
+                # vLLM 0.32: P's own prefix-cache hits, which D then reports as its cached tokens.
+                seq.kv_params["remote_prefill_cached_tokens"] = seq.cached_tokens
         m.request_success["length"] += 1
         m.request_generation_tokens.observe(n)
         m.e2e.observe(now - seq.arrival)

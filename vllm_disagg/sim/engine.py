@@ -179,8 +179,14 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 def _cached(engine: SimEngine, seq: Seq) -> int | None:
-    """The usage's cached prompt tokens, when the engine reports them (``prompt_tokens_details``)."""
-    return seq.cached_tokens if engine.config.prompt_tokens_details else None
+    """The usage's cached prompt tokens, when the engine reports them (``prompt_tokens_details``): as
+    vLLM 0.32, the prefill's own figure when its handle carries one, else what this engine did not compute."""
+    if not engine.config.prompt_tokens_details:
+        return None
+    remote = seq.req.remote_prefill
+    if remote is not None and remote.prefill_cached_tokens is not None:
+        return remote.prefill_cached_tokens
+    return seq.cached_tokens
 
 
 def _full_response(

@@ -33,6 +33,7 @@ class RemotePrefill:
     port: int
     block_ids: tuple[int, ...]
     request_id: str | None
+    prefill_cached_tokens: int | None = None  # vLLM 0.32's remote_prefill_cached_tokens: D reports it
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +119,10 @@ def _remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         raise BadRequest("kv_transfer_params.remote_engine_id must be a string", param="kv_transfer_params")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest("kv_transfer_params.remote_request_id must be a string", param="kv_transfer_params")
-    return RemotePrefill(engine_id, host, port, tuple(block_ids), request_id)
+    cached = params.get("remote_prefill_cached_tokens")
+    if not isinstance(cached, int):
+        cached = None  # vLLM ignores a figure that is not an int
+    return RemotePrefill(engine_id, host, port, tuple(block_ids), request_id, cached)
 
 
 def random_request_id() -> str:
