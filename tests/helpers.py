@@ -19,6 +19,11 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+# The admin token of every orchestrator the tests start (see tests/conftest.py), and its header.
+ADMIN_TOKEN = "tests-admin-token-4f1c2b9e7d"
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
 def free_port() -> int:
     """A TCP port free on loopback right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -73,11 +78,16 @@ def eventually_sync(
 
 
 def http_json(
-    url: str, *, method: str = "GET", body: bytes | None = None, timeout: float = 5.0
+    url: str,
+    *,
+    method: str = "GET",
+    body: bytes | None = None,
+    timeout: float = 5.0,
+    headers: dict[str, str] | None = None,
 ) -> tuple[int, Any]:
     """A blocking HTTP call for fixtures: (status, parsed JSON or raw text)."""
     request = urllib.request.Request(
-        url, data=body, method=method, headers={"Content-Type": "application/json"}
+        url, data=body, method=method, headers={"Content-Type": "application/json", **(headers or {})}
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as resp:

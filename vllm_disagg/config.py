@@ -171,9 +171,32 @@ class OrchestratorConfig:
     # Import transformers (and the torch it pulls in) before serving: imported later, mid-traffic, its
     # native libraries load while holding the GIL and freeze the event loop for seconds.
     preload_tokenizer_libs: bool = True
+    # --- the admin API (docs/security.md) ---
+    # The bearer token every /admin/v1 call must carry; "" closes the admin API. Read from a file or
+    # the environment by ``main``, never from argv; kept out of the repr so it is never logged.
+    admin_token: str = field(default="", repr=False)
+    # Serve the admin API on its own listener (e.g. an operators' network) instead of the gateway's.
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None
+    # --- agent authentication (docs/security.md): both set, or neither ---
+    curve_secret_key_file: str = ""  # the orchestrator's .key_secret (vllm-disagg keys)
+    agent_keys_dir: str = ""  # one <agent id>.key per agent admitted; an id is bound to its key
+    # --- what engines see of a client (docs/security.md) ---
+    # The key engines were started with (vLLM's --api-key), sent as the gateway's own Authorization.
+    engine_api_key: str = field(default="", repr=False)
+    # Without an engine key: pass the client's Authorization header through (engines check clients'
+    # keys themselves). Off: a client's credentials never reach an engine.
+    forward_client_authorization: bool = False
 
     def __post_init__(self) -> None:
         _port("orchestrator", "port", self.port)
+        if self.admin_port is not None:
+            _port("orchestrator", "admin_port", self.admin_port)
+        if bool(self.curve_secret_key_file) != bool(self.agent_keys_dir):
+            raise ConfigError(
+                "orchestrator.curve_secret_key_file and agent_keys_dir go together: give both to admit "
+                "only keyed agents, or neither"
+            )
         _positive(
             "orchestrator",
             heartbeat_interval_s=self.heartbeat_interval_s,
@@ -214,6 +237,9 @@ class AgentConfig:
     engine_host: str = "127.0.0.1"
     engine_port: int = 8100
     attach_url: str = ""  # follow an engine someone else started instead of launching one
+    # Agent authentication (docs/security.md): this agent's .key_secret and the orchestrator's .key.
+    curve_secret_key_file: str = ""
+    orchestrator_key_file: str = ""
     kv_events_endpoint: str = ""  # attach mode: the engine's KV-events PUB to forward; "": none
     scrape_interval_s: float = 0.25
     metrics_window_s: float = 10.0
@@ -249,6 +275,11 @@ class AgentConfig:
             raise ConfigError(f"agent.role must be one of {list(ROLES)}, got {self.role!r}")
         if self.engine not in ("sim", "vllm"):
             raise ConfigError(f"agent.engine must be 'sim' or 'vllm', got {self.engine!r}")
+        if bool(self.curve_secret_key_file) != bool(self.orchestrator_key_file):
+            raise ConfigError(
+                "agent.curve_secret_key_file and orchestrator_key_file go together: give both to "
+                "authenticate with CurveZMQ keys, or neither"
+            )
         _port("agent", "engine_port", self.engine_port)
         _positive(
             "agent",

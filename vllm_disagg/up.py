@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import sys
 import time
@@ -24,6 +25,8 @@ import aiohttp
 from vllm_disagg import jsonutil
 from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token, write_admin_token
+from vllm_disagg.protocol.curve import make_keypair
 from vllm_disagg.runtime import SELF_ARGV, die_with_parent, run_service, signal_group
 
 DEFAULT_MODELS = {"vllm": "tiny", "sim": "sim-model"}
@@ -70,6 +73,19 @@ class ClusterSpec:
     stop_grace_s: float = 10.0
     sim_timing: tuple[tuple[str, str], ...] = ()  # (flag name, value) passed to every sim agent
     extra_orchestrator_args: tuple[str, ...] = field(default=())
+    # The admin API's bearer token; a fresh one unless given. The orchestrator reads it from
+    # ``admin_token_file`` when set, else from its environment: never from its command line.
+    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
+    admin_token_file: str = ""
+    # CurveZMQ keys (``with_keys``): the orchestrator admits only these agents. "": no agent auth.
+    keys_dir: str = ""
+
+    def orchestrator_env(self) -> dict[str, str]:
+        """The orchestrator child's environment: ours, with the admin token unless a file holds it."""
+        env = dict(os.environ)
+        if not self.admin_token_file:
+            env[ENV_ADMIN_TOKEN] = self.admin_token
+        return env
 
     @property
     def base_url(self) -> str:
@@ -103,8 +119,21 @@ class ClusterSpec:
             "--connect-timeout-s", str(self.connect_timeout_s),
             # Simulated engines tokenize as bytes: the orchestrator needs no transformers.
             *(("--no-preload-tokenizer-libs",) if self.engine == "sim" else ()),
+            *(("--admin-token-file", self.admin_token_file) if self.admin_token_file else ()),
+            *self._orchestrator_keys(),
             *self.extra_orchestrator_args,
         ]  # fmt: skip
+
+    def _orchestrator_keys(self) -> tuple[str, ...]:
+        if not self.keys_dir:
+            return ()
+        keys = Path(self.keys_dir)
+        return (
+            "--curve-secret-key",
+            str(keys / "orchestrator.key_secret"),
+            "--agent-keys",
+            str(keys / "agents"),
+        )
 
     def agent_argv(self, plan: InstancePlan) -> list[str]:
         """One agent child's command line."""
@@ -121,6 +150,12 @@ class ClusterSpec:
         ]  # fmt: skip
         if self.kv_load_failure_policy:
             argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]
+        if self.keys_dir:
+            keys = Path(self.keys_dir)
+            argv += [
+                "--curve-secret-key", str(keys / "agents" / f"{plan.agent_id}.key_secret"),
+                "--orchestrator-key", str(keys / "orchestrator.key"),
+            ]  # fmt: skip
         if self.engine == "vllm":
             cores = os.cpu_count() or 1
             argv += [
@@ -153,7 +188,7 @@ class LocalCluster:
 
     async def start(self) -> None:
         """Spawn the orchestrator, then every agent (agents retry until the orchestrator listens)."""
-        self.orchestrator = await spawn(self.spec.orchestrator_argv())
+        self.orchestrator = await spawn(self.spec.orchestrator_argv(), env=self.spec.orchestrator_env())
         for plan in self.plans:
             self.agents[plan.agent_id] = await spawn(self.spec.agent_argv(plan))
 
@@ -165,7 +200,7 @@ class LocalCluster:
         waiting = {p.agent_id for p in self.plans}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while waiting:
-                for item in await fetch_instances(session, self.spec.base_url) or []:
+                for item in await fetch_instances(session, self.spec.base_url, self.spec.admin_token) or []:
                     agent_id = str(item.get("agent_id", ""))
                     if agent_id in waiting and item.get("state") == "ready":
                         waiting.discard(agent_id)
@@ -215,10 +250,12 @@ async def stop_processes(children: list[asyncio.subprocess.Process], grace_s: fl
         await asyncio.wait(waits, timeout=grace_s)
 
 
-async def fetch_instances(session: aiohttp.ClientSession, base: str) -> list[dict[str, object]] | None:
+async def fetch_instances(
+    session: aiohttp.ClientSession, base: str, token: str
+) -> list[dict[str, object]] | None:
     """The admin API's instance list, or None while the orchestrator is not answering."""
     try:
-        async with session.get(f"{base}/admin/v1/instances") as resp:
+        async with session.get(f"{base}/admin/v1/instances", headers=admin_headers(token)) as resp:
             if resp.status != 200:
                 return None
             body = jsonutil.loads(await resp.read())
@@ -271,6 +308,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scheduler-config", default="", metavar="FILE", help="scheduler YAML for the orchestrator"
     )
+    parser.add_argument(
+        "--admin-token-file",
+        default="",
+        metavar="FILE",
+        help=f"the admin API's token (default: ${ENV_ADMIN_TOKEN}, else a new one written under "
+        "$VLLM_DISAGG_HOME and printed)",
+    )
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
     add_sim_timing_arguments(
@@ -306,12 +350,36 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             if getattr(args, name) is not None
         ),
     )
+    spec = _with_admin_token(spec, args.admin_token_file)
     spec.plans()
     if args.scheduler_config:  # refused here, before any process starts
         from vllm_disagg.orchestrator.scheduling.config import load_config_file
 
         load_config_file(args.scheduler_config)
     return spec
+
+
+def with_keys(spec: ClusterSpec, directory: Path) -> ClusterSpec:
+    """New CurveZMQ keys in ``directory`` for the orchestrator and each agent (docs/security.md)."""
+    make_keypair(directory, "orchestrator")
+    for plan in spec.plans():
+        make_keypair(directory / "agents", plan.agent_id)
+    return replace(spec, keys_dir=str(directory))
+
+
+def admin_token_path(port: int) -> Path:
+    """Where ``up`` writes the admin token it makes for the cluster on ``port``."""
+    return tiny_model_dir().parents[1] / f"up-{port}" / "admin-token"
+
+
+def _with_admin_token(spec: ClusterSpec, token_file: str) -> ClusterSpec:
+    """The admin token: from ``token_file``, else ``$VLLM_DISAGG_ADMIN_TOKEN``, else a new one that
+    ``_up`` writes to ``admin_token_path`` (``ConfigError`` for a file that will not do)."""
+    if token_file:
+        path = os.path.abspath(token_file)
+        return replace(spec, admin_token=load_admin_token(path), admin_token_file=path)
+    token = load_admin_token()
+    return replace(spec, admin_token=token) if token else spec
 
 
 def with_model(spec: ClusterSpec) -> ClusterSpec:
@@ -330,7 +398,6 @@ def with_model(spec: ClusterSpec) -> ClusterSpec:
 
 
 async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) -> int:
-    cluster = LocalCluster(spec)
     started = time.monotonic()
 
     def announce(item: dict[str, object]) -> None:
@@ -340,12 +407,19 @@ async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) ->
             flush=True,
         )
 
+    if not spec.admin_token_file and not os.environ.get(ENV_ADMIN_TOKEN):
+        path = admin_token_path(spec.port)
+        spec = replace(spec, admin_token=write_admin_token(path), admin_token_file=str(path))
+    spec = with_keys(spec, admin_token_path(spec.port).parent / "keys")
+    cluster = LocalCluster(spec)
     try:
         await cluster.start()
         base = spec.base_url
         print(f"vllm-disagg up: {spec.prefill}P{spec.decode}D, engine '{spec.engine}', model '{spec.model}'")
         print(f"  gateway: {base}/v1/completions  {base}/v1/chat/completions")
         print(f"  admin:   {base}/admin/v1/instances   metrics: {base}/metrics")
+        where = spec.admin_token_file or f"${ENV_ADMIN_TOKEN}"
+        print(f"  admin token: {where}  (vllm-disagg status --admin-token-file FILE)")
         print(f"  agents:  tcp://127.0.0.1:{spec.zmq_port}", flush=True)
         assert cluster.orchestrator is not None
         # Without the orchestrator nothing is served: its exit ends ``up``. A dead agent does not.

@@ -28,7 +28,7 @@ import aiohttp
 import pytest
 
 from tests.chaos.netns_support import NetnsLink, netns_link
-from tests.helpers import cli_argv, eventually, eventually_sync, free_port
+from tests.helpers import ADMIN, cli_argv, eventually, eventually_sync, free_port
 from vllm_disagg import jsonutil
 from vllm_disagg.runtime import die_with_parent
 from vllm_disagg.sim.textgen import expected_text
@@ -174,7 +174,7 @@ class PartitionCluster:
 
     async def instances(self, http: aiohttp.ClientSession) -> dict[str, dict[str, Any]]:
         """The admin API's instances by agent id."""
-        async with http.get(f"{self.base}/admin/v1/instances") as resp:
+        async with http.get(f"{self.base}/admin/v1/instances", headers=ADMIN) as resp:
             assert resp.status == 200, await resp.text()
             body = jsonutil.loads(await resp.read())
         return {item["agent_id"]: item for item in body["instances"]}
@@ -383,7 +383,7 @@ class Load:
 
 async def _attach_records(http: aiohttp.ClientSession, base: str, outcomes: list[Outcome]) -> None:
     for outcome in outcomes:
-        async with http.get(f"{base}/admin/v1/requests/{outcome.request_id}") as resp:
+        async with http.get(f"{base}/admin/v1/requests/{outcome.request_id}", headers=ADMIN) as resp:
             if resp.status == 200:
                 outcome.record = jsonutil.loads(await resp.read())
 

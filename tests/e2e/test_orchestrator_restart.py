@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers import cli_argv, eventually, free_port
+from tests.helpers import ADMIN, cli_argv, eventually, free_port
 from vllm_disagg import jsonutil
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,8 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
-    async with http.get(url) as resp:
+    """GET an admin route (with the token)."""
+    async with http.get(url, headers=ADMIN) as resp:
         assert resp.status == 200, await resp.text()
         return await resp.json()
 

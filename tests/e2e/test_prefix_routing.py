@@ -16,7 +16,7 @@ import aiohttp
 import pytest
 
 from tests.e2e.up_support import Cluster, start_up, stop
-from tests.helpers import metric_sum, parse_prometheus
+from tests.helpers import ADMIN, metric_sum, parse_prometheus
 from vllm_disagg import jsonutil
 
 MODEL = "sim-model"
@@ -102,7 +102,7 @@ async def test_turns_land_on_the_prefill_instance_holding_their_prefix(cluster: 
         ours, engine_ratio, ids = await _run_phase(session, cluster, "prefix", round_robin=False)
 
         async def record(request_id: str) -> dict[str, Any]:
-            async with session.get(f"{cluster.base}/admin/v1/requests/{request_id}") as resp:
+            async with session.get(f"{cluster.base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
                 assert resp.status == 200
                 return await resp.json()
 

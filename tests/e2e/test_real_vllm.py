@@ -34,6 +34,7 @@ from tests.e2e.vllm_support import (
     up_1p1d_argv,
 )
 from tests.helpers import (
+    ADMIN,
     eventually,
     eventually_sync,
     free_port,
@@ -173,7 +174,7 @@ class Cluster:
     prefill_blocks: EngineBlocks  # what prefill-0's engine holds
 
     def instances(self) -> dict[str, dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances")
+        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
         assert status == 200, body
         return {i["agent_id"]: i for i in body["instances"]}
 
@@ -313,7 +314,7 @@ async def _explained(
     headers = {**JSON, "X-Request-Id": request_id}
     async with session.post(base + case.route, data=jsonutil.dumps(body), headers=headers) as resp:
         assert resp.status == 200, await resp.text()
-    async with session.get(f"{base}/admin/v1/requests/{request_id}") as resp:
+    async with session.get(f"{base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
         assert resp.status == 200
         return await resp.json()
 

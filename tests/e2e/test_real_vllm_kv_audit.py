@@ -24,7 +24,15 @@ import pytest
 from aiohttp import web
 
 from tests.e2e.vllm_support import JSON, MODEL, free_engine_ports, running_vllms
-from tests.helpers import cli_argv, eventually, free_port, metric_sum, parse_prometheus, stop_process_group
+from tests.helpers import (
+    ADMIN,
+    cli_argv,
+    eventually,
+    free_port,
+    metric_sum,
+    parse_prometheus,
+    stop_process_group,
+)
 from tests.integration.orchestrator_support import orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
@@ -167,7 +175,7 @@ async def _recomputes_are_found(server: OrchestratorServer, session: aiohttp.Cli
         assert text == reference[request_id], "a recomputed prompt still gives the right answer"
         await eventually(functools.partial(audited, n + 1), timeout=180, what=f"verdict {n + 1}")
 
-    async with session.get(f"{server.url}/admin/v1/requests/slow-0") as resp:
+    async with session.get(f"{server.url}/admin/v1/requests/slow-0", headers=ADMIN) as resp:
         record = await resp.json()
     assert "decode instance 'decode-0' computed" in record["kv_check"], record
     async with session.get(f"{server.url}/metrics") as resp:

@@ -39,6 +39,7 @@ from tests.e2e.vllm_support import (
     up_1p1d_argv,
 )
 from tests.helpers import (
+    ADMIN,
     eventually,
     eventually_sync,
     free_port,
@@ -107,7 +108,7 @@ class Up:
     base: str
 
     def instances(self) -> dict[str, dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances")
+        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
         assert status == 200, body
         return {i["agent_id"]: i for i in body["instances"]}
 
@@ -123,7 +124,7 @@ class Up:
         await eventually(ready, timeout=START_TIMEOUT_S, interval=0.5, what="1P1D ready")
 
     async def record(self, session: aiohttp.ClientSession, request_id: str) -> dict[str, Any]:
-        async with session.get(f"{self.base}/admin/v1/requests/{request_id}") as resp:
+        async with session.get(f"{self.base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
             assert resp.status == 200
             return dict(await resp.json())
 

@@ -6,7 +6,9 @@ Everything is a real process on loopback: ``up``, the orchestrator, four agents,
 from __future__ import annotations
 
 import os
+import re
 import signal
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,13 +18,16 @@ import pytest
 
 from tests.e2e.up_support import Cluster, engine_pids, start_up, stop
 from tests.helpers import (
+    ADMIN,
     eventually,
     eventually_sync,
+    http_json,
     metric_sum,
     parse_prometheus,
     sse_text,
 )
 from vllm_disagg import jsonutil
+from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers
 from vllm_disagg.sim.textgen import expected_chat_text, expected_text
 
 MODEL = "sim-model"
@@ -176,3 +181,21 @@ def test_up_stops_everything_on_sigterm(cluster: Cluster) -> None:
     assert stop(cluster) == 0
     eventually_sync(lambda: not engine_pids(ports), timeout=15, what="no orphan processes")
     assert "stopped" in cluster.log.read_text()
+
+
+def test_without_a_token_up_makes_one_only_its_owner_can_read_and_says_where(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != ENV_ADMIN_TOKEN}
+    env["VLLM_DISAGG_HOME"] = str(tmp_path / "home")
+    running = start_up(tmp_path, 1, 1, env=env)
+    try:
+        said = re.search(r"admin token: (\S+)", running.log.read_text())
+        assert said is not None, running.log.read_text()
+        path = Path(said.group(1))
+        assert path.is_relative_to(tmp_path / "home") and stat.S_IMODE(path.stat().st_mode) == 0o600
+        token = path.read_text().strip()
+        status, body = http_json(f"{running.base}/admin/v1/instances", headers=admin_headers(token))
+        assert status == 200 and len(body["instances"]) == 2
+        status, _ = http_json(f"{running.base}/admin/v1/instances", headers=ADMIN)
+        assert status == 401, "the tests' token is not this cluster's"
+    finally:
+        stop(running)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import cli_argv, eventually_sync, free_port, http_json, stop_process_group
+from tests.helpers import ADMIN, cli_argv, eventually_sync, free_port, http_json, stop_process_group
 
 
 @dataclass
@@ -22,7 +22,7 @@ class Cluster:
     log: Path
 
     def instances(self) -> list[dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances")
+        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
         assert status == 200, body
         items = body["instances"] if isinstance(body, dict) else body
         assert isinstance(items, list)
@@ -45,8 +45,10 @@ def engine_pids(ports: list[int]) -> list[int]:
     return pids
 
 
-def start_up(tmp_path: Path, prefill: int, decode: int, *extra: str) -> Cluster:
-    """``up --engine sim`` with ``extra`` flags, once every instance is ready."""
+def start_up(
+    tmp_path: Path, prefill: int, decode: int, *extra: str, env: dict[str, str] | None = None
+) -> Cluster:
+    """``up --engine sim`` with ``extra`` flags (and ``env``), once every instance is ready."""
     port, zmq_port, base_port = free_port(), free_port(), free_port()
     # Engine ports follow base_port; make sure the whole range is free right now.
     while not all(port_free(base_port + i) for i in range(prefill + decode)):
@@ -59,7 +61,7 @@ def start_up(tmp_path: Path, prefill: int, decode: int, *extra: str) -> Cluster:
         *extra,
     )  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     cluster = Cluster(proc, f"http://127.0.0.1:{port}", [base_port + i for i in range(prefill + decode)], log)
     try:
         eventually_sync(

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 import zmq
 from hypothesis import HealthCheck, settings
 
-from tests.helpers import metric_sum, parse_prometheus
+from tests.helpers import ADMIN, metric_sum, parse_prometheus
 
 T = TypeVar("T")
 
@@ -108,9 +108,9 @@ class RawPeer:
 
 
 def http_get(url: str, timeout: float = 10.0) -> tuple[int, bytes]:
-    """A blocking GET: status and body, whatever the status."""
+    """A blocking GET (with the admin token): status and body, whatever the status."""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=ADMIN), timeout=timeout) as resp:
             return int(resp.status), bytes(resp.read())
     except urllib.error.HTTPError as err:
         with err:

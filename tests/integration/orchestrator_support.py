@@ -13,9 +13,11 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import ADMIN_TOKEN
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.protocol.curve import ClientCurve
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -45,6 +47,7 @@ def orch_config(**overrides: Any) -> OrchestratorConfig:
         "connect_timeout_s": 2.0,
         "idle_timeout_s": 20.0,
         "command_timeout_s": 5.0,
+        "admin_token": ADMIN_TOKEN,
     }
     values.update(overrides)
     return OrchestratorConfig(**values)
@@ -64,16 +67,20 @@ class FakeAgent:
         interval_s: float = 0.1,
         protocol_version: int = PROTOCOL_VERSION,
         auto_ack: bool = True,
+        curve: ClientCurve | None = None,
+        identity: str = "",
+        info: InstanceInfo | None = None,
     ) -> None:
         self.agent_id = agent_id
-        self.info = InstanceInfo(url=url, role=role, model=model, engine="sim")
+        self.info = info or InstanceInfo(url=url, role=role, model=model, engine="sim")
         self.interval_s = interval_s
         self.protocol_version = protocol_version
         self.auto_ack = auto_ack
         self.engine_state: EngineState = "ready"
         self.draining = False
         self.metrics = MetricsSnapshot()  # what the heartbeats report
-        self.transport = DealerTransport(endpoint, agent_id)
+        # ``identity``: the socket's routing id, the agent id unless a test forges one.
+        self.transport = DealerTransport(endpoint, identity or agent_id, curve=curve)
         self.inbox: asyncio.Queue[Welcome | Refuse] = asyncio.Queue()
         self.commands: list[Command] = []
         self.refusals: list[Refuse] = []

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tests.helpers import eventually
+from tests.helpers import ADMIN, eventually
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
@@ -96,7 +96,7 @@ def text_of(raw: bytes, stream: bool) -> str:
 
 
 async def record(http: aiohttp.ClientSession, cluster: Cluster, request_id: str) -> dict[str, Any]:
-    async with http.get(f"{cluster.server.url}/admin/v1/requests/{request_id}") as resp:
+    async with http.get(f"{cluster.server.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
         assert resp.status == 200
         return dict(await resp.json())
 

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.helpers import eventually, free_port
+from tests.helpers import ADMIN, eventually, free_port
 from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
 from vllm_disagg import jsonutil
@@ -167,6 +167,48 @@ async def test_both_legs_carry_the_request_id_and_kv_params_pass_unchanged(
         "remote_port": None,
     }
     assert d.requests[0] == client_body | {"kv_transfer_params": KV_FROM_PREFILL}
+
+
+@pytest.mark.parametrize(
+    ("config", "engines_see"),
+    [
+        ({}, None),
+        ({"engine_api_key": "engine-key-0123456789"}, "Bearer engine-key-0123456789"),
+        ({"forward_client_authorization": True}, "Bearer the-clients-own-key"),
+        (
+            {"forward_client_authorization": True, "engine_api_key": "engine-key-0123456789"},
+            "Bearer engine-key-0123456789",
+        ),
+    ],
+    ids=["stripped-by-default", "the-gateways-engine-key", "the-client-header-when-asked", "the-key-wins"],
+)
+async def test_a_clients_authorization_reaches_engines_only_when_configured(
+    http: aiohttp.ClientSession, config: dict[str, Any], engines_see: str | None
+) -> None:
+    async def prefill(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": KV_FROM_PREFILL})
+
+    async def decode(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": " ok"}]})
+
+    orch = await start_orchestrator(orch_config(**config), shutdown_timeout_s=1.0)
+    agents = []
+    try:
+        async with fake_engine(prefill) as p, fake_engine(decode) as d:
+            for agent_id, engine, role in (("p0", p, "prefill"), ("d0", d, "decode")):
+                agent = FakeAgent(orch.zmq_endpoint, agent_id, engine.url, role)  # type: ignore[arg-type]
+                agents.append(agent)
+                await agent.join()
+            await wait_ready(orch, 1, 1)
+            headers = {"Authorization": "Bearer the-clients-own-key"}
+            body = jsonutil.dumps(request_body("/v1/completions", stream=False))
+            async with http.post(f"{orch.url}/v1/completions", data=body, headers=headers) as resp:
+                assert resp.status == 200
+        assert [h.get("Authorization") for h in (*p.headers, *d.headers)] == [engines_see, engines_see]
+    finally:
+        for agent in agents:
+            await agent.close()
+        await orch.close()
 
 
 @pytest.mark.parametrize("stream", STREAMS)
@@ -370,7 +412,7 @@ async def test_client_disconnect_cancels_the_engine_request_and_releases_in_flig
         await eventually(lambda: orch.registry.snapshot().in_flight_of("d0") == 0, what="in-flight released")
 
     async def recorded() -> dict[str, Any] | None:
-        async with http.get(f"{orch.url}/admin/v1/requests/leaver") as r:
+        async with http.get(f"{orch.url}/admin/v1/requests/leaver", headers=ADMIN) as r:
             return dict(await r.json()) if r.status == 200 else None
 
     record: dict[str, Any] = await eventually(recorded, what="request record")
@@ -385,7 +427,7 @@ async def test_request_records_explain_where_a_request_went(
         f"{orch.url}/v1/completions", data=body, headers={"X-Request-Id": "explain-me"}
     ) as resp:
         assert resp.status == 200
-    async with http.get(f"{orch.url}/admin/v1/requests/explain-me") as resp:
+    async with http.get(f"{orch.url}/admin/v1/requests/explain-me", headers=ADMIN) as resp:
         record = await resp.json()
     assert (record["mode"], record["prefill"], record["decode"], record["status"]) == (
         "disaggregated",
@@ -406,9 +448,9 @@ async def test_request_records_explain_where_a_request_went(
     assert timeline["last_token"] <= record["total_s"]
     assert record["stages"]["prefill_s"] == pytest.approx(record["prefill_s"], abs=1e-5)
     assert record["stages"]["handoff_s"] >= 0
-    async with http.get(f"{orch.url}/admin/v1/requests?limit=5") as resp:
+    async with http.get(f"{orch.url}/admin/v1/requests?limit=5", headers=ADMIN) as resp:
         assert [r["request_id"] for r in (await resp.json())["requests"]] == ["explain-me"]
-    async with http.get(f"{orch.url}/admin/v1/requests/never-seen") as resp:
+    async with http.get(f"{orch.url}/admin/v1/requests/never-seen", headers=ADMIN) as resp:
         assert resp.status == 404
 
 

@@ -8,7 +8,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.helpers import eventually
+from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, fake_engine
 from tests.integration.test_gateway import KV_FROM_PREFILL, wait_ready
@@ -25,7 +25,7 @@ async def _post(
 
 
 async def _record(http: aiohttp.ClientSession, orch: OrchestratorServer, request_id: str) -> dict[str, Any]:
-    async with http.get(f"{orch.url}/admin/v1/requests/{request_id}") as resp:
+    async with http.get(f"{orch.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
         assert resp.status == 200
         return await resp.json()
 
@@ -164,7 +164,7 @@ async def test_the_admin_api_shows_the_scheduler_tokenizers_and_index(
         http, f"{orch.url}/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     )
     assert status == 200
-    async with http.get(f"{orch.url}/admin/v1/scheduler") as resp:
+    async with http.get(f"{orch.url}/admin/v1/scheduler", headers=ADMIN) as resp:
         assert resp.status == 200
         body = await resp.json()
     assert body["scheduler"] == "plugins"

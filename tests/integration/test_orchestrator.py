@@ -6,31 +6,36 @@ import asyncio
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import msgpack
 import pytest
 
-from tests.helpers import eventually, free_port
+from tests.helpers import ADMIN, ADMIN_TOKEN, eventually, free_port
 from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.cli import main as cli_main
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
+from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN
 from vllm_disagg.protocol.messages import PROTOCOL_VERSION, Goodbye, Heartbeat
 from vllm_disagg.sim.textgen import expected_text
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
-    async with http.get(url) as resp:
+    """GET with the admin token."""
+    async with http.get(url, headers=ADMIN) as resp:
         return resp.status, jsonutil.loads(await resp.read())
 
 
 async def post_json(
     http: aiohttp.ClientSession, url: str, body: Any = None
 ) -> tuple[int, Any, dict[str, str]]:
-    async with http.post(url, data=jsonutil.dumps(body) if body is not None else b"") as resp:
+    """POST with the admin token."""
+    data = jsonutil.dumps(body) if body is not None else b""
+    async with http.post(url, data=data, headers=ADMIN) as resp:
         return resp.status, jsonutil.loads(await resp.read()), dict(resp.headers)
 
 
@@ -329,6 +334,29 @@ async def test_status_and_drain_commands_talk_to_the_admin_api(
 
     assert await asyncio.to_thread(cli_main, ["drain", "nobody", "--url", orch.url]) == 1
     assert "HTTP 404" in capsys.readouterr().err
+
+
+async def test_status_and_drain_need_the_admin_token_and_say_so_in_one_line(
+    orch: OrchestratorServer,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    monkeypatch.delenv(ENV_ADMIN_TOKEN)
+    assert await asyncio.to_thread(cli_main, ["status", "--url", orch.url]) == 1
+    assert capsys.readouterr().err.strip().endswith("HTTP 401: missing 'Authorization: Bearer <admin token>'")
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("not-the-admin-token-at-all\n")
+    argv = ["drain", "d0", "--url", orch.url, "--admin-token-file", str(wrong)]
+    assert await asyncio.to_thread(cli_main, argv) == 1
+    assert capsys.readouterr().err == "error: HTTP 401: wrong admin token\n"
+    right = tmp_path / "token"
+    right.write_text(ADMIN_TOKEN + "\n")
+    assert (
+        await asyncio.to_thread(cli_main, ["status", "--url", orch.url, "--admin-token-file", str(right)])
+        == 0
+    )
+    assert "no instances registered" in capsys.readouterr().out
 
 
 async def test_status_command_reports_an_unreachable_orchestrator(capsys: pytest.CaptureFixture[str]) -> None:

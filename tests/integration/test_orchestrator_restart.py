@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.helpers import cli_argv, eventually, free_port
+from tests.helpers import ADMIN, cli_argv, eventually, free_port
 from tests.integration.orchestrator_support import MODEL, orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
@@ -126,7 +126,7 @@ async def complete(base: str, prompt: str, request_id: str) -> tuple[int, str]:
 async def explanation(base: str, request_id: str) -> dict[str, Any]:
     async with (
         aiohttp.ClientSession() as http,
-        http.get(f"{base}/admin/v1/requests/{request_id}") as resp,
+        http.get(f"{base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp,
     ):
         assert resp.status == 200
         record: dict[str, Any] = await resp.json()

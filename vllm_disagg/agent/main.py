@@ -18,6 +18,7 @@ from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.agent.session import AgentSession, SessionEnd
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
+from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public
 from vllm_disagg.protocol.messages import ROLES
 from vllm_disagg.protocol.transport import DealerTransport
 from vllm_disagg.runtime import become_subreaper, reap_children, run_service
@@ -40,6 +41,13 @@ _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         str,
         "with --attach: the engine's KV-events PUB endpoint to forward (default: none)",
     ),
+    (
+        "--curve-secret-key",
+        "curve_secret_key_file",
+        str,
+        "this agent's .key_secret file (vllm-disagg keys): authenticate to the orchestrator",
+    ),
+    ("--orchestrator-key", "orchestrator_key_file", str, "the orchestrator's public .key file"),
     ("--scrape-interval-s", "scrape_interval_s", float, "how often /health and /metrics are read"),
     ("--metrics-window-s", "metrics_window_s", float, "window of TTFT, TPOT and hit-rate averages"),
     ("--startup-timeout-s", "startup_timeout_s", float, "a launched engine not ready by then is restarted"),
@@ -68,6 +76,13 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),
     ("--kv-cache-space-gib", "kv_cache_space_gib", int, "VLLM_CPU_KVCACHE_SPACE on CPU"),
 )
+
+
+def client_curve(cfg: AgentConfig) -> ClientCurve | None:
+    """The agent's CurveZMQ keys, None without them (``ConfigError`` for unreadable files)."""
+    if not cfg.curve_secret_key_file:
+        return None
+    return ClientCurve(load_keypair(cfg.curve_secret_key_file), load_public(cfg.orchestrator_key_file))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +120,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the agent until SIGTERM/SIGINT, a shutdown command, or a final refusal."""
     cfg = config_from_args(args)
     instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
+    client_curve(cfg)  # and key files that will not do
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
@@ -127,7 +143,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
         scraper = MetricsScraper(
             cfg.engine_url, http, clock, interval_s=cfg.scrape_interval_s, window_s=cfg.metrics_window_s
         )
-        transport = DealerTransport(cfg.orchestrator, cfg.agent_id)
+        transport = DealerTransport(cfg.orchestrator, cfg.agent_id, curve=client_curve(cfg))
         session = AgentSession(
             transport,
             cfg.agent_id,

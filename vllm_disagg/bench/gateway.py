@@ -141,7 +141,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
         assert cluster.orchestrator is not None
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector) as session:
-            instances = await fetch_instances(session, spec.base_url) or []
+            instances = await fetch_instances(session, spec.base_url, spec.admin_token) or []
             urls = {str(i["role"]): str(i["url"]) for i in instances}
             client = Client(session, spec.base_url, urls["prefill"], urls["decode"])
             results = [

@@ -135,7 +135,7 @@ async def disaggregated(spec: ClusterSpec, args: argparse.Namespace) -> Side:
             raise RuntimeError("the 1P1D cluster did not become ready")
         startup = time.monotonic() - started
         async with aiohttp.ClientSession() as session:
-            instances = await fetch_instances(session, spec.base_url) or []
+            instances = await fetch_instances(session, spec.base_url, spec.admin_token) or []
         rss = {}
         for item in instances:
             pids = engine_servers({int(str(item["url"]).rsplit(":", 1)[1])})

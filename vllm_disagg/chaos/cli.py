@@ -12,12 +12,14 @@ import asyncio
 import contextlib
 import os
 import random
+import shutil
 import socket
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO, Any
 
 import aiohttp
@@ -30,7 +32,7 @@ from vllm_disagg.chaos.report import RECOVERY_COUNTERS, ChaosReport, recovery_co
 from vllm_disagg.config import SimTiming, add_sim_timing_arguments, sim_timing_flags, sim_timing_from_args
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.runtime import die_with_parent, run_service
-from vllm_disagg.up import ClusterSpec, LocalCluster
+from vllm_disagg.up import ClusterSpec, LocalCluster, with_keys
 
 MODEL = "sim-model"
 # Streams of 32-64 tokens take about 0.5-1.5 s in the engine (more while the batch is full), and
@@ -175,9 +177,12 @@ class _Logged:
     def __init__(self, log: IO[bytes]) -> None:
         self._log = log
 
-    async def __call__(self, argv: list[str]) -> asyncio.subprocess.Process:
+    async def __call__(
+        self, argv: list[str], env: dict[str, str] | None = None
+    ) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(
             *argv,
+            env=env,
             stdin=asyncio.subprocess.DEVNULL,
             stdout=self._log,
             stderr=self._log,
@@ -216,12 +221,13 @@ async def chaos(
     args: argparse.Namespace, stop: asyncio.Event, log: IO[bytes], log_path: str
 ) -> ChaosReport | None:
     """Start the cluster, run load and faults, stop the cluster; the report (None if it never got ready)."""
-    spec = cluster_spec(args)
+    keys = tempfile.mkdtemp(prefix="vllm-disagg-chaos-keys-")  # agents authenticate, as with ``up``
+    spec = with_keys(cluster_spec(args), Path(keys))
     cluster = LocalCluster(spec)
     spawn = _Logged(log)
     started_at = time.monotonic()
     try:
-        cluster.orchestrator = await spawn(spec.orchestrator_argv())
+        cluster.orchestrator = await spawn(spec.orchestrator_argv(), env=spec.orchestrator_env())
         for plan in cluster.plans:
             cluster.agents[plan.agent_id] = await spawn(spec.agent_argv(plan))
         if not await _ready(cluster, args.ready_timeout_s, stop):
@@ -279,6 +285,7 @@ async def chaos(
             after = await recovery_counters(http, spec.base_url)
     finally:
         await cluster.stop()
+        shutil.rmtree(keys, ignore_errors=True)
     deltas = {name: int(after[metric] - before[metric]) for name, metric in RECOVERY_COUNTERS.items()}
     return ChaosReport(
         sent=tally.sent,

@@ -127,7 +127,8 @@ class FaultInjector:
                     await asyncio.wait_for(stop.wait(), timeout=max(0.0, at - time.monotonic()))
                 if stop.is_set():
                     return
-                instances = await fetch_instances(http, self.cluster.spec.base_url) or []
+                spec = self.cluster.spec
+                instances = await fetch_instances(http, spec.base_url, spec.admin_token) or []
                 fit = sorted(
                     str(i["agent_id"])
                     for i in instances
@@ -216,7 +217,8 @@ class FaultInjector:
     async def _ready(
         self, http: aiohttp.ClientSession, agent_id: str, also: Callable[[dict[str, object]], bool]
     ) -> bool:
-        for item in await fetch_instances(http, self.cluster.spec.base_url) or []:
+        spec = self.cluster.spec
+        for item in await fetch_instances(http, spec.base_url, spec.admin_token) or []:
             if item.get("agent_id") == agent_id:
                 return item.get("state") == "ready" and also(item)
         return False

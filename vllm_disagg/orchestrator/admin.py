@@ -17,6 +17,7 @@ from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
+from vllm_disagg.orchestrator.auth import Handler, guarded
 from vllm_disagg.orchestrator.control import CommandError, ControlPlane
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
@@ -194,6 +195,10 @@ class Admin:
         """``POST /admin/v1/instances/{agent_id}/shutdown``."""
         return await self._command(request, "shutdown")
 
+    async def elsewhere(self, request: web.Request) -> web.Response:
+        """``/admin/...`` on the gateway's port when the admin API has a listener of its own."""
+        return _error(404, "the admin API is not served on this port (see --admin-port)", "NotFoundError")
+
     async def requests(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/requests?limit=N``: the newest request records."""
         try:
@@ -217,16 +222,23 @@ class Admin:
             return _error(404, "no scheduler is attached", "NotFoundError")
         return _json(self._describe_scheduler())
 
-    def add_routes(self, app: web.Application) -> None:
-        """Register health, metrics and admin routes on ``app``."""
+    def add_public_routes(self, app: web.Application) -> None:
+        """Register ``/health`` and ``/metrics`` (open: load balancers and Prometheus read them)."""
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
-        app.router.add_get("/admin/v1/instances", self.instances)
-        app.router.add_post("/admin/v1/instances/{agent_id}/drain", self.drain)
-        app.router.add_post("/admin/v1/instances/{agent_id}/undrain", self.undrain)
-        app.router.add_post("/admin/v1/instances/{agent_id}/shutdown", self.shutdown)
-        app.router.add_post("/admin/v1/instances/{agent_id}/cordon", self.cordon)
-        app.router.add_post("/admin/v1/instances/{agent_id}/uncordon", self.uncordon)
-        app.router.add_get("/admin/v1/scheduler", self.scheduler)
-        app.router.add_get("/admin/v1/requests", self.requests)
-        app.router.add_get("/admin/v1/requests/{request_id}", self.request_record)
+
+    def add_admin_routes(self, app: web.Application, token: str) -> None:
+        """Register the ``/admin/v1`` routes, each behind the bearer ``token`` (``auth.guarded``)."""
+        routes: list[tuple[str, str, Handler]] = [
+            ("GET", "/admin/v1/instances", self.instances),
+            ("POST", "/admin/v1/instances/{agent_id}/drain", self.drain),
+            ("POST", "/admin/v1/instances/{agent_id}/undrain", self.undrain),
+            ("POST", "/admin/v1/instances/{agent_id}/shutdown", self.shutdown),
+            ("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
+            ("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
+            ("GET", "/admin/v1/scheduler", self.scheduler),
+            ("GET", "/admin/v1/requests", self.requests),
+            ("GET", "/admin/v1/requests/{request_id}", self.request_record),
+        ]
+        for method, path, handler in routes:
+            app.router.add_route(method, path, guarded(handler, token))

@@ -13,6 +13,8 @@ import urllib.request
 from typing import Any
 
 from vllm_disagg import jsonutil
+from vllm_disagg.errors import ConfigError
+from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _TIMEOUT_S = 15.0
@@ -37,13 +39,20 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("VLLM_DISAGG_URL", DEFAULT_URL),
         help="orchestrator base URL (default: $VLLM_DISAGG_URL or %(default)s)",
     )
+    parser.add_argument(
+        "--admin-token-file",
+        default="",
+        metavar="FILE",
+        help=f"file holding the admin token (default: ${ENV_ADMIN_TOKEN})",
+    )
     if name == "drain":
         parser.add_argument("agent_id", metavar="ID", help="the instance's agent id")
         parser.add_argument("--undo", action="store_true", help="undrain instead")
 
 
-def _call(method: str, url: str) -> tuple[int, Any]:
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None)
+def _call(method: str, url: str, token: str) -> tuple[int, Any]:
+    headers = admin_headers(token) if token else {}
+    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=_TIMEOUT_S) as resp:
             return resp.status, jsonutil.loads(resp.read())
@@ -81,8 +90,13 @@ def run(args: argparse.Namespace) -> int:
     """``status``: print the instance table. ``drain``: drain (or undrain) one instance."""
     base = args.url.rstrip("/")
     try:
+        token = load_admin_token(args.admin_token_file)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
         if args._name == "status":
-            status, body = _call("GET", f"{base}/admin/v1/instances")
+            status, body = _call("GET", f"{base}/admin/v1/instances", token)
             if status != 200:
                 print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
                 return 1
@@ -90,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
             print(format_table(items) if items else "no instances registered")
             return 0
         action = "undrain" if args.undo else "drain"
-        status, body = _call("POST", f"{base}/admin/v1/instances/{args.agent_id}/{action}")
+        status, body = _call("POST", f"{base}/admin/v1/instances/{args.agent_id}/{action}", token)
     except (urllib.error.URLError, OSError, ValueError) as exc:
         print(f"error: cannot reach the orchestrator at {base}: {exc}", file=sys.stderr)
         return 1

@@ -40,6 +40,7 @@ CONTROL_KEY = web.AppKey("control", ControlPlane)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 KV_INDEX_KEY = web.AppKey("kv_index", KvIndex)
+ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate admin listener
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -104,19 +105,30 @@ def build_app(
     app[REQUEST_LOG_KEY] = request_log
     app[KV_INDEX_KEY] = kv_index
     gateway.add_routes(app)
-    admin.add_routes(app)
+    admin.add_public_routes(app)
+    if config.admin_port is None:
+        admin.add_admin_routes(app, config.admin_token)
+    else:  # its own listener, started beside the gateway's by ``start_orchestrator``
+        admin_app = web.Application(client_max_size=1 << 20)
+        admin.add_admin_routes(admin_app, config.admin_token)
+        app[ADMIN_APP_KEY] = admin_app
+        app.router.add_route("*", "/admin/{tail:.*}", admin.elsewhere)
     app.cleanup_ctx.append(_control_ctx)
     app.cleanup_ctx.append(_session_ctx)
     return app
 
 
 class OrchestratorServer:
-    """A running orchestrator: its HTTP URL, its actual ZeroMQ endpoint, and ``close()``."""
+    """A running orchestrator: its HTTP URLs (gateway; admin, the same unless it has its own
+    listener), its actual ZeroMQ endpoint, and ``close()``."""
 
-    def __init__(self, app: web.Application, runner: web.AppRunner, url: str) -> None:
+    def __init__(
+        self, app: web.Application, runners: list[web.AppRunner], url: str, admin_url: str = ""
+    ) -> None:
         self.app = app
         self.url = url
-        self._runner = runner
+        self.admin_url = admin_url or url
+        self._runners = runners
 
     @property
     def zmq_endpoint(self) -> str:
@@ -135,7 +147,8 @@ class OrchestratorServer:
 
     async def close(self) -> None:
         """Stop serving, wait for in-flight requests (bounded), release every socket and task."""
-        await self._runner.cleanup()
+        for runner in reversed(self._runners):  # the admin listener first, the gateway's last
+            await runner.cleanup()
 
 
 async def start_orchestrator(
@@ -151,14 +164,26 @@ async def start_orchestrator(
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
-    await runner.setup()
+    runners = [runner]
     try:
-        site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-        await site.start()
-        host, port = runner.addresses[0][:2]
+        url = await _serve(runner, config.host, config.port)
+        admin_url = ""
+        if ADMIN_APP_KEY in app:
+            admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None, shutdown_timeout=1.0)
+            runners.append(admin_runner)
+            admin_url = await _serve(admin_runner, config.admin_host, config.admin_port or 0)
     except BaseException:
-        await runner.cleanup()
+        for r in reversed(runners):
+            await r.cleanup()
         raise
-    if ":" in host:
-        host = f"[{host}]"
-    return OrchestratorServer(app, runner, f"http://{host}:{port}")
+    return OrchestratorServer(app, runners, url, admin_url)
+
+
+async def _serve(runner: web.AppRunner, host: str, port: int) -> str:
+    """Start ``runner`` on ``host:port`` (0: any free port); its base URL."""
+    await runner.setup()
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
+    bound_host, bound_port = runner.addresses[0][:2]
+    if ":" in bound_host:
+        bound_host = f"[{bound_host}]"
+    return f"http://{bound_host}:{bound_port}"

@@ -4,6 +4,12 @@ The reader never dies on bad input: a frame that cannot be decoded, a wrong prot
 heartbeat or ``KvEvents`` from an agent without a session is answered with a ``Refuse`` carrying a
 code and a reason, counted in ``vllm_disagg_protocol_refused_total{code}``, and the loop goes on.
 
+Who may speak (docs/security.md): with agent keys, only a listed key connects at all, a ``Hello`` must
+name the agent id its key is bound to, and every later frame must come with that key. Without keys, a
+``Hello`` for an id held by a live session on another connection is refused, never a takeover. Either
+way a model's settings (engine, tokenizer, block size, revision) are fixed by its first instance: a
+later ``Hello`` that disagrees is refused, not applied.
+
 The control plane is the only writer of the ``KvIndex``: it applies each live agent's ``KvEvents`` and
 drops an instance's entries when the instance dies (expiry, Goodbye, engine stopped) or says Hello
 again (a new session may be a new engine, its cache empty).
@@ -23,6 +29,7 @@ from vllm_disagg.errors import DisaggError, FieldTypeError, VersionMismatch
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -78,6 +85,33 @@ class _Pending:
     future: asyncio.Future[Ack]
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSettings:
+    """What every instance of one model must agree on (its first instance sets it)."""
+
+    engine: str
+    tokenizer: str
+    block_size: int
+    revision: str
+
+    @staticmethod
+    def of(info: InstanceInfo) -> ModelSettings:
+        return ModelSettings(info.engine, info.tokenizer, info.block_size, info.revision)
+
+    def describe(self) -> str:
+        return (
+            f"engine {self.engine!r}, tokenizer {self.tokenizer!r}, block size {self.block_size}, "
+            f"revision {self.revision!r}"
+        )
+
+
+def load_server_curve(config: OrchestratorConfig) -> ServerCurve | None:
+    """The orchestrator's keys and admitted agents, None without agent keys (``ConfigError``)."""
+    if not config.curve_secret_key_file:
+        return None
+    return ServerCurve(load_keypair(config.curve_secret_key_file), load_agent_keys(config.agent_keys_dir))
+
+
 class ControlPlane:
     """Owns the ``RouterTransport``; feeds the registry from Hello/Heartbeat/Goodbye; sends commands."""
 
@@ -103,6 +137,8 @@ class ControlPlane:
         self._pending: dict[int, _Pending] = {}
         self._refused_peers: set[tuple[bytes, str]] = set()  # logged at INFO once, until a Hello
         self._next_command_id = 1
+        self._curve = load_server_curve(config)
+        self._models: dict[str, ModelSettings] = {}  # fixed by each model's first instance
 
     @property
     def endpoint(self) -> str:
@@ -114,7 +150,10 @@ class ControlPlane:
     def start(self) -> None:
         """Bind the socket (synchronously, so the endpoint is known before agents are told it)."""
         self._transport = RouterTransport(
-            self._config.zmq_endpoint, max_frame_bytes=self._config.max_frame_bytes
+            self._config.zmq_endpoint,
+            max_frame_bytes=self._config.max_frame_bytes,
+            curve=self._curve,
+            on_denied=self._key_denied,
         )
 
     def close(self) -> None:
@@ -161,6 +200,10 @@ class ControlPlane:
                 self._forget_peer(agent_id)
                 self.kv_index.drop(agent_id)
 
+    def _key_denied(self) -> None:
+        self._metrics.refused("unknown_key")
+        log.warning("refused a connection whose key is not among the agent keys")
+
     def handle(self, incoming: Incoming) -> None:
         """Dispatch one frame (synchronous: every registry call is)."""
         peer = incoming.peer
@@ -168,12 +211,19 @@ class ControlPlane:
             self._refuse(peer, incoming.error.code, str(incoming.error))
             return
         msg = incoming.message
+        if self._curve is not None and not isinstance(msg, Hello):
+            agent_id = self._peer_to_agent.get(peer)
+            if agent_id is not None and incoming.user != agent_id:
+                self._refuse(
+                    peer, "unauthorized", f"this connection's key is {incoming.user!r}'s, not {agent_id!r}'s"
+                )
+                return
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(peer, msg)
         elif isinstance(msg, KvEvents):
             self._on_kv_events(peer, msg)
         elif isinstance(msg, Hello):
-            self._on_hello(peer, msg)
+            self._on_hello(peer, msg, incoming.user)
         elif isinstance(msg, Ack):
             self._on_ack(peer, msg)
         elif isinstance(msg, Goodbye):
@@ -200,7 +250,7 @@ class ControlPlane:
             log.info("refusing frame from %r: %s (%s)", peer, reason, code)
         self._send(peer, Refuse(code=code, reason=reason))
 
-    def _on_hello(self, peer: bytes, msg: Hello) -> None:
+    def _on_hello(self, peer: bytes, msg: Hello, user: str = "") -> None:
         if msg.protocol_version != PROTOCOL_VERSION:
             self._refuse(
                 peer,
@@ -211,6 +261,13 @@ class ControlPlane:
         if not msg.agent_id:
             self._refuse(peer, "invalid_hello", "agent_id must not be empty")
             return
+        refusal = self._hello_refusal(peer, msg, user)
+        if refusal is not None:
+            code, reason = refusal
+            log.warning("refusing Hello as %r from %r: %s", msg.agent_id, peer, reason)
+            self._refuse(peer, code, reason)
+            return
+        self._models.setdefault(msg.instance.model, ModelSettings.of(msg.instance))
         if self._refused_peers:
             self._refused_peers = {k for k in self._refused_peers if k[0] != peer}
         old_peer = self._agent_to_peer.get(msg.agent_id)
@@ -239,6 +296,30 @@ class ControlPlane:
                 heartbeat_timeout_s=self._config.heartbeat_timeout_s,
             ),
         )
+
+    def _hello_refusal(self, peer: bytes, msg: Hello, user: str) -> tuple[str, str] | None:
+        """Why this Hello may not start a session ((code, reason)), or None."""
+        agent_id = msg.agent_id
+        if self._curve is not None and user != agent_id:
+            return (
+                "unauthorized",
+                f"this connection's key is {user!r}'s: it may not say Hello as {agent_id!r}",
+            )
+        old_peer = self._agent_to_peer.get(agent_id)
+        if self._curve is None and old_peer not in (None, peer) and self._registry.is_live(agent_id):
+            return (
+                "agent_id_in_use",
+                f"agent id {agent_id!r} is held by a live session on another connection; it is free "
+                "again once that one says Goodbye or goes silent",
+            )
+        fixed = self._models.get(msg.instance.model)
+        said = ModelSettings.of(msg.instance)
+        if fixed is not None and said != fixed:
+            return "model_mismatch", (
+                f"model {msg.instance.model!r} is served with {fixed.describe()}; this instance says "
+                f"{said.describe()}"
+            )
+        return None
 
     def _on_heartbeat(self, peer: bytes, msg: Heartbeat) -> None:
         agent_id = self._peer_to_agent.get(peer)

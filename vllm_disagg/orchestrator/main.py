@@ -9,6 +9,13 @@ import sys
 
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.app import start_orchestrator
+from vllm_disagg.orchestrator.auth import (
+    ENV_ADMIN_TOKEN,
+    ENV_ENGINE_API_KEY,
+    load_admin_token,
+    load_secret,
+)
+from vllm_disagg.orchestrator.control import load_server_curve
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -76,6 +83,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not import transformers at start (saves memory and seconds when no engine is vLLM)",
     )
+    admin = parser.add_argument_group("admin API and credentials (docs/security.md)")
+    admin.add_argument(
+        "--admin-token-file",
+        default="",
+        metavar="FILE",
+        help=f"file holding the admin API's bearer token (else ${ENV_ADMIN_TOKEN}; without either, "
+        "the admin API refuses every call)",
+    )
+    admin.add_argument("--admin-host", default=d.admin_host, help="with --admin-port: the admin bind address")
+    admin.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve the admin API on its own port (0: any free one) instead of the gateway's",
+    )
+    admin.add_argument(
+        "--curve-secret-key",
+        dest="curve_secret_key_file",
+        default="",
+        metavar="FILE",
+        help="the orchestrator's .key_secret (vllm-disagg keys); with --agent-keys, only listed agents "
+        "may connect",
+    )
+    admin.add_argument(
+        "--agent-keys",
+        dest="agent_keys_dir",
+        default="",
+        metavar="DIR",
+        help="directory of <agent id>.key public keys: each admits one agent, bound to that id",
+    )
+    admin.add_argument(
+        "--engine-api-key-file",
+        default="",
+        metavar="FILE",
+        help=f"the key engines were started with (vLLM --api-key); else ${ENV_ENGINE_API_KEY}. The "
+        "gateway sends it as its own Authorization; clients' headers are stripped",
+    )
+    admin.add_argument(
+        "--forward-client-authorization",
+        action="store_true",
+        help="without an engine key, pass each client's Authorization header through to the engines",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -94,12 +143,20 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         max_frame_bytes=args.max_frame_bytes,
         scheduler_config=args.scheduler_config,
         preload_tokenizer_libs=args.preload_tokenizer_libs,
+        admin_token=load_admin_token(args.admin_token_file),
+        engine_api_key=load_secret(args.engine_api_key_file, ENV_ENGINE_API_KEY, "engine API key"),
+        forward_client_authorization=args.forward_client_authorization,
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        curve_secret_key_file=args.curve_secret_key_file,
+        agent_keys_dir=args.agent_keys_dir,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM; returns the exit code."""
     config = config_from_args(args)  # before anything starts: a bad flag exits 2 via the CLI
+    load_server_curve(config)  # so do key files that will not do
     scheduler = PluginScheduler(load_scheduler_config(config))  # so is a bad scheduler config
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
@@ -113,7 +170,13 @@ def run(args: argparse.Namespace) -> int:
             config, scheduler=scheduler, shutdown_timeout_s=args.shutdown_timeout_s
         )
         try:
-            print(f"orchestrator: http {server.url}  agents {server.zmq_endpoint}", flush=True)
+            admin = f"  admin {server.admin_url}" if server.admin_url != server.url else ""
+            print(f"orchestrator: http {server.url}  agents {server.zmq_endpoint}{admin}", flush=True)
+            if not config.admin_token:
+                logging.getLogger(__name__).warning(
+                    "no admin token (--admin-token-file or %s): the admin API refuses every call",
+                    ENV_ADMIN_TOKEN,
+                )
             await stop.wait()
         finally:
             await server.close()

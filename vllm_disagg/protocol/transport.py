@@ -10,13 +10,19 @@ a multi-part message only once every part has arrived, so a peer can make it buf
 just under the limit each (1,000 x 2 MiB). That buffer cannot be refused here (only authenticating
 peers can); what ``recv`` does is never copy it: parts are received as zero-copy frames, a message
 of several parts is refused by its count and size without being read, and the one part of a good
-message is decoded from a view of libzmq's buffer.
+message is decoded from a view of libzmq's buffer. With agent keys (``curve``), a peer without a
+listed key is refused during the handshake and cannot make the orchestrator buffer anything.
+
+One connection per agent id: a second connection with a routing id already connected is refused by
+libzmq (no ``ROUTER_HANDOVER``: a forger could otherwise take a live agent's id, and the real agent's
+connection was never closed, stranding it). ZMTP pings on both sides drop dead connections within
+seconds, so a reconnecting agent gets its id back.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -25,6 +31,13 @@ import zmq.asyncio
 
 from vllm_disagg.errors import CodecError, MalformedFrame
 from vllm_disagg.protocol.codec import DEFAULT_MAX_FRAME_BYTES, decode, encode
+from vllm_disagg.protocol.curve import (
+    AgentAuthenticator,
+    ClientCurve,
+    ServerCurve,
+    setup_client,
+    setup_server,
+)
 from vllm_disagg.protocol.messages import Message
 
 # Messages queued per peer before sends are dropped; a heartbeat stream must never grow memory.
@@ -56,31 +69,48 @@ class Incoming:
     peer: bytes
     message: Message | None
     error: CodecError | None
+    user: str = ""  # with agent keys: the agent id the sender's key belongs to
 
 
-def _incoming(peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int) -> Incoming:
+def _incoming(peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int, user: str = "") -> Incoming:
     """Decode a message's payload parts (one, for a protocol frame) without copying them."""
     if len(parts) != 1:
         size = sum(len(part) for part in parts)
         return Incoming(
-            peer, None, MalformedFrame(f"expected 1 frame part, got {len(parts)} ({size} bytes in all)")
+            peer,
+            None,
+            MalformedFrame(f"expected 1 frame part, got {len(parts)} ({size} bytes in all)"),
+            user,
         )
     try:
-        return Incoming(peer, decode(parts[0].buffer, max_bytes=max_bytes), None)
+        return Incoming(peer, decode(parts[0].buffer, max_bytes=max_bytes), None, user)
     except CodecError as exc:
-        return Incoming(peer, None, exc)
+        return Incoming(peer, None, exc, user)
 
 
 class RouterTransport:
     """The orchestrator's socket: many agents, addressed by their routing id (the agent id)."""
 
-    def __init__(self, endpoint: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        curve: ServerCurve | None = None,
+        on_denied: Callable[[], None] = lambda: None,
+    ) -> None:
         self._ctx = zmq.asyncio.Context()
+        self._auth: AgentAuthenticator | None = None
         self._sock = self._ctx.socket(zmq.ROUTER)
+        if curve is not None:
+            self._auth = AgentAuthenticator(self._ctx, curve.agents, on_denied)
+            self._auth.start()
+            setup_server(self._sock, curve)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> EHOSTUNREACH, not silence
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting agent takes its id back
         self._sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, _PING_IVL_MS)  # a dead connection frees its agent id
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, _PING_TIMEOUT_MS)
         # libzmq drops the connection of a peer that sends a part over this; up to it, the codec
         # refuses an oversized frame with a reason the peer can read (see the module docstring).
         self._sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes * 2)
@@ -91,7 +121,8 @@ class RouterTransport:
     async def recv(self) -> Incoming:
         """The next frame from any agent."""
         parts = await self._sock.recv_multipart(copy=False)
-        return _incoming(parts[0].bytes, parts[1:], self._max)
+        user = str(parts[0].get("User-Id")) if self._auth is not None else ""
+        return _incoming(parts[0].bytes, parts[1:], self._max, user)
 
     def send(self, peer: bytes, message: Message) -> bool:
         """Send to one agent; False when it is not connected or its queue is full."""
@@ -110,6 +141,8 @@ class RouterTransport:
     def close(self, *, linger_ms: int = 0) -> None:
         """Close the socket and its context; ``linger_ms`` > 0 first flushes queued messages (a Goodbye)."""
         self._sock.close(linger=linger_ms)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
 
@@ -124,9 +157,12 @@ class DealerTransport:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 2000,
+        curve: ClientCurve | None = None,
     ) -> None:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
+        if curve is not None:
+            setup_client(self._sock, curve)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while the orchestrator is away

@@ -210,6 +210,10 @@ class Gateway:
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
         self.session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], URL] = {}
+        # What engines are sent as Authorization: the gateway's own key for them (vLLM's --api-key),
+        # else (if configured) the client's header, else nothing: a client's credentials never reach
+        # an engine by default (docs/security.md).
+        self._engine_auth = f"Bearer {config.engine_api_key}" if config.engine_api_key else ""
 
     def target(self, leg: str, agent_id: str, route: Route) -> Target:
         """Where one leg of a ``route`` request to ``agent_id`` goes."""
@@ -382,9 +386,12 @@ class Gateway:
             t_decided = clock.monotonic()
             explanation = decision.explanation
             up_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-            auth = request.headers.get("Authorization")
-            if auth:
-                up_headers["Authorization"] = auth
+            if self._engine_auth:
+                up_headers["Authorization"] = self._engine_auth
+            elif self.config.forward_client_authorization:
+                auth = request.headers.get("Authorization")
+                if auth:
+                    up_headers["Authorization"] = auth
             flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
             flow.stamps["scheduled"] = t_decided
             response = await flow.run()

@@ -1,0 +1,117 @@
+"""The admin API wants its bearer token on every route, on the gateway's port or its own."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from tests.helpers import ADMIN, ADMIN_TOKEN, free_port
+from tests.integration.orchestrator_support import FakeAgent, orch_config
+from vllm_disagg.orchestrator.app import ADMIN_APP_KEY, OrchestratorServer, start_orchestrator
+
+
+def admin_routes(app: web.Application) -> list[tuple[str, str]]:
+    """Every (method, path) under /admin/ the app serves, with a sample value for each variable."""
+    out = []
+    for route in app.router.routes():
+        path = route.resource.canonical if route.resource is not None else ""
+        if path.startswith("/admin/") and route.method != "HEAD":
+            out.append((route.method, re.sub(r"\{[^}]+\}", "d0", path)))
+    return sorted(out)
+
+
+@pytest.fixture
+async def orch_with_agent() -> AsyncIterator[tuple[OrchestratorServer, FakeAgent]]:
+    server = await start_orchestrator(orch_config(), shutdown_timeout_s=1.0)
+    agent = FakeAgent(server.zmq_endpoint, "d0", "http://127.0.0.1:9", "decode")
+    await agent.join()
+    try:
+        yield server, agent
+    finally:
+        await agent.close()
+        await server.close()
+
+
+async def call(
+    http: aiohttp.ClientSession, method: str, url: str, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, object], dict[str, str]]:
+    async with http.request(method, url, headers=headers or {}) as resp:
+        return resp.status, await resp.json(), dict(resp.headers)
+
+
+@pytest.mark.parametrize(
+    ("headers", "reason"),
+    [
+        ({}, "missing 'Authorization: Bearer"),
+        ({"Authorization": "Bearer not-the-token"}, "wrong admin token"),
+        ({"Authorization": f"Basic {ADMIN_TOKEN}"}, "wrong admin token"),
+        ({"Authorization": f"Bearer {ADMIN_TOKEN}x"}, "wrong admin token"),
+    ],
+    ids=["no-header", "wrong-token", "wrong-scheme", "token-with-a-suffix"],
+)
+async def test_every_admin_route_refuses_a_caller_without_the_token_and_changes_nothing(
+    orch_with_agent: tuple[OrchestratorServer, FakeAgent],
+    http: aiohttp.ClientSession,
+    headers: dict[str, str],
+    reason: str,
+) -> None:
+    server, agent = orch_with_agent
+    routes = admin_routes(server.app)
+    assert ("POST", "/admin/v1/instances/d0/drain") in routes and ("GET", "/admin/v1/instances") in routes
+    for method, path in routes:
+        status, body, response_headers = await call(http, method, server.url + path, headers)
+        assert status == 401, (method, path, body)
+        error = body["error"]
+        assert isinstance(error, dict) and reason in str(error["message"]), (method, path, body)
+        assert error["type"] == "AuthenticationError"
+        assert response_headers["WWW-Authenticate"].startswith("Bearer")
+    view = server.registry.get("d0")
+    assert view is not None and view.state == "ready", "no drain, cordon or shutdown happened"
+    assert agent.commands == [], "no command reached the agent"
+
+
+async def test_with_the_token_the_admin_api_answers(
+    orch_with_agent: tuple[OrchestratorServer, FakeAgent], http: aiohttp.ClientSession
+) -> None:
+    server, _ = orch_with_agent
+    status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/instances", ADMIN)
+    assert status == 200 and [i["agent_id"] for i in body["instances"]] == ["d0"]  # type: ignore[union-attr]
+    status, body, _ = await call(http, "POST", f"{server.url}/admin/v1/instances/d0/cordon", ADMIN)
+    assert status == 200 and body["instance"]["state"] == "cordoned"  # type: ignore[index]
+
+
+async def test_without_a_configured_token_the_admin_api_is_closed_and_says_how_to_open_it(
+    http: aiohttp.ClientSession,
+) -> None:
+    server = await start_orchestrator(orch_config(admin_token=""), shutdown_timeout_s=1.0)
+    try:
+        for headers in ({}, ADMIN, {"Authorization": "Bearer "}):
+            status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/instances", headers)
+            assert status == 401
+            assert "--admin-token-file" in str(body["error"]), body
+        health = await http.get(f"{server.url}/health")
+        assert health.status == 503, "health and metrics stay open"
+        assert (await http.get(f"{server.url}/metrics")).status == 200
+    finally:
+        await server.close()
+
+
+async def test_the_admin_api_can_listen_apart_from_the_gateway(http: aiohttp.ClientSession) -> None:
+    server = await start_orchestrator(orch_config(admin_port=free_port()), shutdown_timeout_s=1.0)
+    try:
+        assert server.admin_url != server.url
+        public, body, _ = await call(http, "GET", f"{server.url}/admin/v1/instances", ADMIN)
+        assert public == 404 and "not served on this port" in str(body["error"])
+        assert (await http.get(f"{server.url}/metrics")).status == 200
+        routes = admin_routes(server.app[ADMIN_APP_KEY])
+        assert ("GET", "/admin/v1/instances") in routes
+        status, body, _ = await call(http, "GET", f"{server.admin_url}/admin/v1/instances", ADMIN)
+        assert status == 200 and body == {"instances": []}
+        status, _, _ = await call(http, "GET", f"{server.admin_url}/admin/v1/instances")
+        assert status == 401
+    finally:
+        await server.close()
