@@ -22,6 +22,12 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("sim-engine", "vllm_disagg.sim.cli", "run one simulated vLLM engine"),
     ("status", "vllm_disagg.orchestrator.admin_cli", "show the cluster's instances"),
     ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
+    ("requests", "vllm_disagg.orchestrator.admin_cli", "recent requests: where each went, and why"),
+    (
+        "events",
+        "vllm_disagg.orchestrator.admin_cli",
+        "cluster events: joins, deaths, breakers, fallbacks",
+    ),
     ("keys", "vllm_disagg.keys", "make CurveZMQ keypairs that authenticate agents to the orchestrator"),
     ("chaos", "vllm_disagg.chaos.cli", "a sim cluster under load while engines and agents are SIGKILLed"),
     ("bench gateway", "vllm_disagg.bench.gateway", "gateway overhead vs talking to engines directly"),

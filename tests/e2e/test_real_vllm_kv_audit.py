@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import subprocess
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -47,15 +48,17 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     base = free_engine_ports(2)
     logs = tmp_path_factory.mktemp("engines")
 
-    def engine(role: str, port: int, **extra: str) -> AgentConfig:
+    def engine(role: str, index: int, **extra: str) -> AgentConfig:
+        # A core each, as ``up`` binds them: two engines spinning on every core stall this box for minutes.
         return AgentConfig(
             agent_id=f"{role}-0", role=role, engine="vllm", model=MODEL,  # type: ignore[arg-type]
-            model_path=str(tiny_model), engine_port=port, **extra,
+            model_path=str(tiny_model), engine_port=base + index,
+            omp_threads_bind=str(index % (os.cpu_count() or 1)), **extra,
         )  # fmt: skip
 
     with running_vllms([
-        (engine("prefill", base), logs / "prefill.log"),
-        (engine("decode", base + 1, kv_load_failure_policy="recompute"), logs / "decode.log"),
+        (engine("prefill", 0), logs / "prefill.log"),
+        (engine("decode", 1, kv_load_failure_policy="recompute"), logs / "decode.log"),
     ]) as (p, d):  # fmt: skip
         yield p, d
 
@@ -171,7 +174,9 @@ async def _recomputes_are_found(server: OrchestratorServer, session: aiohttp.Cli
     for n in range(3):
         request_id = f"slow-{n}"
         text, headers = await complete(session, server.url, request_id)
-        assert headers["X-Disagg-Mode"] == "disaggregated", "the pair is made until the audit says"
+        if headers["X-Disagg-Mode"] != "disaggregated":  # the pair is made until the audit says
+            async with session.get(f"{server.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
+                raise AssertionError(f"{request_id} was not disaggregated: {await resp.text()}")
         assert text == reference[request_id], "a recomputed prompt still gives the right answer"
         await eventually(functools.partial(audited, n + 1), timeout=180, what=f"verdict {n + 1}")
 

@@ -115,3 +115,25 @@ async def test_the_admin_api_can_listen_apart_from_the_gateway(http: aiohttp.Cli
         assert status == 401
     finally:
         await server.close()
+
+
+async def test_the_openapi_document_lists_every_admin_route_and_nothing_else(
+    orch_with_agent: tuple[OrchestratorServer, FakeAgent], http: aiohttp.ClientSession
+) -> None:
+    server, _ = orch_with_agent
+    status, doc, _ = await call(http, "GET", f"{server.url}/admin/v1/openapi.json", ADMIN)
+    assert status == 200 and doc["openapi"] == "3.1.0"
+    paths = doc["paths"]
+    assert isinstance(paths, dict)
+    documented = sorted(
+        (method.upper(), re.sub(r"\{[^}]+\}", "d0", path)) for path, ops in paths.items() for method in ops
+    )
+    assert documented == admin_routes(server.app)
+    drain = paths["/admin/v1/instances/{agent_id}/drain"]["post"]
+    assert drain["parameters"] == [
+        {"name": "agent_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    ]
+    assert drain["security"] == [{"bearer": []}] and drain["summary"]
+    assert [p["name"] for p in paths["/admin/v1/requests"]["get"]["parameters"]] == ["limit"]
+    ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), "operation ids are unique"

@@ -336,6 +336,50 @@ async def test_status_and_drain_commands_talk_to_the_admin_api(
     assert "HTTP 404" in capsys.readouterr().err
 
 
+async def test_status_json_and_requests_show_the_cluster_and_where_each_request_went(
+    orch: OrchestratorServer,
+    fake_agent: AgentFactory,
+    sim_engine: EngineFactory,
+    http: aiohttp.ClientSession,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await fake_agent("d0", (await sim_engine()).url, "decode")
+    await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
+    assert await asyncio.to_thread(cli_main, ["status", "--json", "--url", orch.url]) == 0
+    listed = jsonutil.loads(capsys.readouterr().out)
+    assert [(i["agent_id"], i["state"]) for i in listed["instances"]] == [("d0", "ready")]
+
+    body = jsonutil.dumps({"model": MODEL, "prompt": "where did I go?", "max_tokens": 2})
+    async with http.post(f"{orch.url}/v1/completions", data=body, headers={"X-Request-Id": "cli-1"}) as r:
+        assert r.status == 200
+    assert await asyncio.to_thread(cli_main, ["requests", "--url", orch.url]) == 0
+    header, row = capsys.readouterr().out.splitlines()[:2]
+    assert header.split()[:5] == ["REQUEST", "STATUS", "MODE", "PREFILL", "DECODE"]
+    assert row.split()[:5] == ["cli-1", "200", "colocated", "-", "d0"]
+    assert await asyncio.to_thread(cli_main, ["requests", "cli-1", "--url", orch.url]) == 0
+    record = jsonutil.loads(capsys.readouterr().out)
+    assert (record["request_id"], record["decode"]) == ("cli-1", "d0") and record["explanation"]
+    assert await asyncio.to_thread(cli_main, ["requests", "never-seen", "--url", orch.url]) == 1
+    assert "HTTP 404" in capsys.readouterr().err
+
+
+async def test_events_prints_the_event_log_one_line_each(
+    orch: OrchestratorServer,
+    fake_agent: AgentFactory,
+    sim_engine: EngineFactory,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    await fake_agent("d0", (await sim_engine()).url, "decode")
+    await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
+    assert await asyncio.to_thread(cli_main, ["events", "--url", orch.url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[2:4] == ["joined", "d0"] and "role=decode" in lines[0]
+    assert any(line.split()[2:4] == ["state", "d0"] and "change=joining -> ready" in line for line in lines)
+    assert await asyncio.to_thread(cli_main, ["events", "--json", "--since", "1", "--url", orch.url]) == 0
+    seqs = [jsonutil.loads(line)["seq"] for line in capsys.readouterr().out.splitlines()]
+    assert seqs and min(seqs) == 2
+
+
 async def test_status_and_drain_need_the_admin_token_and_say_so_in_one_line(
     orch: OrchestratorServer,
     capsys: pytest.CaptureFixture[str],

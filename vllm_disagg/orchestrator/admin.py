@@ -9,6 +9,7 @@ follows the operator even if the agent is slow to answer. ``GET requests`` and
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -17,10 +18,13 @@ from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
-from vllm_disagg.orchestrator.auth import Handler, guarded
+from vllm_disagg.orchestrator import openapi
+from vllm_disagg.orchestrator.auth import guarded
 from vllm_disagg.orchestrator.control import CommandError, ControlPlane
+from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
+from vllm_disagg.orchestrator.openapi import AdminRoute
 from vllm_disagg.orchestrator.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -31,6 +35,7 @@ from vllm_disagg.orchestrator.registry import (
 from vllm_disagg.protocol.messages import CommandKind
 
 _DEFAULT_REQUESTS_LIMIT = 100
+_KEEPALIVE_S = 15.0
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -108,13 +113,18 @@ class Admin:
         request_log: RequestLog,
         clock: Clock,
         describe_scheduler: Callable[[], dict[str, Any]] | None = None,
+        events: EventLog | None = None,
+        live_requests: Callable[[], list[dict[str, Any]]] | None = None,
     ) -> None:
+        self._events = events or EventLog(clock.wall)
+        self._live_requests = live_requests or list
         self._registry = registry
         self._control = control
         self._metrics = metrics
         self._request_log = request_log
         self._clock = clock
         self._describe_scheduler = describe_scheduler
+        self._openapi = b"{}"
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when at least one decode-capable instance is ready, else 503 with the reason."""
@@ -207,6 +217,48 @@ class Admin:
             return _error(400, "'limit' must be an integer", "BadRequestError")
         return _json({"requests": [record_json(r) for r in self._request_log.recent(max(0, limit))]})
 
+    async def live_requests(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/live-requests``: requests in flight now (stage, pair, age), oldest first."""
+        return _json({"requests": self._live_requests()})
+
+    async def events(self, request: web.Request) -> web.StreamResponse:
+        """``GET /admin/v1/events``: the event log as server-sent events, then live ones as they happen."""
+        try:
+            since = int(request.query.get("since") or request.headers.get("Last-Event-ID") or 0)
+        except ValueError:
+            return _error(400, "'since' (or Last-Event-ID) must be an integer", "BadRequestError")
+        follow = request.query.get("follow", "true").lower() not in ("0", "false", "no")
+        response = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",
+            }
+        )
+        await response.prepare(request)
+        subscription = self._events.subscribe() if follow else None  # before the backlog: nothing missed
+        try:
+            last = since
+            for kept in self._events.since(since):
+                await response.write(kept.sse())
+                last = kept.seq
+            while subscription is not None:
+                try:
+                    event = await asyncio.wait_for(subscription.next(), _KEEPALIVE_S)
+                except TimeoutError:
+                    await response.write(b": keepalive\n\n")  # proxies keep an idle stream open
+                    continue
+                if event is None:  # too slow to keep up: the client reconnects with Last-Event-ID
+                    await response.write(b"event: overflow\ndata: {}\n\n")
+                    break
+                if event.seq > last:
+                    await response.write(event.sse())
+                    last = event.seq
+        finally:  # the client left (the write failed or the handler was cancelled), or the log ended
+            if subscription is not None:
+                subscription.close()
+        return response
+
     async def request_record(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/requests/{request_id}``."""
         record = self._request_log.get(request.match_info["request_id"])
@@ -227,18 +279,35 @@ class Admin:
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.metrics)
 
+    def admin_routes(self) -> list[AdminRoute]:
+        """Every ``/admin/v1`` route: what the router serves and the OpenAPI document describes."""
+        limit = (("limit", "integer", f"how many, newest first (default {_DEFAULT_REQUESTS_LIMIT})"),)
+        since = (
+            ("since", "integer", "events after this sequence number (or the Last-Event-ID header)"),
+            ("follow", "boolean", "keep the stream open for new events (default true)"),
+        )
+        return [
+            AdminRoute("GET", "/admin/v1/openapi.json", self.openapi),
+            AdminRoute("GET", "/admin/v1/instances", self.instances),
+            AdminRoute("POST", "/admin/v1/instances/{agent_id}/drain", self.drain),
+            AdminRoute("POST", "/admin/v1/instances/{agent_id}/undrain", self.undrain),
+            AdminRoute("POST", "/admin/v1/instances/{agent_id}/shutdown", self.shutdown),
+            AdminRoute("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
+            AdminRoute("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
+            AdminRoute("GET", "/admin/v1/scheduler", self.scheduler),
+            AdminRoute("GET", "/admin/v1/requests", self.requests, limit),
+            AdminRoute("GET", "/admin/v1/live-requests", self.live_requests),
+            AdminRoute("GET", "/admin/v1/events", self.events, since),
+            AdminRoute("GET", "/admin/v1/requests/{request_id}", self.request_record),
+        ]
+
     def add_admin_routes(self, app: web.Application, token: str) -> None:
         """Register the ``/admin/v1`` routes, each behind the bearer ``token`` (``auth.guarded``)."""
-        routes: list[tuple[str, str, Handler]] = [
-            ("GET", "/admin/v1/instances", self.instances),
-            ("POST", "/admin/v1/instances/{agent_id}/drain", self.drain),
-            ("POST", "/admin/v1/instances/{agent_id}/undrain", self.undrain),
-            ("POST", "/admin/v1/instances/{agent_id}/shutdown", self.shutdown),
-            ("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
-            ("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
-            ("GET", "/admin/v1/scheduler", self.scheduler),
-            ("GET", "/admin/v1/requests", self.requests),
-            ("GET", "/admin/v1/requests/{request_id}", self.request_record),
-        ]
-        for method, path, handler in routes:
-            app.router.add_route(method, path, guarded(handler, token))
+        routes = self.admin_routes()
+        self._openapi = jsonutil.dumps(openapi.document(routes))
+        for route in routes:
+            app.router.add_route(route.method, route.path, guarded(route.handler, token))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/openapi.json``: this API's OpenAPI document, generated from its routes."""
+        return web.Response(body=self._openapi, content_type="application/json")

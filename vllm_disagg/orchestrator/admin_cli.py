@@ -1,4 +1,4 @@
-"""``vllm-disagg status`` and ``vllm-disagg drain``: the admin API from a terminal.
+"""``vllm-disagg status``, ``drain`` and ``requests``: the admin API from a terminal.
 
 Blocking ``urllib`` on purpose: these commands run no event loop of their own.
 """
@@ -6,8 +6,10 @@ Blocking ``urllib`` on purpose: these commands run no event loop of their own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+import time
 import urllib.error
 import urllib.request
 from typing import Any
@@ -48,6 +50,15 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "drain":
         parser.add_argument("agent_id", metavar="ID", help="the instance's agent id")
         parser.add_argument("--undo", action="store_true", help="undrain instead")
+    if name in ("status", "requests"):
+        parser.add_argument("--json", action="store_true", help="the admin API's JSON instead of a table")
+    if name == "events":
+        parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they happen")
+        parser.add_argument("--since", type=int, default=0, help="only events after this sequence number")
+        parser.add_argument("--json", action="store_true", help="one JSON object per line")
+    if name == "requests":
+        parser.add_argument("request_id", nargs="?", metavar="ID", help="one request's whole record")
+        parser.add_argument("--limit", type=int, default=20, help="how many recent requests (newest first)")
 
 
 def _call(method: str, url: str, token: str) -> tuple[int, Any]:
@@ -75,9 +86,64 @@ def _cell(item: dict[str, Any], key: str) -> str:
 
 def format_table(items: list[dict[str, Any]]) -> str:
     """Instances as an aligned text table."""
-    rows = [[title for title, _ in _COLUMNS]] + [[_cell(i, key) for _, key in _COLUMNS] for i in items]
-    widths = [max(len(r[c]) for r in rows) for c in range(len(_COLUMNS))]
+    return _table([title for title, _ in _COLUMNS], [[_cell(i, key) for _, key in _COLUMNS] for i in items])
+
+
+def format_requests(records: list[dict[str, Any]]) -> str:
+    """Request records as an aligned text table."""
+    rows = [
+        [
+            str(r.get("request_id", "")),
+            str(r.get("status", "")),
+            str(r.get("mode", "")),
+            str(r.get("prefill") or "-"),
+            str(r.get("decode") or "-"),
+            f"{float(r.get('total_s') or 0.0):.3f}",
+            str(len(r.get("attempts") or [])),
+            str(r.get("error") or r.get("kv_check") or ""),
+        ]
+        for r in records
+    ]
+    return _table(["REQUEST", "STATUS", "MODE", "PREFILL", "DECODE", "TOTAL-S", "LEGS", "NOTE"], rows)
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    rows = [header, *rows]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(header))]
     return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+
+
+def format_event(event: dict[str, Any]) -> str:
+    """One event as a line: when, what, where, and its details."""
+    at = time.strftime("%H:%M:%S", time.localtime(float(event.get("at", 0.0))))
+    rest = {k: v for k, v in event.items() if k not in ("seq", "at", "kind", "instance")}
+    if "from" in rest and "to" in rest:
+        rest["change"] = f"{rest.pop('from')} -> {rest.pop('to')}"
+    details = " ".join(f"{k}={v}" for k, v in rest.items() if v not in ("", None, [], {}))
+    head = f"{event.get('seq', '')}  {at}  {event.get('kind', '')}  {event.get('instance', '')}"
+    return f"{head}  {details}".rstrip()
+
+
+def _events(base: str, token: str, args: argparse.Namespace) -> int:
+    """Print the event log, then (``--follow``) each event as it happens, until interrupted."""
+    follow = "true" if args.follow else "false"
+    url = f"{base}/admin/v1/events?since={max(0, args.since)}&follow={follow}"
+    req = urllib.request.Request(url, headers=admin_headers(token) if token else {})
+    try:
+        resp = urllib.request.urlopen(req, timeout=None if args.follow else _TIMEOUT_S)
+    except urllib.error.HTTPError as exc:
+        body = exc.read()
+        with contextlib.suppress(ValueError):
+            body = jsonutil.loads(body)
+        print(f"error: HTTP {exc.code}: {_message(body)}", file=sys.stderr)
+        return 1
+    with resp:
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("data: "):
+                event = jsonutil.loads(line[len("data: ") :])
+                print(jsonutil.dumps(event).decode() if args.json else format_event(event), flush=True)
+    return 0
 
 
 def _message(body: Any) -> str:
@@ -101,7 +167,26 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
                 return 1
             items = body.get("instances", []) if isinstance(body, dict) else []
-            print(format_table(items) if items else "no instances registered")
+            if args.json:
+                print(jsonutil.dumps(body).decode())
+            else:
+                print(format_table(items) if items else "no instances registered")
+            return 0
+        if args._name == "events":
+            return _events(base, token, args)
+        if args._name == "requests":
+            path = (
+                f"requests/{args.request_id}" if args.request_id else f"requests?limit={max(0, args.limit)}"
+            )
+            status, body = _call("GET", f"{base}/admin/v1/{path}", token)
+            if status != 200:
+                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
+                return 1
+            if args.json or args.request_id:
+                print(jsonutil.dumps(body).decode())
+            else:
+                records = body.get("requests", []) if isinstance(body, dict) else []
+                print(format_requests(records) if records else "no requests recorded")
             return 0
         action = "undrain" if args.undo else "drain"
         status, body = _call("POST", f"{base}/admin/v1/instances/{args.agent_id}/{action}", token)

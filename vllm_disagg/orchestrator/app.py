@@ -91,9 +91,13 @@ def build_app(
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
     registry.on_lost = gateway.instance_lost
+    events = gateway.events
+    registry.on_event = events.publish_fields
     registry.on_kv_audit = gateway.kv_audited
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
-    admin = Admin(registry, control, metrics, request_log, clock, gateway.describe)
+    admin = Admin(
+        registry, control, metrics, request_log, clock, gateway.describe, events, gateway.live_requests
+    )
 
     app = web.Application(client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config

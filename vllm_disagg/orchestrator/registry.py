@@ -24,6 +24,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 from vllm_disagg.orchestrator import health
 from vllm_disagg.orchestrator.health import (
@@ -189,6 +190,8 @@ class Registry:
         self.on_lost: Callable[[str, str], None] | None = None
         # Called with what each heartbeat's KV audit settled (``kv_audit``): legs loaded, a verdict.
         self.on_kv_audit: Callable[[Outcome], None] | None = None
+        # Called with (kind, fields) as instances join, change state, and breakers open or close.
+        self.on_event: Callable[[str, dict[str, Any]], None] | None = None
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -201,7 +204,10 @@ class Registry:
         return self._policy
 
     def _changed(self, inst: _Instance, membership: bool) -> None:
-        self._views[inst.agent_id] = inst.view()
+        old = self._views.get(inst.agent_id)
+        new = self._views[inst.agent_id] = inst.view()
+        if self.on_event is not None:
+            self._tell(old, new)
         self._version += 1
         self._cached = None
         if membership:
@@ -391,7 +397,39 @@ class Registry:
         """The breaker of the P→D link (closed when nothing went wrong on it)."""
         return self._links.get((prefill, decode), CLOSED)
 
+    def _tell(self, old: InstanceView | None, new: InstanceView) -> None:
+        """Publish what changed between two views of one instance."""
+        assert self.on_event is not None
+        agent_id = new.agent_id
+        if old is None or old.session != new.session:
+            info = new.info
+            self.on_event(
+                "joined",
+                {
+                    "instance": agent_id,
+                    "session": new.session,
+                    "role": info.role,
+                    "model": info.model,
+                    "url": info.url,
+                },
+            )
+        if old is None or old.state != new.state:
+            reason = new.dead_reason if new.state == "dead" else new.suspect_reason
+            state = {
+                "instance": agent_id,
+                "from": old.state if old else None,
+                "to": new.state,
+                "reason": reason,
+            }
+            self.on_event("state", state)
+        if old is not None and old.breaker.state != new.breaker.state:
+            breaker = {"instance": agent_id, "from": old.breaker.state, "to": new.breaker.state}
+            self.on_event("breaker", {**breaker, "failures": new.breaker.failures})
+
     def _set_link(self, key: tuple[str, str], b: Breaker) -> None:
+        old = self._links.get(key, CLOSED)
+        if self.on_event is not None and old.state != b.state:
+            self.on_event("link", {"prefill": key[0], "decode": key[1], "from": old.state, "to": b.state})
         old = self._links.get(key, CLOSED)
         if b == CLOSED:
             self._links.pop(key, None)

@@ -149,6 +149,9 @@ class Flow:
             return kv
         # No prefill instance could do it: the decode instance computes the prompt itself.
         gw.metrics.fallback(path_cause)
+        gw.events.publish(
+            "fallback", request_id=self.scheduling.request_id, cause=path_cause, decode=self.decode_id
+        )
         self.fallback = path_cause
         self.mode, self.prefill_id = "colocated", None
         self._set_headers()
@@ -258,6 +261,13 @@ class Flow:
             return False
         gw = self.gw
         gw.metrics.kv_recomputed(p, d, prefilled.prompt_tokens - cached)
+        gw.events.publish(
+            "kv_recomputed",
+            decode=d,
+            prefills=[p],
+            tokens=prefilled.prompt_tokens - cached,
+            requests=[self.scheduling.request_id],
+        )
         gw.registry.leg_failed(d, gw.clock.monotonic(), p, instance_fault=False)
         last = self.attempts[-1]
         self.attempts[-1] = dataclasses.replace(
@@ -292,6 +302,7 @@ class Flow:
             if body is None or d is None:
                 return False
             gw.metrics.resume(cause)
+            gw.events.publish("resume", request_id=self.scheduling.request_id, cause=cause, to=d)
             state.start_leg()
             self.resumes = state.resumes
             self.mode, self.prefill_id, self.decode_id = "colocated", None, d

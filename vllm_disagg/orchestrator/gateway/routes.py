@@ -37,9 +37,10 @@ from vllm_disagg.errors import (
     RequestError,
     UpstreamError,
 )
+from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body, one_token_body
-from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
@@ -210,6 +211,8 @@ class Gateway:
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
         self.session: aiohttp.ClientSession | None = None
         self._urls: dict[tuple[str, str], URL] = {}
+        self.events = EventLog(clock.wall)  # the app hands in the shared log
+        self._live: set[Flow] = set()  # requests in flight, for the admin API
         # What engines are sent as Authorization: the gateway's own key for them (vLLM's --api-key),
         # else (if configured) the client's header, else nothing: a client's credentials never reach
         # an engine by default (docs/security.md).
@@ -293,6 +296,31 @@ class Gateway:
         if n:
             log.warning("instance %s lost (%s): failing over %d in-flight legs", agent_id, reason, n)
 
+    def live_requests(self) -> list[dict[str, Any]]:
+        """Requests in flight now: where they are (stage), on which pair, for how long; oldest first."""
+        now = self.clock.monotonic()
+        out = []
+        for flow in sorted(self._live, key=lambda f: f.t0):
+            reached = [s for s in STAGES if s in flow.stamps]
+            if flow.timing.first_byte is not None:
+                reached.append("first_token")
+            out.append(
+                {
+                    "request_id": flow.scheduling.request_id,
+                    "route": flow.route,
+                    "model": flow.parsed.model,
+                    "stream": flow.parsed.stream,
+                    "mode": flow.mode,
+                    "prefill": flow.prefill_id,
+                    "decode": flow.decode_id,
+                    "stage": reached[-1] if reached else "scheduled",
+                    "age_s": round(now - flow.t0, 3),
+                    "attempts": len(flow.attempts),
+                    "resumes": flow.resumes,
+                }
+            )
+        return out
+
     def kv_audited(self, outcome: Outcome) -> None:
         """The KV audit judged decode legs: count them; where a decode instance computed KV it was
         handed, say so in the records of the requests it may have been."""
@@ -301,6 +329,13 @@ class Gateway:
         if verdict is None:
             return
         note = verdict.note()
+        self.events.publish(
+            "kv_recomputed",
+            decode=verdict.decode,
+            prefills=list(verdict.prefills),
+            tokens=verdict.tokens,
+            requests=[leg.request_id for leg in verdict.legs],
+        )
         for leg in verdict.legs:
             self.request_log.note_kv_check(leg.request_id, note)
         log.warning("%s", note)
@@ -394,6 +429,7 @@ class Gateway:
                     up_headers["Authorization"] = auth
             flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
             flow.stamps["scheduled"] = t_decided
+            self._live.add(flow)
             response = await flow.run()
             timing = flow.timing
             status = 499 if timing.client_gone else (502 if timing.cut else response.status)
@@ -406,6 +442,8 @@ class Gateway:
             status, error = 499, "client disconnected"
             raise
         finally:
+            if flow is not None:
+                self._live.discard(flow)
             self._record(request_id, route, model, streaming, status, error, t0, t_decided, explanation, flow)
 
     def _record(
