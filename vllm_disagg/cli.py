@@ -22,6 +22,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("sim-engine", "vllm_disagg.sim.cli", "run one simulated vLLM engine"),
     ("status", "vllm_disagg.orchestrator.admin_cli", "show the cluster's instances"),
     ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
+    ("remove", "vllm_disagg.orchestrator.admin_cli", "forget a dead instance"),
     ("requests", "vllm_disagg.orchestrator.admin_cli", "recent requests: where each went, and why"),
     (
         "events",

@@ -19,7 +19,7 @@ def admin_routes(app: web.Application) -> list[tuple[str, str]]:
     out = []
     for route in app.router.routes():
         path = route.resource.canonical if route.resource is not None else ""
-        if path.startswith("/admin/") and route.method != "HEAD":
+        if path.startswith("/admin/") and route.method not in ("HEAD", "*"):  # "*": the catch-all
             out.append((route.method, re.sub(r"\{[^}]+\}", "d0", path)))
     return sorted(out)
 
@@ -137,3 +137,45 @@ async def test_the_openapi_document_lists_every_admin_route_and_nothing_else(
     assert [p["name"] for p in paths["/admin/v1/requests"]["get"]["parameters"]] == ["limit"]
     ids = [op["operationId"] for ops in paths.values() for op in ops.values()]
     assert len(ids) == len(set(ids)), "operation ids are unique"
+
+
+async def test_unknown_admin_paths_and_methods_get_the_one_json_error_shape_after_the_token_check(
+    orch_with_agent: tuple[OrchestratorServer, FakeAgent], http: aiohttp.ClientSession
+) -> None:
+    server, _ = orch_with_agent
+    status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/nothing-here")
+    assert status == 401, "an unknown path tells a stranger nothing"
+    status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/nothing-here", ADMIN)
+    assert status == 404 and body["error"]["type"] == "NotFoundError"  # type: ignore[index]
+    status, body, headers = await call(http, "GET", f"{server.url}/admin/v1/instances/d0/drain", ADMIN)
+    assert status == 405 and headers["Allow"] == "POST" and "use POST" in body["error"]["message"]  # type: ignore[index]
+
+
+async def test_scheduler_weights_are_read_and_changed_all_or_nothing(
+    orch_with_agent: tuple[OrchestratorServer, FakeAgent], http: aiohttp.ClientSession
+) -> None:
+    server, _ = orch_with_agent
+    url = f"{server.url}/admin/v1/scheduler/weights"
+    status, body, _ = await call(http, "GET", url, ADMIN)
+    before = body["weights"]
+    assert status == 200 and before["decode"]["queue-scorer"] == 1.0  # type: ignore[index]
+
+    async def put(weights: object) -> tuple[int, dict[str, object]]:
+        async with http.put(url, json={"weights": weights}, headers=ADMIN) as resp:
+            return resp.status, await resp.json()
+
+    for bad, reason in (
+        ({"decode": {"queue-scorer": 2, "no-such-scorer": 1}}, "no scorer 'no-such-scorer'"),
+        ({"decode": {"queue-scorer": -1}}, "a number >= 0"),
+        ({"decode": {"queue-scorer": "heavy"}}, "a number >= 0"),
+        ({"nowhere": {"queue-scorer": 1}}, "no profile 'nowhere'"),
+        ({}, "at least one weight"),
+    ):
+        status, body = await put(bad)
+        assert status == 400 and reason in str(body["error"]), (bad, body)
+    assert (await call(http, "GET", url, ADMIN))[1]["weights"] == before, "nothing was applied"
+    status, body = await put({"decode": {"queue-scorer": 2.5}, "prefill": {"queue-scorer": 0}})
+    assert status == 200
+    after = body["weights"]
+    assert after["decode"]["queue-scorer"] == 2.5 and after["prefill"]["queue-scorer"] == 0.0  # type: ignore[index]
+    assert (await call(http, "GET", url, ADMIN))[1]["weights"] == after

@@ -311,6 +311,8 @@ async def test_metrics_expose_instances_and_requests(
     assert sample(samples, "vllm_disagg_prefill_leg_seconds_count") == 3
     assert sample(samples, "vllm_disagg_time_to_first_byte_seconds_count") == 3
     assert sample(samples, "vllm_disagg_gateway_overhead_seconds_count") == 3
+    assert sample(samples, "vllm_disagg_schedule_seconds_count") == 3
+    assert sample(samples, "vllm_disagg_kv_handoff_seconds_count") == 3, "each request was disaggregated"
 
 
 async def test_status_and_drain_commands_talk_to_the_admin_api(
@@ -465,3 +467,19 @@ async def test_orchestrator_subcommand_refuses_bad_config() -> None:
         _, err = await proc.communicate()
     assert proc.returncode == 2
     assert "heartbeat_timeout_s must exceed heartbeat_interval_s" in err.decode()
+
+
+async def test_remove_forgets_a_dead_instance_but_never_a_live_one(
+    orch: OrchestratorServer, fake_agent: AgentFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    agent = await fake_agent("d0", "http://127.0.0.1:9", "decode")
+    await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
+    assert await asyncio.to_thread(cli_main, ["remove", "d0", "--url", orch.url]) == 1
+    assert "HTTP 409" in capsys.readouterr().err and orch.registry.get("d0") is not None
+    agent.stop_heartbeats()
+    await eventually(lambda: (v := orch.registry.get("d0")) is not None and v.state == "dead", what="d0 dead")
+    assert await asyncio.to_thread(cli_main, ["remove", "d0", "--url", orch.url]) == 0
+    assert capsys.readouterr().out == "removed d0\n"
+    assert orch.registry.get("d0") is None
+    assert await asyncio.to_thread(cli_main, ["remove", "d0", "--url", orch.url]) == 1
+    assert "HTTP 404" in capsys.readouterr().err

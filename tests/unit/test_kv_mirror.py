@@ -222,7 +222,10 @@ def engine_events(program: list[Op]) -> tuple[list[KvEvent], Engine]:
             tokens: list[int] = []
             chain = parent
             prompt = engine.prompts.get(parent, ()) if parent is not None else ()
-            for block in blocks:
+            for drawn in blocks:
+                # A block holds ``engine.size`` tokens and its hash covers them all: one hash, one
+                # content (after a resize, the drawn 4 tokens are repeated to fill an 8-token block).
+                block = drawn * (engine.size // BS)
                 chain = engine.block_hash(chain, block)
                 hashes.append(chain)
                 tokens += block

@@ -517,3 +517,21 @@ def test_a_pairing_whose_link_breaker_is_open_is_not_made() -> None:
     assert registry.get("d") is not None and registry.get("d").state == "ready"  # type: ignore[union-attr]
     registry.leg_failed("d", NOW, partner="p2", instance_fault=False)  # one failure: still usable
     assert {decide(registry.snapshot(), request_id=f"r{n}").prefill for n in range(10)} == {"p2"}
+
+
+def test_new_weights_change_the_very_next_decision_and_its_explanation() -> None:
+    scheduler = PluginScheduler()
+    snap = snapshot(
+        Inst("p", "prefill"), Inst("queued", "decode", queue=8), Inst("full", "decode", queue=0, kv_usage=0.9)
+    )
+    assert decide(snap, scheduler=scheduler).decode == "queued", "by default a full KV cache weighs more"
+    scheduler.update_weights({"decode": {"kv-usage-scorer": 0.0, "queue-scorer": 5.0}})
+    decision = decide(snap, scheduler=scheduler)
+    assert decision.decode == "full", "now the queue decides"
+    scores = {r["id"]: r for r in explain(decision)["decode"]["candidates"]}["full"]["scores"]
+    total = {r["id"]: r for r in explain(decision)["decode"]["candidates"]}["full"]["total"]
+    expected = 5 * scores["queue-scorer"] + scores["tpot-scorer"] + scores["prefix-scorer"]
+    assert total == pytest.approx(expected, abs=1e-5)
+    assert scheduler.weights()["decode"] == {
+        "queue-scorer": 5.0, "kv-usage-scorer": 0.0, "tpot-scorer": 1.0, "prefix-scorer": 1.0
+    }  # fmt: skip

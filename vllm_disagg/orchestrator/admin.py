@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
+from vllm_disagg.errors import BadRequest
 from vllm_disagg.orchestrator import openapi
 from vllm_disagg.orchestrator.auth import guarded
 from vllm_disagg.orchestrator.control import CommandError, ControlPlane
@@ -115,7 +117,9 @@ class Admin:
         describe_scheduler: Callable[[], dict[str, Any]] | None = None,
         events: EventLog | None = None,
         live_requests: Callable[[], list[dict[str, Any]]] | None = None,
+        scheduler: object = None,
     ) -> None:
+        self._scheduler = scheduler
         self._events = events or EventLog(clock.wall)
         self._live_requests = live_requests or list
         self._registry = registry
@@ -125,6 +129,7 @@ class Admin:
         self._clock = clock
         self._describe_scheduler = describe_scheduler
         self._openapi = b"{}"
+        self._patterns: list[tuple[re.Pattern[str], str]] = []
 
     async def health(self, request: web.Request) -> web.Response:
         """200 when at least one decode-capable instance is ready, else 503 with the reason."""
@@ -185,6 +190,17 @@ class Admin:
         snap = self._registry.snapshot()
         return _json({"agent_id": agent_id, "instance": self._instance(view, snap, self._clock.monotonic())})
 
+    async def remove(self, request: web.Request) -> web.Response:
+        """``DELETE /admin/v1/instances/{agent_id}``: forget a dead instance (409 while it is live)."""
+        agent_id = request.match_info["agent_id"]
+        try:
+            self._registry.remove(agent_id)
+        except KeyError:
+            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+        except ValueError as exc:
+            return _error(409, str(exc), "ConflictError")
+        return _json({"agent_id": agent_id, "removed": True})
+
     async def cordon(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances/{agent_id}/cordon``: no new requests; the agent is not told."""
         return await self._cordon(request, True)
@@ -216,6 +232,29 @@ class Admin:
         except ValueError:
             return _error(400, "'limit' must be an integer", "BadRequestError")
         return _json({"requests": [record_json(r) for r in self._request_log.recent(max(0, limit))]})
+
+    async def weights(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""
+        get = getattr(self._scheduler, "weights", None)
+        if get is None:
+            return _error(404, "this scheduler has no weights", "NotFoundError")
+        return _json({"weights": get()})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        """``PUT /admin/v1/scheduler/weights``: ``{"weights": {profile: {scorer: weight}}}``, validated and
+        applied all at once (the next decision uses them); the weights after the change."""
+        update = getattr(self._scheduler, "update_weights", None)
+        if update is None:
+            return _error(404, "this scheduler has no weights", "NotFoundError")
+        try:
+            body = jsonutil.loads(await request.read())
+        except ValueError as exc:
+            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        weights = body.get("weights") if isinstance(body, dict) else None
+        try:
+            return _json({"weights": update(weights)})
+        except BadRequest as exc:
+            return _error(400, exc.message, "BadRequestError")
 
     async def live_requests(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/live-requests``: requests in flight now (stage, pair, age), oldest first."""
@@ -289,12 +328,15 @@ class Admin:
         return [
             AdminRoute("GET", "/admin/v1/openapi.json", self.openapi),
             AdminRoute("GET", "/admin/v1/instances", self.instances),
+            AdminRoute("DELETE", "/admin/v1/instances/{agent_id}", self.remove),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/drain", self.drain),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/undrain", self.undrain),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/shutdown", self.shutdown),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
             AdminRoute("GET", "/admin/v1/scheduler", self.scheduler),
+            AdminRoute("GET", "/admin/v1/scheduler/weights", self.weights),
+            AdminRoute("PUT", "/admin/v1/scheduler/weights", self.update_weights),
             AdminRoute("GET", "/admin/v1/requests", self.requests, limit),
             AdminRoute("GET", "/admin/v1/live-requests", self.live_requests),
             AdminRoute("GET", "/admin/v1/events", self.events, since),
@@ -307,6 +349,20 @@ class Admin:
         self._openapi = jsonutil.dumps(openapi.document(routes))
         for route in routes:
             app.router.add_route(route.method, route.path, guarded(route.handler, token))
+        # Last: anything else under /admin/ gets the one JSON error shape too (after the token check).
+        self._patterns = [(re.compile(openapi.path_regex(r.path)), r.method) for r in routes]
+        app.router.add_route("*", "/admin/{tail:.*}", guarded(self.unknown, token))
+
+    async def unknown(self, request: web.Request) -> web.Response:
+        """No admin route for this method and path: 405 with the allowed methods, else 404."""
+        allowed = sorted({method for pattern, method in self._patterns if pattern.fullmatch(request.path)})
+        if allowed:
+            response = _error(
+                405, f"{request.method} is not allowed here; use {', '.join(allowed)}", "MethodNotAllowed"
+            )
+            response.headers["Allow"] = ", ".join(allowed)
+            return response
+        return _error(404, f"no admin route {request.path} (see /admin/v1/openapi.json)", "NotFoundError")
 
     async def openapi(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/openapi.json``: this API's OpenAPI document, generated from its routes."""

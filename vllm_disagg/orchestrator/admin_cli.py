@@ -52,6 +52,8 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--undo", action="store_true", help="undrain instead")
     if name in ("status", "requests"):
         parser.add_argument("--json", action="store_true", help="the admin API's JSON instead of a table")
+    if name == "remove":
+        parser.add_argument("agent_id", metavar="ID", help="the dead instance to forget")
     if name == "events":
         parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they happen")
         parser.add_argument("--since", type=int, default=0, help="only events after this sequence number")
@@ -174,6 +176,13 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args._name == "events":
             return _events(base, token, args)
+        if args._name == "remove":
+            status, body = _call("DELETE", f"{base}/admin/v1/instances/{args.agent_id}", token)
+            if status != 200:
+                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
+                return 1
+            print(f"removed {args.agent_id}")
+            return 0
         if args._name == "requests":
             path = (
                 f"requests/{args.request_id}" if args.request_id else f"requests?limit={max(0, args.limit)}"

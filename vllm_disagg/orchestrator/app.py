@@ -96,7 +96,15 @@ def build_app(
     registry.on_kv_audit = gateway.kv_audited
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
     admin = Admin(
-        registry, control, metrics, request_log, clock, gateway.describe, events, gateway.live_requests
+        registry,
+        control,
+        metrics,
+        request_log,
+        clock,
+        gateway.describe,
+        events,
+        gateway.live_requests,
+        scheduler,
     )
 
     app = web.Application(client_max_size=config.max_body_bytes)

@@ -140,6 +140,18 @@ class OrchestratorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._schedule = Histogram(
+            "vllm_disagg_schedule_seconds",
+            "From a request's arrival to its scheduling decision (body read, parsed, P and D picked)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self._handoff = Histogram(
+            "vllm_disagg_kv_handoff_seconds",
+            "From the end of a prefill leg to the start of its decode leg (the KV handle's way to D)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self._overhead = Histogram(
             "vllm_disagg_gateway_overhead_seconds",
             "Request duration minus time spent waiting on engines (parsing, scheduling, relaying)",
@@ -234,11 +246,17 @@ class OrchestratorMetrics:
         engine_s: float,
         prefill_s: float | None,
         ttfb_s: float | None,
+        schedule_s: float | None = None,
+        handoff_s: float | None = None,
     ) -> None:
         """Record one finished client request."""
         self._request_children[route, mode, status].inc()
         self._duration_children[route, mode].observe(total_s)
         self._overhead.observe(max(0.0, total_s - engine_s))
+        if schedule_s is not None:
+            self._schedule.observe(schedule_s)
+        if handoff_s is not None:
+            self._handoff.observe(handoff_s)
         if prefill_s is not None:
             self._prefill.observe(prefill_s)
         if ttfb_s is not None:

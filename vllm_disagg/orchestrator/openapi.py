@@ -30,6 +30,13 @@ class AdminRoute:
     query: tuple[tuple[str, str, str], ...] = ()  # (name, JSON schema type, description)
 
 
+def path_regex(path: str) -> str:
+    """A regex matching the concrete paths of a route path (each ``{name}`` one segment)."""
+    return "".join(
+        "[^/]+" if part.startswith("{") else re.escape(part) for part in re.split(r"(\{[^}]+\})", path)
+    )
+
+
 def summary(route: AdminRoute) -> str:
     """The handler docstring's first line, without the leading ``METHOD path``."""
     doc = (route.handler.__doc__ or "").strip().splitlines()

@@ -364,6 +364,22 @@ class Registry:
             self._changed(inst, membership=True)
         return self._views[agent_id]
 
+    def remove(self, agent_id: str) -> InstanceView:
+        """Forget a dead instance (``KeyError`` if unknown, ``ValueError`` if it is still live)."""
+        inst = self._instances[agent_id]
+        if inst.state != "dead":
+            raise ValueError(f"instance {agent_id!r} is {inst.state}: shut it down (or let it die) first")
+        del self._instances[agent_id]
+        view = self._views.pop(agent_id)
+        self._requests_total.pop(agent_id, None)
+        self._version += 1
+        self._membership += 1
+        self._cached = None
+        self._groups = None
+        if self.on_event is not None:
+            self.on_event("removed", {"instance": agent_id})
+        return view
+
     # --- the gateway's outcomes ---------------------------------------------------------------------
 
     def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None:

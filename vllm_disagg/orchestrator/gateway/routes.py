@@ -474,7 +474,11 @@ class Gateway:
             stamps["last_token"] = timing.finished
         prefill_s = flow.prefill_s if flow is not None else None
         engine_s = flow.engine_s if flow is not None else 0.0
-        self.metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb)
+        handoff = None
+        if mode == "disaggregated" and "prefill_end" in stamps and "decode_start" in stamps:
+            handoff = stamps["decode_start"] - stamps["prefill_end"]
+        schedule = t_decided - t0 if flow is not None else None
+        self.metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb, schedule, handoff)
         self.request_log.add(
             RequestRecord(
                 request_id=request_id,

@@ -18,6 +18,7 @@ keeps state beyond a memo of step 1 keyed by membership version, so ``decide`` i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,14 +152,17 @@ class _Profile:
         self.name = name
         self.static = tuple(f for f in filters if not f.PER_REQUEST)
         self.dynamic = tuple(f for f in filters if f.PER_REQUEST)
-        self.scorers = tuple(scorers)
-        self.weights = tuple((s.name, w) for s, w in scorers)
+        self.set_weights(scorers)
         self.picker = picker
         self.max_candidates = max_candidates
         # model -> (eligible agent ids, the stages, the id set) for one registry membership: the
         # static filters read only membership fields, so their result holds until it changes.
         self._memo: dict[str, tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str]]] = {}
         self._memo_of: tuple[int, int] = (0, -1)  # (registry id, membership version)
+
+    def set_weights(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
+        """Replace the scorers' weights (one assignment: a decision sees all old or all new ones)."""
+        self.scorers, self.weights = tuple(scorers), tuple((s.name, w) for s, w in scorers)
 
     def _eligible(
         self, ctx: ProfileContext, population: Sequence[InstanceView]
@@ -354,6 +358,46 @@ class PluginScheduler:
         if choice.mode == "colocated" or ptrace.picked < 0:
             return Decision("colocated", None, d.agent_id, explanation)
         return Decision("disaggregated", ptrace.candidates[ptrace.picked].agent_id, d.agent_id, explanation)
+
+    def weights(self) -> dict[str, dict[str, float]]:
+        """Each profile's scorer weights."""
+        return {name: dict(profile.weights) for name, profile in self._profiles.items()}
+
+    def update_weights(self, changes: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, float]]:
+        """Set some scorers' weights, all or none: ``BadRequest`` for an unknown profile or scorer, or a
+        weight that is not a finite number >= 0. Returns every weight after the change."""
+        if not isinstance(changes, Mapping) or not changes:
+            raise BadRequest("give {profile: {scorer: weight}} with at least one weight", param="weights")
+        staged: dict[str, list[tuple[Scorer, float]]] = {}
+        for name, weights in changes.items():
+            profile = self._profiles.get(name)  # type: ignore[call-overload]
+            if profile is None:
+                raise BadRequest(f"no profile {name!r} (profiles: {sorted(self._profiles)})", param="weights")
+            if not isinstance(weights, Mapping):
+                raise BadRequest(f"profile {name!r}: give {{scorer: weight}}", param="weights")
+            scorers = list(profile.scorers)
+            known = {s.name: i for i, (s, _) in enumerate(scorers)}
+            for scorer, weight in weights.items():
+                if scorer not in known:
+                    raise BadRequest(
+                        f"profile {name!r} has no scorer {scorer!r} (scorers: {sorted(known)})",
+                        param="weights",
+                    )
+                if (
+                    isinstance(weight, bool)
+                    or not isinstance(weight, int | float)
+                    or not 0 <= weight < math.inf
+                ):
+                    raise BadRequest(
+                        f"profile {name!r}, scorer {scorer!r}: a weight is a number >= 0, got {weight!r}",
+                        param="weights",
+                    )
+                i = known[scorer]
+                scorers[i] = (scorers[i][0], float(weight))
+            staged[name] = scorers
+        for name, scorers in staged.items():  # every check passed: apply them all
+            self._profiles[name].set_weights(scorers)  # type: ignore[index]
+        return self.weights()
 
     def pick_prefill(
         self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float, decode: str
