@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_audit import SETTLE_S, DecodeAudit, Outcome, Recomputed
 from vllm_disagg.orchestrator.registry import Registry
@@ -78,6 +80,23 @@ def test_a_scrape_older_than_the_answer_cannot_condemn_it() -> None:
     stale = counters(0, age_s=LATER + 1.0)
     assert audit.observe(stale, 1.5 + LATER + 0.5) == Outcome()
     assert audit.observe(counters(236), 1.5 + LATER + 1.0).recomputed is None
+
+
+def test_a_heartbeat_that_waited_in_the_socket_cannot_condemn_a_leg_that_answered_after_its_scrape() -> None:
+    # The agent's clock runs 100 s ahead of ours; heartbeats normally take 0.01 s to be handled.
+    audit = DecodeAudit("d0", BLOCK)
+    skew = 100.0
+
+    def beat(loaded: int, sent_mono: float, handled_mono: float) -> Outcome:
+        snap = dataclasses.replace(counters(loaded), sent_at=sent_mono + skew)
+        return audit.observe(snap, handled_mono, wall=handled_mono + 0.0)
+
+    assert beat(0, 0.0, 0.01) == Outcome()  # the baseline: 0.01 s is the least delay seen
+    leg(audit, 236, sent=1.0, answered=1.5)
+    # Scraped at 1.2 (before the answer), sent at 1.2, but the orchestrator was starved until 6.0:
+    # with the age alone the scrape would look 4.8 s old and the leg settled, its tokens missing.
+    assert beat(0, 1.2, 6.0) == Outcome()
+    assert beat(236, 6.1, 6.1 + LATER).recomputed is None, "a timely scrape includes it"
 
 
 def test_legs_sent_before_the_first_snapshot_are_not_judged() -> None:

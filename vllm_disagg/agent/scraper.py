@@ -282,7 +282,8 @@ class MetricsScraper:
         age: the orchestrator needs to know how old the counters are to compare them with its own."""
         if self._started_at is None:
             return self._latest
-        return dataclasses.replace(self._latest, age_s=self._clock.monotonic() - self._started_at)
+        age = self._clock.monotonic() - self._started_at
+        return dataclasses.replace(self._latest, age_s=age, sent_at=self._clock.wall())
 
     async def scrape_once(self) -> bool:
         """Fetch and fold in one scrape; False (and the old snapshot kept) when the engine did not answer."""

@@ -324,7 +324,8 @@ class ControlPlane:
     def _on_heartbeat(self, peer: bytes, msg: Heartbeat) -> None:
         agent_id = self._peer_to_agent.get(peer)
         if agent_id is not None:
-            view = self._registry.heartbeat(agent_id, msg, self._clock.monotonic())
+            clock = self._clock
+            view = self._registry.heartbeat(agent_id, msg, clock.monotonic(), clock.wall())
             if view is not None:
                 if view.state == "dead":  # its engine stopped: nothing it cached is there any more
                     self.kv_index.drop(agent_id)

@@ -16,7 +16,10 @@ Why the comparison is sound (no verdict on a healthy engine):
 
 - vLLM counts a request's prompt tokens when it emits the request's first token, before the gateway
   sees that token; a leg that answered by ``scraped - SETTLE_S`` (``scraped``: when the scrape began,
-  from the snapshot's ``age_s``) is in that scrape's counters.
+  from the snapshot's ``age_s``) is in that scrape's counters. A heartbeat may wait in the socket
+  while the orchestrator is starved of CPU (seconds, on a busy host): that wait is the heartbeat's
+  wall-clock delay (``sent_at`` to arrival) beyond the least delay seen from that agent, which absorbs
+  any clock offset between the hosts; it is taken off the horizon too.
 - Only legs sent after the baseline scrape arrived count, so none is in the baseline.
 - Legs are known from when they are sent, so tokens counted before a leg answered are never taken for
   other traffic's.
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 from vllm_disagg.protocol.messages import MetricsSnapshot
@@ -113,6 +117,7 @@ class DecodeAudit:
         self._pending: list[Handover] = []  # answered, not yet surely in a scrape
         self._handed = 0  # tokens of the legs settled since the baseline
         self._recent: list[Handover] = []  # settled at the check before this one, not yet judged
+        self._least_delay = math.inf  # the least (arrival wall - sent_at) seen: clock offset + transit
 
     @property
     def active(self) -> bool:
@@ -137,14 +142,16 @@ class DecodeAudit:
         """The leg failed: it is not judged."""
         self._in_flight.pop(key, None)
 
-    def observe(self, snapshot: MetricsSnapshot, now: float) -> Outcome:
-        """Fold in a heartbeat's snapshot (arrived at ``now``) and judge the legs it settles."""
+    def observe(self, snapshot: MetricsSnapshot, now: float, wall: float | None = None) -> Outcome:
+        """Fold in a heartbeat's snapshot (handled at ``now``, monotonic; ``wall`` the same instant on the
+        wall clock) and judge the legs it settles."""
+        queued = self._queued(snapshot, wall)  # every heartbeat teaches the least delay
         loaded = loaded_tokens(snapshot)
         if loaded is None or self._base is None or loaded < self._last:
             self._restart(loaded)
             return NOTHING
         self._last = loaded
-        horizon = now - snapshot.age_s - SETTLE_S
+        horizon = now - snapshot.age_s - queued - SETTLE_S
         settled = [leg for leg in self._pending if leg.answered_at <= horizon]
         if settled:
             self._pending = [leg for leg in self._pending if leg.answered_at > horizon]
@@ -164,6 +171,14 @@ class DecodeAudit:
                 self._base += -balance - unsettled
         cleared, self._recent = self._recent, settled
         return Outcome(self.decode, loaded=tuple(cleared)) if cleared else NOTHING
+
+    def _queued(self, snapshot: MetricsSnapshot, wall: float | None) -> float:
+        """How long this heartbeat waited beyond the least wait seen from this agent (>= 0)."""
+        if wall is None or not snapshot.sent_at:
+            return 0.0
+        delay = wall - snapshot.sent_at
+        self._least_delay = min(self._least_delay, delay)
+        return delay - self._least_delay
 
     def _restart(self, loaded: int | None) -> None:
         """Start afresh from this counter value (None: the engine does not export it); legs in doubt go."""

@@ -244,8 +244,11 @@ class Registry:
         self._changed(inst, membership=True)
         return self._views[agent_id]
 
-    def heartbeat(self, agent_id: str, hb: Heartbeat, now: float) -> InstanceView | None:
-        """Record a heartbeat; None when ``agent_id`` has no live session (it must say Hello again)."""
+    def heartbeat(
+        self, agent_id: str, hb: Heartbeat, now: float, wall: float | None = None
+    ) -> InstanceView | None:
+        """Record a heartbeat (handled at ``now``; ``wall``: the same instant on the wall clock, for the
+        KV audit); None when ``agent_id`` has no live session (it must say Hello again)."""
         inst = self._instances.get(agent_id)
         if inst is None or inst.state == "dead":
             return None
@@ -258,7 +261,7 @@ class Registry:
         inst.late = False
         self._update(inst, f"engine {hb.engine_state}" if lost else "")
         if inst.audit is not None:
-            self._judge_links(inst.agent_id, inst.audit.observe(hb.metrics, now), now)
+            self._judge_links(inst.agent_id, inst.audit.observe(hb.metrics, now, wall), now)
         return self._views[agent_id]
 
     # --- the KV audit of decode legs (see ``kv_audit``) -------------------------------------------

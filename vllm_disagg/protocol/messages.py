@@ -65,6 +65,7 @@ class MetricsSnapshot:
     prompt_tokens_cached: int | None = None
     prompt_tokens_transferred: int | None = None
     age_s: float = 0.0  # seconds from the start of the scrape to the heartbeat that carries it
+    sent_at: float = 0.0  # agent's wall clock when the heartbeat carrying it was made (0: unknown)
 
 
 @dataclass(frozen=True, slots=True)
