@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 UP_ARGS ?= --prefill 1 --decode 1
 
-.PHONY: up test lint typecheck unit setup setup-test bench clean
+.PHONY: up test lint typecheck unit setup setup-test bench clean chromium
 
 ## up: set up (project + vLLM engine), then run a local 1P1D cluster of real vLLM on the tiny offline
 ## model, serving on http://127.0.0.1:8000 (Ctrl-C stops it)
@@ -41,9 +41,16 @@ $(VENV)/.installed-engine: scripts/setup_engine.sh | $(VENV)/.installed
 	scripts/setup_engine.sh $(VENV)
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed
+# `| chromium` is order-only: checked on every run (cheap) without redoing the pip install.
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed | chromium
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
+
+# tests/browser drive Debian's chromium through Playwright (whose own browser download cannot work
+# here); installed once, when missing (as root, as on the project's machines).
+chromium:
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

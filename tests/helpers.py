@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -148,3 +149,60 @@ def stop_process_group(proc: subprocess.Popen[bytes], timeout: float) -> int | N
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         return None
+
+
+class TcpProxy:
+    """A loopback TCP relay to ``port`` whose open connections a test can cut (``sever``).
+
+    Stands in for a network blip: both ends see their connection reset, and a reconnect goes through.
+    """
+
+    def __init__(self, port: int) -> None:
+        self._target = port
+        self._server: asyncio.Server | None = None
+        self._links: list[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.port = 0
+        self.accepted = 0  # connections relayed so far
+
+    async def start(self) -> TcpProxy:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self.accepted += 1
+        self._links.append((writer, up_writer))
+        for src, dst in ((reader, up_writer), (up_reader, writer)):
+            task = asyncio.create_task(self._pump(src, dst))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    @staticmethod
+    async def _pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(OSError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        dst.transport.abort()
+
+    def sever(self) -> None:
+        """Reset every connection relayed so far (new ones are still accepted)."""
+        for down, up in self._links:
+            down.transport.abort()
+            up.transport.abort()
+        self._links.clear()
+
+    async def close(self) -> None:
+        self.sever()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -19,10 +19,21 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("up", "vllm_disagg.up", "start a whole local cluster (orchestrator, agents, engines)"),
     ("orchestrator", "vllm_disagg.orchestrator.main", "run the orchestrator (gateway, registry, admin)"),
     ("agent", "vllm_disagg.agent.main", "run an agent that launches or attaches to one engine"),
+    (
+        "connect",
+        "vllm_disagg.agent.connect",
+        "attach a running vLLM: discover what it is, then run its agent",
+    ),
     ("sim-engine", "vllm_disagg.sim.cli", "run one simulated vLLM engine"),
     ("status", "vllm_disagg.orchestrator.admin_cli", "show the cluster's instances"),
     ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
     ("remove", "vllm_disagg.orchestrator.admin_cli", "forget a dead instance"),
+    ("role", "vllm_disagg.orchestrator.admin_cli", "change what an instance serves (prefill, decode, both)"),
+    (
+        "add",
+        "vllm_disagg.orchestrator.admin_cli",
+        "attach a running engine by URL (the orchestrator runs its agent)",
+    ),
     ("requests", "vllm_disagg.orchestrator.admin_cli", "recent requests: where each went, and why"),
     (
         "events",

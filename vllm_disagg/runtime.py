@@ -16,6 +16,18 @@ T = TypeVar("T")
 # This interpreter running ``vllm-disagg``: how the cluster's children (agents, engines) are started.
 SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
 
+# The orchestrator's secrets: a child other than the orchestrator (agents, engines, connect) never
+# needs them, and an engine would log them among its unknown variables (vLLM does) or pass them on.
+SECRET_ENV = ("VLLM_DISAGG_ADMIN_TOKEN", "VLLM_DISAGG_ENGINE_API_KEY")
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without ``SECRET_ENV``, plus ``extra``: what children get."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    env.update(extra or {})
+    return env
+
+
 _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 # Loaded once, in the parent: ``_prctl`` runs in forked children (``preexec_fn``), where looking the

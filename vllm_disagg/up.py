@@ -27,7 +27,7 @@ from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token, write_admin_token
 from vllm_disagg.protocol.curve import make_keypair
-from vllm_disagg.runtime import SELF_ARGV, die_with_parent, run_service, signal_group
+from vllm_disagg.runtime import SELF_ARGV, child_env, die_with_parent, run_service, signal_group
 
 DEFAULT_MODELS = {"vllm": "tiny", "sim": "sim-model"}
 # Real vLLM on a small CPU machine: a cold start of two instances side by side took 92 s here.
@@ -230,9 +230,14 @@ class LocalCluster:
 
 
 async def spawn(argv: list[str], env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
-    """A child in its own process group that dies with this process."""
+    """A child in its own process group that dies with this process; without ``env``, ours minus the
+    orchestrator's secrets (``child_env``)."""
     return await asyncio.create_subprocess_exec(
-        *argv, env=env, start_new_session=True, preexec_fn=die_with_parent, stdin=asyncio.subprocess.DEVNULL
+        *argv,
+        env=child_env() if env is None else env,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        stdin=asyncio.subprocess.DEVNULL,
     )
 
 
@@ -259,7 +264,7 @@ async def fetch_instances(
             if resp.status != 200:
                 return None
             body = jsonutil.loads(await resp.read())
-    except (aiohttp.ClientError, ValueError):
+    except (aiohttp.ClientError, TimeoutError, ValueError):  # a busy orchestrator may answer late
         return None
     items = body.get("instances") if isinstance(body, dict) else body
     return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else None

@@ -193,9 +193,10 @@ def cluster(
     try:
         try:
             eventually_sync(
-                lambda: proc.poll() is None and "instances ready" in log.read_text(),
+                lambda: proc.poll() is not None or "instances ready" in log.read_text(),
                 timeout=START_TIMEOUT_S + 60, interval=0.5, what="up ready",
             )  # fmt: skip
+            assert proc.poll() is None, f"up exited with {proc.returncode}"
         except AssertionError:
             _stop(running)
             raise AssertionError(log.read_text()[-5000:]) from None

@@ -139,9 +139,10 @@ def up(tiny_model: Path, reference: dict[str, str], tmp_path_factory: pytest.Tem
     running = Up(proc, f"http://127.0.0.1:{port}")
     try:
         eventually_sync(
-            lambda: proc.poll() is None and "instances ready" in log.read_text(),
+            lambda: proc.poll() is not None or "instances ready" in log.read_text(),
             timeout=START_TIMEOUT_S + 60, interval=0.5, what="up ready",
         )  # fmt: skip
+        assert proc.poll() is None, f"up exited with {proc.returncode}: {log.read_text()[-5000:]}"
         yield running
     finally:
         stop_process_group(proc, timeout=120)

@@ -171,8 +171,44 @@ async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp
     await eventually(lambda: not engine_pids(running.engine_ports), timeout=15, what="no orphan processes")
 
 
+async def test_a_decode_instance_turned_prefill_by_the_operator_serves_prefill_legs(tmp_path: Path) -> None:
+    running = start_up(tmp_path, prefill=1, decode=2)
+    try:
+        async with aiohttp.ClientSession() as session:
+            url = f"{running.base}/admin/v1/instances/decode-1/role"
+            async with session.post(url, json={"role": "prefill"}, headers=ADMIN) as resp:
+                assert resp.status == 200, await resp.text()
+            # Only decode-1 may prefill now: the operator cordons the original prefill instance.
+            async with session.post(
+                f"{running.base}/admin/v1/instances/prefill-0/cordon", headers=ADMIN
+            ) as resp:
+                assert resp.status == 200, await resp.text()
+            for i in range(4):
+                prompt = f"prefilled by a former decode instance {i}"
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+                status, raw, headers = await _post(session, running.base + "/v1/completions", body)
+                assert status == 200, raw
+                pair = (headers["X-Disagg-Mode"], headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"])
+                assert pair == ("disaggregated", "decode-1", "decode-0"), pair
+                assert jsonutil.loads(raw)["choices"][0]["text"] == expected_text(prompt, 4)
+        changed = next(i for i in running.instances() if i["agent_id"] == "decode-1")
+        assert (changed["role"], changed["session"], changed["state"]) == ("prefill", 1, "ready"), changed
+    finally:
+        assert stop(running) == 0
+
+
 def _is_agent(pid: int) -> bool:
     return "\x00agent\x00" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+
+
+def test_the_admin_token_reaches_the_orchestrator_only_never_an_agent_or_engine(cluster: Cluster) -> None:
+    # This test process holds the token in its environment (tests/conftest.py), as an operator's shell
+    # may: ``up`` passes it on to the orchestrator alone.
+    pids = engine_pids(cluster.engine_ports)
+    assert len(pids) >= 2 * len(cluster.engine_ports)  # an agent and an engine per instance
+    for pid in pids:
+        names = [e.split(b"=", 1)[0] for e in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
+        assert ENV_ADMIN_TOKEN.encode() not in names, f"pid {pid} has the admin token in its environment"
 
 
 def test_up_stops_everything_on_sigterm(cluster: Cluster) -> None:

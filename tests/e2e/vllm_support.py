@@ -8,7 +8,7 @@ import random
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,18 +50,29 @@ def running_vllm(cfg: AgentConfig, log: Path) -> Iterator[str]:
         yield base
 
 
+def _engine_preexec() -> None:
+    """As ``up`` runs engines: dying with the test, and niced (two engines spinning on this box's two
+    cores otherwise starve the orchestrator and agents of CPU for seconds)."""
+    die_with_parent()
+    os.nice(10)
+
+
 @contextlib.contextmanager
-def running_vllms(engines: list[tuple[AgentConfig, Path]]) -> Iterator[tuple[str, ...]]:
+def running_vllms(
+    engines: list[tuple[AgentConfig, Path]], env: Mapping[str, Mapping[str, str]] | None = None
+) -> Iterator[tuple[str, ...]]:
     """Several engines started side by side (a cold start is a minute or more here); their base URLs
-    once all are healthy. On exit each process group is stopped as ``running_vllm`` does."""
+    once all are healthy. ``env``: more variables for an engine, by agent id. On exit each process
+    group is stopped as ``running_vllm`` does."""
     command = VllmEngineCommand()
     procs: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         for cfg, log in engines:
             with log.open("wb") as out:
+                more = (env or {}).get(cfg.agent_id, {})
                 proc = subprocess.Popen(
-                    command.argv(cfg), env={**os.environ, **command.env(cfg)}, stdout=out,
-                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+                    command.argv(cfg), env={**os.environ, **command.env(cfg), **more}, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_engine_preexec,
                 )  # fmt: skip
             procs.append((proc, f"http://127.0.0.1:{cfg.engine_port}", log))
 

@@ -81,7 +81,10 @@ class LoopThread:
 
 
 class RawPeer:
-    """A blocking ZeroMQ DEALER with a chosen routing id: it sends any bytes, as a bad agent would."""
+    """A blocking ZeroMQ DEALER that sends any bytes, as a bad agent would.
+
+    It chooses its routing id (agents leave that to the orchestrator's ROUTER; a bad peer may not).
+    """
 
     def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, identity: bytes) -> None:
         self.sock = ctx.socket(zmq.DEALER)

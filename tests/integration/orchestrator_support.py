@@ -68,7 +68,6 @@ class FakeAgent:
         protocol_version: int = PROTOCOL_VERSION,
         auto_ack: bool = True,
         curve: ClientCurve | None = None,
-        identity: str = "",
         info: InstanceInfo | None = None,
     ) -> None:
         self.agent_id = agent_id
@@ -76,11 +75,11 @@ class FakeAgent:
         self.interval_s = interval_s
         self.protocol_version = protocol_version
         self.auto_ack = auto_ack
+        self.role_refusal = ""  # when set, a set_role is answered with this error (the engine cannot)
         self.engine_state: EngineState = "ready"
         self.draining = False
         self.metrics = MetricsSnapshot()  # what the heartbeats report
-        # ``identity``: the socket's routing id, the agent id unless a test forges one.
-        self.transport = DealerTransport(endpoint, identity or agent_id, curve=curve)
+        self.transport = DealerTransport(endpoint, curve=curve)
         self.inbox: asyncio.Queue[Welcome | Refuse] = asyncio.Queue()
         self.commands: list[Command] = []
         self.refusals: list[Refuse] = []
@@ -109,7 +108,10 @@ class FakeAgent:
                 elif msg.kind == "undrain":
                     self.draining = False
                 if self.auto_ack:
-                    self.transport.send(Ack(id=msg.id, ok=True))
+                    refused = msg.kind == "set_role" and self.role_refusal
+                    self.transport.send(
+                        Ack(id=msg.id, ok=not refused, error=self.role_refusal if refused else "")
+                    )
             elif isinstance(msg, Refuse):
                 self.refusals.append(msg)
                 await self.inbox.put(msg)

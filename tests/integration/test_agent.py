@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import cli_argv, eventually, free_port
 from vllm_disagg.agent.session import EXIT_REFUSED
-from vllm_disagg.config import SimEngineConfig
+from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -40,7 +40,6 @@ from vllm_disagg.sim.engine import SimServer, start_engine
 M = TypeVar("M", bound=Message)
 
 AGENT_ID = "agent-under-test"
-PEER = AGENT_ID.encode()
 HEARTBEAT_S = 0.05
 DEADLINE_S = 60.0  # generous: a shared 2-core machine starts Python processes slowly
 
@@ -52,6 +51,7 @@ class FakeOrchestrator:
         self.router = RouterTransport(endpoint)
         self.endpoint = self.router.endpoint
         self.seen: list[Incoming] = []
+        self.peer = b""  # the agent's connection (of its last Hello): what it sends comes on it
 
     async def next(
         self, kind: type[M], where: Callable[[M], bool] = lambda _: True, *, timeout: float = DEADLINE_S
@@ -68,7 +68,9 @@ class FakeOrchestrator:
                 continue
             self.seen.append(incoming)
             assert incoming.error is None, f"the agent sent a bad frame: {incoming.error}"
-            assert incoming.peer == PEER
+            if isinstance(incoming.message, Hello) or not self.peer:  # a restarted one hears heartbeats
+                self.peer = incoming.peer
+            assert incoming.peer == self.peer, "the agent's frames come on the connection that said Hello"
             if isinstance(incoming.message, kind) and where(incoming.message):
                 return incoming.message
 
@@ -76,7 +78,7 @@ class FakeOrchestrator:
         return [i.message.TAG if i.message else "<error>" for i in self.seen]
 
     def send(self, message: Message) -> None:
-        assert self.router.send(PEER, message), f"could not send {message.TAG}: agent not connected"
+        assert self.router.send(self.peer, message), f"could not send {message.TAG}: agent not connected"
 
     async def welcome(self) -> Hello:
         """Wait for Hello and accept it with a fast heartbeat."""
@@ -177,7 +179,8 @@ def spawn_agent(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
 
 @pytest.fixture
 async def sim_engine() -> AsyncIterator[SimServer]:
-    server = await start_engine(SimEngineConfig(port=0))
+    # Not the agent's defaults: an attached agent must report what the engine says, not what it assumed.
+    server = await start_engine(SimEngineConfig(port=0, max_model_len=2048, timing=SimTiming(block_size=32)))
     try:
         yield server
     finally:
@@ -191,15 +194,22 @@ def dead_url() -> str:
 async def test_attached_agent_says_hello_with_its_instance_and_heartbeats_follow_the_engine(
     orchestrator: FakeOrchestrator, spawn_agent: Callable[..., AgentProcess], sim_engine: SimServer
 ) -> None:
-    agent = spawn_agent(orchestrator.endpoint, "--attach", sim_engine.url, "--block-size", "32")
+    agent = spawn_agent(orchestrator.endpoint, "--attach", sim_engine.url, "--block-size", "64")
     hello = await orchestrator.welcome()
     assert hello == Hello(
         protocol_version=PROTOCOL_VERSION,
         agent_id=AGENT_ID,
         instance=InstanceInfo(
-            url=sim_engine.url, role="decode", model="sim-model", engine="sim", block_size=32
+            url=sim_engine.url,
+            role="decode",
+            model="sim-model",
+            engine="sim",
+            block_size=32,
+            max_model_len=2048,
         ),
-    )
+        incarnation=hello.incarnation,
+    ), "the engine's own block size and context length (vllm:cache_config_info, /v1/models), not the flag's"
+    assert len(hello.incarnation) == 16
     ready = await orchestrator.next(Heartbeat, lambda h: h.engine_state == "ready")
     later = await orchestrator.next(Heartbeat)
     assert later.seq > ready.seq
@@ -255,7 +265,7 @@ async def test_drain_is_acked_and_carried_by_heartbeats_and_garbage_from_the_orc
     await orchestrator.welcome()
     assert not (await orchestrator.next(Heartbeat)).draining
 
-    assert orchestrator.router.send_raw(PEER, b"\xc1 not msgpack")
+    assert orchestrator.router.send_raw(orchestrator.peer, b"\xc1 not msgpack")
     orchestrator.send(Hello(PROTOCOL_VERSION, "x", InstanceInfo("u", "both", "m")))  # wrong direction
     orchestrator.send(Command(id=7, kind="drain"))
     assert await orchestrator.next(Ack) == Ack(id=7, ok=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +19,15 @@ from tests.helpers import ADMIN, eventually
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, sample, scrape
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.codec import encode
-from vllm_disagg.protocol.curve import ClientCurve, Keypair, load_keypair, load_public, make_keypair
+from vllm_disagg.protocol.curve import (
+    ClientCurve,
+    Keypair,
+    load_keypair,
+    load_public,
+    make_keypair,
+    setup_client,
+)
 from vllm_disagg.protocol.messages import PROTOCOL_VERSION, Hello, InstanceInfo, Refuse, Welcome
-from vllm_disagg.protocol.transport import DealerTransport
 
 _HANDSHAKE_EVENTS = (
     zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -60,14 +66,25 @@ async def keyed(tmp_path: Path) -> AsyncIterator[Keyed]:
         await server.close()
 
 
-async def handshake(transport: DealerTransport) -> int:
-    """The first handshake outcome of a DEALER (a ZMQ monitor event), once it happens."""
-    monitor: zmq.asyncio.Socket = transport._sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+@contextlib.contextmanager
+def forged_dealer(
+    endpoint: str, curve: ClientCurve | None
+) -> Iterator[tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]]:
+    """A DEALER and a monitor of its handshakes, attached before it connects (so none is missed)."""
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        setup_client(sock, curve)
+    monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
+    sock.connect(endpoint)
     try:
-        return int(parse_monitor_message(await monitor.recv_multipart())["event"])
+        yield sock, monitor
     finally:
-        transport._sock.disable_monitor()
-        monitor.close()
+        sock.disable_monitor()
+        monitor.close(linger=0)
+        sock.close(linger=0)
+        ctx.term()
 
 
 async def test_a_keyed_agent_is_welcomed_and_its_frames_carry_its_id(keyed: Keyed) -> None:
@@ -92,21 +109,18 @@ async def test_a_peer_without_a_listed_key_cannot_connect_nor_make_the_orchestra
             load_keypair(str(keyed.keys / "elsewhere" / "forger.key_secret")),
             load_public(str(keyed.keys / "orchestrator.key")),
         )
-    forged = DealerTransport(keyed.server.zmq_endpoint, "forger", curve=curve)
-    try:
-        outcome = asyncio.ensure_future(handshake(forged))
+    with forged_dealer(keyed.server.zmq_endpoint, curve) as (forged, monitor):
         hello = Hello(PROTOCOL_VERSION, "forger", InstanceInfo("http://127.0.0.1:9", "decode", MODEL))
-        forged.send_raw(encode(hello))
         # A multi-part message of many large parts: refused before libzmq would buffer a byte of it.
-        with contextlib.suppress(zmq.Again):  # nothing may even be queued before a handshake
-            forged._sock.send_multipart([b"x" * (1 << 20)] * 64, flags=zmq.NOBLOCK)
-        event = await asyncio.wait_for(outcome, 30)
+        for parts in ([encode(hello)], [b"x" * (1 << 20)] * 64):
+            with contextlib.suppress(zmq.Again):  # a DEALER queues up to its high-water mark, no more
+                await forged.send_multipart(parts, flags=zmq.NOBLOCK)
+        raw = await asyncio.wait_for(monitor.recv_multipart(), 30)
+        event = parse_monitor_message(raw)["event"]
         if curve is not None:
             assert event == zmq.EVENT_HANDSHAKE_FAILED_AUTH, event
         else:  # a peer without CURVE fails on the mechanism, before any authentication
             assert event in (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL), event
-    finally:
-        forged.close()
     samples = await scrape(http, keyed.server.url)
     if curve is not None:  # the orchestrator's authenticator said no (a keyless peer fails before it)
         await eventually(lambda: keyed.server.registry.get("forger") is None, what="nothing registered")
@@ -124,7 +138,7 @@ async def test_a_peer_without_a_listed_key_cannot_connect_nor_make_the_orchestra
 
 async def test_another_agents_key_cannot_say_hello_as_someone_else(keyed: Keyed) -> None:
     forger = FakeAgent(
-        keyed.server.zmq_endpoint, "d0", "http://127.0.0.1:9", "decode", curve=keyed.curve("d1"), identity="x"
+        keyed.server.zmq_endpoint, "d0", "http://127.0.0.1:9", "decode", curve=keyed.curve("d1")
     )
     try:
         answer = await forger.hello()
@@ -138,11 +152,13 @@ async def test_another_agents_key_cannot_say_hello_as_someone_else(keyed: Keyed)
 async def test_without_keys_a_live_agents_id_cannot_be_taken_over() -> None:
     server = await start_orchestrator(orch_config(), shutdown_timeout_s=1.0)
     real = FakeAgent(server.zmq_endpoint, "d0", "http://127.0.0.1:9", "decode")
-    forger = FakeAgent(server.zmq_endpoint, "d0", "http://127.0.0.1:666", "decode", identity="forger")
+    forger = FakeAgent(server.zmq_endpoint, "d0", "http://127.0.0.1:666", "decode")
     try:
         await real.join()
         answer = await forger.hello()
         assert isinstance(answer, Refuse) and answer.code == "agent_id_in_use", answer
+        notice = await asyncio.wait_for(real.inbox.get(), 10)
+        assert isinstance(notice, Refuse) and notice.code == "agent_id_in_use", "the real agent is told"
         view = server.registry.get("d0")
         assert view is not None and (view.session, view.info.url) == (1, "http://127.0.0.1:9")
         seen = view.heartbeats

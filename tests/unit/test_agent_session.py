@@ -62,7 +62,7 @@ def new_session(transport: DealerTransport) -> AgentSession:
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[RouterTransport, DealerTransport]]:
     router = RouterTransport("tcp://127.0.0.1:0")
-    dealer = DealerTransport(router.endpoint, "a1")
+    dealer = DealerTransport(router.endpoint)
     try:
         yield router, dealer
     finally:
@@ -108,9 +108,9 @@ async def test_commands_are_acked_and_shutdown_ends_the_session_with_exit_0(
     try:
         first = await asyncio.wait_for(router.recv(), 30)
         assert isinstance(first.message, Hello)
-        assert router.send(b"a1", WELCOME)
-        assert router.send(b"a1", Command(5, "drain"))
-        assert router.send(b"a1", Command(6, "shutdown"))
+        assert router.send(first.peer, WELCOME)
+        assert router.send(first.peer, Command(5, "drain"))
+        assert router.send(first.peer, Command(6, "shutdown"))
         end = await asyncio.wait_for(run, 30)
     finally:
         run.cancel()
@@ -129,8 +129,8 @@ async def test_a_version_mismatch_ends_the_session_with_the_refused_exit_code(
     router, dealer = pair
     run = asyncio.create_task(new_session(dealer).run())
     try:
-        await asyncio.wait_for(router.recv(), 30)
-        assert router.send(b"a1", Refuse("version_mismatch", "v9 only"))
+        hello = await asyncio.wait_for(router.recv(), 30)
+        assert router.send(hello.peer, Refuse("version_mismatch", "v9 only"))
         end = await asyncio.wait_for(run, 30)
     finally:
         run.cancel()
@@ -150,3 +150,31 @@ async def test_a_burst_of_refused_heartbeats_triggers_one_hello_not_one_each(
     for _ in range(3):
         session.handle(Refuse("unknown_agent", "who?"))
     assert not session._wake.is_set()  # later refusals wait for the Hello backoff instead
+
+
+async def test_set_role_is_acked_and_the_hello_says_it_from_then_on_unless_the_engine_cannot(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    router, dealer = pair
+    session = new_session(dealer)
+    session.role_refusal = lambda role: "it was launched as a producer" if role == "decode" else ""
+    run = asyncio.create_task(session.run())
+    try:
+        hello = await asyncio.wait_for(router.recv(), 30)
+        assert router.send(hello.peer, WELCOME)
+        for command in (Command(1, "set_role", {"role": "decode"}), Command(2, "set_role", {"role": "chef"})):
+            assert router.send(hello.peer, command)
+        assert router.send(hello.peer, Command(3, "set_role", {"role": "prefill"}))
+        acks: list[Ack] = []
+        while len(acks) < 3:
+            incoming = await asyncio.wait_for(router.recv(), 30)
+            if isinstance(incoming.message, Ack):
+                acks.append(incoming.message)
+    finally:
+        run.cancel()
+    assert acks == [
+        Ack(1, False, "it was launched as a producer"),
+        Ack(2, False, "unknown role 'chef'; one of ['prefill', 'decode', 'both']"),
+        Ack(3, True),
+    ]
+    assert session.instance.role == "prefill" and session.registered, "no new Hello: the session goes on"

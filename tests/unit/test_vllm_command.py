@@ -114,6 +114,22 @@ def test_the_engine_is_vllm_serve_of_the_model_path_with_the_verified_cpu_flags(
     assert {k: got.get(k) for k in expected} == expected
 
 
+def test_on_cuda_dtype_eager_mode_and_batch_size_are_vllms_own_unless_the_user_gives_them() -> None:
+    got = flags(vllm_argv(agent(), "cuda"))
+    assert not {"--dtype", "--enforce-eager", "--max-num-seqs"} & set(got), got
+    assert got["--block-size"] == "16"  # vLLM's CUDA default, said so the orchestrator knows it
+    mine = agent(extra_engine_args=("--dtype", "bfloat16", "--max-num-seqs", "256"))
+    assert {k: flags(vllm_argv(mine, "cuda"))[k] for k in ("--dtype", "--max-num-seqs")} == {
+        "--dtype": "bfloat16",
+        "--max-num-seqs": "256",
+    }
+
+
+def test_on_cpu_the_users_flags_win_over_the_test_settings() -> None:
+    argv = vllm_argv(agent(extra_engine_args=("--dtype", "bfloat16")), "cpu")
+    assert flags(argv)["--dtype"] == "bfloat16"  # the last one given is the one vLLM takes
+
+
 def test_kv_events_are_published_on_a_bound_pub_socket_at_the_configured_port() -> None:
     cfg = agent(kv_events_port=5557)
     events = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-events-config"])

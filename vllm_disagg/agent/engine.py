@@ -33,7 +33,7 @@ from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.procfs import group_members
 from vllm_disagg.protocol.messages import EngineState, InstanceInfo
-from vllm_disagg.runtime import SELF_ARGV, engine_preexec, signal_group
+from vllm_disagg.runtime import SELF_ARGV, child_env, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class EngineSupervisor:
         self._proc = subprocess.Popen(
             argv,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **self._command.env(self._cfg)},
+            env=child_env(dict(self._command.env(self._cfg))),
             start_new_session=True,
             preexec_fn=engine_preexec(self._cfg.engine_nice),
         )

@@ -12,14 +12,15 @@ import sys
 
 import aiohttp
 
+from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_refusal
 from vllm_disagg.agent.engine import EngineSupervisor, instance_info
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
 from vllm_disagg.agent.scraper import MetricsScraper
-from vllm_disagg.agent.session import AgentSession, SessionEnd
+from vllm_disagg.agent.session import EXIT_REFUSED, AgentSession, SessionEnd
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public
-from vllm_disagg.protocol.messages import ROLES
+from vllm_disagg.protocol.messages import ROLES, EngineState
 from vllm_disagg.protocol.transport import DealerTransport
 from vllm_disagg.runtime import become_subreaper, reap_children, run_service
 
@@ -87,7 +88,9 @@ def client_curve(cfg: AgentConfig) -> ClientCurve | None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``agent`` flags; defaults are ``AgentConfig``'s."""
-    parser.add_argument("--agent-id", required=True, help="unique id; also the ZeroMQ routing id")
+    parser.add_argument(
+        "--agent-id", required=True, help="unique id of the instance (said in the agent's Hello)"
+    )
     parser.add_argument("--role", required=True, choices=ROLES, help="what the orchestrator may use it for")
     parser.add_argument("--engine", choices=("sim", "vllm"), default=_DEFAULT.engine, help="engine kind")
     for flag, name, kind, help_text in _AGENT_FLAGS:
@@ -118,11 +121,15 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the agent until SIGTERM/SIGINT, a shutdown command, or a final refusal."""
-    cfg = config_from_args(args)
+    return run_config(config_from_args(args), args.log_level)
+
+
+def run_config(cfg: AgentConfig, log_level: str = "INFO") -> int:
+    """Run the agent ``cfg`` describes (as ``run``; ``connect`` builds its config from the engine)."""
     instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
     client_curve(cfg)  # and key files that will not do
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=log_level.upper(),
         stream=sys.stderr,
         format=f"%(asctime)s agent {cfg.agent_id} %(levelname)s %(name)s: %(message)s",
     )
@@ -143,17 +150,32 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
         scraper = MetricsScraper(
             cfg.engine_url, http, clock, interval_s=cfg.scrape_interval_s, window_s=cfg.metrics_window_s
         )
-        transport = DealerTransport(cfg.orchestrator, cfg.agent_id, curve=client_curve(cfg))
+        attached = AttachedEngine(cfg, http) if cfg.attach_url else None
+        info = instance_info(cfg)
+        if attached is not None:
+            try:
+                info = await attached.first_look() or info
+            except DiscoveryError as exc:
+                print(f"vllm-disagg agent {cfg.agent_id}: {exc}", file=sys.stderr, flush=True)
+                return EXIT_REFUSED
+        transport = DealerTransport(cfg.orchestrator, curve=client_curve(cfg))
         session = AgentSession(
-            transport,
-            cfg.agent_id,
-            instance_info(cfg),
-            engine_state=lambda: engine.state,
-            metrics=scraper.latest,
+            transport, cfg.agent_id, info, engine_state=lambda: engine.state, metrics=scraper.latest
         )
-        # An engine that exits or turns unhealthy is reported at once: detection does not wait a beat.
-        engine.on_state = lambda _state: session.report_now()
+
+        def on_state(state: EngineState) -> None:
+            # An engine that exits or turns unhealthy is reported at once: detection does not wait a beat.
+            session.report_now()
+            if attached is not None:
+                attached.engine_state(state)
+
+        engine.on_state = on_state
+        session.role_refusal = lambda role: role_refusal(cfg, role, attached.facts if attached else None)
+        if attached is not None:
+            attached.session = session
         endpoint = forwarder_endpoint(cfg)
+        if not endpoint and attached is not None and attached.facts is not None:
+            endpoint = attached.facts.kv_events_endpoint  # the engine said where it publishes
         forwarder = KvEventForwarder(endpoint, session) if endpoint else None
         if forwarder is not None:
             engine.on_restart = forwarder.engine_restarted
@@ -171,6 +193,8 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
                 session.goodbye(end.reason)
             return end.exit_code
         finally:
+            if attached is not None:
+                await attached.close()
             await engine.stop()
             transport.close(linger_ms=GOODBYE_LINGER_MS)
 

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_disagg.errors import VersionMismatch
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
+    ROLES,
     Ack,
     Command,
     EngineState,
@@ -28,6 +31,7 @@ from vllm_disagg.protocol.messages import (
     Message,
     MetricsSnapshot,
     Refuse,
+    Role,
     Welcome,
 )
 from vllm_disagg.protocol.transport import DealerTransport
@@ -76,7 +80,12 @@ class AgentSession:
         heartbeat_interval_s: float = 0.25,
     ) -> None:
         self._transport = transport
-        self._hello = Hello(protocol_version=PROTOCOL_VERSION, agent_id=agent_id, instance=instance)
+        self._hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            agent_id=agent_id,
+            instance=instance,
+            incarnation=secrets.token_hex(8),
+        )
         self._engine_state = engine_state
         self._metrics = metrics
         self._rng = rng or random.Random()
@@ -88,13 +97,15 @@ class AgentSession:
         self.seq = 0  # of the last heartbeat sent; grows for the agent's whole life
         self.hellos_sent = 0
         self.welcomes = 0  # sessions started (a repeated Welcome counts: each may follow a new Hello)
+        # Why the engine cannot serve a role ("" when it can): asked before a ``set_role`` is obeyed.
+        self.role_refusal: Callable[[Role], str] = lambda _role: ""
         # Called on every Welcome, registered already: the orchestrator has just dropped (or never had)
         # what it knew of this instance beyond the Hello, e.g. its KV index entries.
         self.on_welcome: Callable[[], None] | None = None
 
     @property
     def agent_id(self) -> str:
-        """This agent's id (also its ZeroMQ routing id)."""
+        """This agent's id (what its Hello says)."""
         return self._hello.agent_id
 
     async def run(self) -> SessionEnd:
@@ -107,6 +118,20 @@ class AgentSession:
             reader.cancel()
             talker.cancel()
         return end
+
+    @property
+    def instance(self) -> InstanceInfo:
+        """What this agent's Hello says about its engine."""
+        return self._hello.instance
+
+    def set_instance(self, instance: InstanceInfo) -> None:
+        """Say Hello again with ``instance`` (the attached engine turned out, or became, different);
+        the orchestrator starts a new session for it."""
+        if instance == self._hello.instance:
+            return
+        self._hello = dataclasses.replace(self._hello, instance=instance)
+        self.registered = False
+        self._poke()
 
     def send_kv_events(self, message: KvEvents) -> bool:
         """Forward engine KV events; False (nothing sent) while not registered or not connected."""
@@ -179,9 +204,29 @@ class AgentSession:
             self._transport.send(Ack(id=command.id, ok=True))
             self._finish(SessionEnd(EXIT_OK, "shutdown command", command.id))
             return
+        if command.kind == "set_role":
+            self._transport.send(self._set_role(command))
+            return
         self.draining = command.kind == "drain"
         self._transport.send(Ack(id=command.id, ok=True))
         self._poke()  # let the orchestrator see the new draining flag at once
+
+    def _set_role(self, command: Command) -> Ack:
+        """Take the role the orchestrator asks for, if the engine can serve it; the Ack says which.
+
+        No new Hello: the orchestrator applies the role when the Ack says yes (the session, and the
+        requests on it, go on), and the Hello says it from now on (a reconnect resumes the session)."""
+        role = command.args.get("role", "")
+        if role not in ROLES:
+            return Ack(id=command.id, ok=False, error=f"unknown role {role!r}; one of {list(ROLES)}")
+        why = self.role_refusal(role)
+        if why:
+            log.warning("refusing to become %s: %s", role, why)
+            return Ack(id=command.id, ok=False, error=why)
+        instance = dataclasses.replace(self._hello.instance, role=role)
+        self._hello = dataclasses.replace(self._hello, instance=instance)
+        log.info("now serving as %s", role)
+        return Ack(id=command.id, ok=True)
 
     async def _talk_loop(self) -> None:
         attempt = 0

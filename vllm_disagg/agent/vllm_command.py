@@ -31,7 +31,11 @@ BLOCK_SIZES: Mapping[Device, int] = {"cpu": 128, "cuda": 16}  # vLLM's own defau
 SIDE_CHANNEL_PORT_OFFSET = 1000
 KV_EVENTS_PORT_OFFSET = 2000
 KV_EVENTS_TOPIC = "kv-events"
-DTYPE = "float32"  # the tiny test model is float32; override with extra_engine_args for real models
+# What the CPU build needs on this project's machines (and the tiny float32 test model): float32,
+# eager mode (torch.compile's warm-up nearly triples start-up on CPU for no gain on a tiny model) and a
+# small batch. Never forced on CUDA, where vLLM's own defaults (dtype auto, CUDA graphs, its batch
+# size) are what an operator expects; ``extra_engine_args`` (appended last) override either way.
+CPU_DTYPE = "float32"
 
 
 def detect_device() -> Device:
@@ -99,6 +103,13 @@ def _require_model_path(cfg: AgentConfig) -> None:
         raise ConfigError("agent.model_path is required to launch vLLM (build one: vllm-disagg model tiny)")
 
 
+def cpu_flags(cfg: AgentConfig, device: Device) -> list[str]:
+    """dtype, eager mode and batch size where the CPU build needs them; none on CUDA."""
+    if device != "cpu":
+        return []
+    return ["--dtype", CPU_DTYPE, "--max-num-seqs", str(cfg.sim.max_num_seqs), "--enforce-eager"]
+
+
 def vllm_argv(cfg: AgentConfig, device: Device) -> list[str]:
     """The vLLM OpenAI server's command line for ``cfg`` on ``device``."""
     _require_model_path(cfg)
@@ -116,14 +127,9 @@ def vllm_argv(cfg: AgentConfig, device: Device) -> list[str]:
         str(cfg.engine_port),
         "--max-model-len",
         str(cfg.max_model_len),
-        "--dtype",
-        DTYPE,
-        "--max-num-seqs",
-        str(cfg.sim.max_num_seqs),
+        *cpu_flags(cfg, device),
         "--block-size",
         str(effective_block_size(cfg, device)),
-        # torch.compile warm-up nearly triples start-up time on CPU for no gain on a tiny model.
-        "--enforce-eager",
         # usage.prompt_tokens_details.cached_tokens per request: how much of the prompt was cached.
         "--enable-prompt-tokens-details",
         "--kv-events-config",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ import aiohttp
 from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import engine_servers, group_rss_gib
-from vllm_disagg.runtime import asyncio_run
+from vllm_disagg.runtime import asyncio_run, child_env
 from vllm_disagg.sim.textgen import WORDS
 from vllm_disagg.up import ClusterSpec, LocalCluster, fetch_instances, spawn, stop_processes, with_model
 
@@ -114,7 +113,7 @@ async def colocated(spec: ClusterSpec, args: argparse.Namespace) -> Side:
         engine_port=spec.engine_base_port, kv_connector="",
     )  # fmt: skip
     command = VllmEngineCommand()
-    proc = await spawn(command.argv(cfg), env={**os.environ, **command.env(cfg)})
+    proc = await spawn(command.argv(cfg), env=child_env(dict(command.env(cfg))))
     try:
         url = f"http://127.0.0.1:{cfg.engine_port}"
         startup = await wait_health(url, 900)

@@ -34,7 +34,8 @@ from vllm_disagg.orchestrator.registry import (
     Registry,
     RegistrySnapshot,
 )
-from vllm_disagg.protocol.messages import CommandKind
+from vllm_disagg.orchestrator.spawner import AgentSpawner
+from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 
 _DEFAULT_REQUESTS_LIMIT = 100
 _KEEPALIVE_S = 15.0
@@ -46,6 +47,26 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 def _error(status: int, message: str, type_: str) -> web.Response:
     return _json({"error": {"message": message, "type": type_, "param": None, "code": status}}, status)
+
+
+def _add_request(body: Any) -> tuple[str, Role | None, str, str]:
+    """``POST /admin/v1/instances``'s body -> (url, role, agent id, model); ``BadRequest`` saying why."""
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object with at least 'url'")
+    unknown = sorted(set(body) - {"url", "role", "agent_id", "model"})
+    if unknown:
+        raise BadRequest(f"unknown fields {unknown}; known: url, role, agent_id, model")
+    url, role, model = body.get("url"), body.get("role"), body.get("model", "")
+    if not isinstance(url, str) or not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
+        raise BadRequest("'url' must be the engine's base URL, e.g. http://10.0.0.5:8000")
+    if role is not None and role not in ROLES:
+        raise BadRequest(f"'role' must be one of {list(ROLES)}, got {role!r}")
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
+    agent_id = body.get("agent_id") or default_agent_id(role or "instance", url)
+    if not isinstance(agent_id, str) or not AGENT_ID.fullmatch(agent_id):
+        raise BadRequest("'agent_id' must be 1-128 of A-Z a-z 0-9 _ . -")
+    return url, role, agent_id, model
 
 
 def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: float) -> dict[str, Any]:
@@ -62,6 +83,7 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "block_size": info.block_size,
         "kv_connector": info.kv_connector,
         "max_model_len": info.max_model_len,
+        "tensor_parallel_size": info.tensor_parallel_size,
         "session": view.session,
         "engine_state": view.engine_state,
         "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
@@ -118,8 +140,11 @@ class Admin:
         events: EventLog | None = None,
         live_requests: Callable[[], list[dict[str, Any]]] | None = None,
         scheduler: object = None,
+        *,
+        spawner: AgentSpawner | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self._spawner = spawner
         self._events = events or EventLog(clock.wall)
         self._live_requests = live_requests or list
         self._registry = registry
@@ -182,6 +207,35 @@ class Admin:
             }
         )
 
+    async def set_role(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances/{agent_id}/role``: ``{"role": "prefill|decode|both"}``; its agent
+        checks that the engine can serve it (409 with the reason if not), then it serves so at once,
+        its session and in-flight requests untouched."""
+        agent_id = request.match_info["agent_id"]
+        view = self._registry.get(agent_id)
+        if view is None:
+            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+        try:
+            body = jsonutil.loads(await request.read())
+        except ValueError as exc:
+            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        role = body.get("role") if isinstance(body, dict) else None
+        if role not in ROLES:
+            return _error(400, f"'role' must be one of {list(ROLES)}, got {role!r}", "BadRequestError")
+        old = view.info.role
+        if role != old:
+            try:
+                ack = await self._control.send_command(agent_id, "set_role", {"role": role})
+            except CommandError as exc:
+                return _error(exc.status, str(exc), type(exc).__name__)
+            if not ack.ok:
+                return _error(409, f"{agent_id} cannot serve as {role}: {ack.error}", "ConflictError")
+            view = self._registry.set_role(agent_id, role)
+            self._metrics.role_changed(agent_id, old, role)
+        snap = self._registry.snapshot()
+        body = {"agent_id": agent_id, "from": old, "role": role}
+        return _json({**body, "instance": self._instance(view, snap, self._clock.monotonic())})
+
     async def _cordon(self, request: web.Request, cordoned: bool) -> web.Response:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
@@ -189,6 +243,33 @@ class Admin:
         view = self._registry.set_cordon(agent_id, cordoned)
         snap = self._registry.snapshot()
         return _json({"agent_id": agent_id, "instance": self._instance(view, snap, self._clock.monotonic())})
+
+    async def add_instance(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/instances``: attach a running engine by URL (``{"url", "role", "agent_id",
+        "model"}``; only ``url`` is required): the orchestrator starts ``vllm-disagg connect`` for it.
+        201 once its agent registered, 202 while it is still starting, 422 with connect's reason."""
+        if self._spawner is None:
+            return _error(404, "this orchestrator does not start agents", "NotFoundError")
+        try:
+            body = jsonutil.loads(await request.read())
+        except ValueError as exc:
+            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        try:
+            url, role, agent_id, model = _add_request(body)
+        except BadRequest as exc:
+            return _error(400, exc.message, "BadRequestError")
+        if self._registry.is_live(agent_id):
+            return _error(
+                409, f"instance {agent_id!r} is live; remove it or pick another agent_id", "ConflictError"
+            )
+        spawned = await self._spawner.add(url, role, agent_id, model)
+        if spawned.outcome == "failed":
+            return _error(422, f"connect {url}: {spawned.reason}", "UnprocessableEntityError")
+        answer: dict[str, Any] = {"agent_id": agent_id, "outcome": spawned.outcome, "pid": spawned.pid}
+        view = self._registry.get(agent_id)
+        if view is not None and spawned.outcome == "registered":
+            answer["instance"] = self._instance(view, self._registry.snapshot(), self._clock.monotonic())
+        return _json(answer, 201 if spawned.outcome == "registered" else 202)
 
     async def remove(self, request: web.Request) -> web.Response:
         """``DELETE /admin/v1/instances/{agent_id}``: forget a dead instance (409 while it is live)."""
@@ -328,11 +409,13 @@ class Admin:
         return [
             AdminRoute("GET", "/admin/v1/openapi.json", self.openapi),
             AdminRoute("GET", "/admin/v1/instances", self.instances),
+            AdminRoute("POST", "/admin/v1/instances", self.add_instance),
             AdminRoute("DELETE", "/admin/v1/instances/{agent_id}", self.remove),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/drain", self.drain),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/undrain", self.undrain),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/shutdown", self.shutdown),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
+            AdminRoute("POST", "/admin/v1/instances/{agent_id}/role", self.set_role),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
             AdminRoute("GET", "/admin/v1/scheduler", self.scheduler),
             AdminRoute("GET", "/admin/v1/scheduler/weights", self.weights),

@@ -17,6 +17,7 @@ from typing import Any
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token
+from vllm_disagg.protocol.messages import ROLES
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _TIMEOUT_S = 15.0
@@ -54,6 +55,18 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--json", action="store_true", help="the admin API's JSON instead of a table")
     if name == "remove":
         parser.add_argument("agent_id", metavar="ID", help="the dead instance to forget")
+    if name == "role":
+        parser.add_argument("agent_id", metavar="ID", help="the instance's agent id")
+        parser.add_argument("role", choices=ROLES, help="what it serves from now on")
+    if name == "add":
+        parser.add_argument(
+            "engine_url", metavar="ENGINE_URL", help="the running engine, e.g. http://10.0.0.5:8000"
+        )
+        parser.add_argument("--role", choices=ROLES, help="prefill, decode or both (default: its kv_role)")
+        parser.add_argument("--agent-id", default="", help="the instance's id (default: ROLE-HOST-PORT)")
+        parser.add_argument(
+            "--model", default="", help="served name to register (default: the engine's first)"
+        )
     if name == "events":
         parser.add_argument("--follow", "-f", action="store_true", help="keep printing events as they happen")
         parser.add_argument("--since", type=int, default=0, help="only events after this sequence number")
@@ -63,9 +76,12 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--limit", type=int, default=20, help="how many recent requests (newest first)")
 
 
-def _call(method: str, url: str, token: str) -> tuple[int, Any]:
+def _call(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
     headers = admin_headers(token) if token else {}
-    req = urllib.request.Request(url, method=method, data=b"" if method == "POST" else None, headers=headers)
+    data = jsonutil.dumps(body) if body is not None else b"" if method == "POST" else None
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, method=method, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=_TIMEOUT_S) as resp:
             return resp.status, jsonutil.loads(resp.read())
@@ -154,6 +170,31 @@ def _message(body: Any) -> str:
     return str(body)
 
 
+def _add(base: str, token: str, args: argparse.Namespace) -> int:
+    """``add``: the orchestrator attaches the engine at ``args.engine_url`` (``POST /admin/v1/instances``)."""
+    request = {
+        "url": args.engine_url,
+        "role": args.role,
+        "agent_id": args.agent_id or None,
+        "model": args.model,
+    }
+    status, body = _call("POST", f"{base}/admin/v1/instances", token, {k: v for k, v in request.items() if v})
+    if status not in (201, 202):
+        print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
+        return 1
+    if status == 202:
+        print(
+            f"add {body['agent_id']}: its agent is still starting (pid {body['pid']}); see vllm-disagg status"
+        )
+        return 0
+    instance = body.get("instance") or {}
+    print(
+        f"add {body['agent_id']}: registered as {instance.get('role', '?')} {instance.get('model', '?')} "
+        f"(block size {instance.get('block_size', '?')}, connector {instance.get('kv_connector') or 'none'})"
+    )
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """``status``: print the instance table. ``drain``: drain (or undrain) one instance."""
     base = args.url.rstrip("/")
@@ -182,6 +223,17 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
                 return 1
             print(f"removed {args.agent_id}")
+            return 0
+        if args._name == "add":
+            return _add(base, token, args)
+        if args._name == "role":
+            status, body = _call(
+                "POST", f"{base}/admin/v1/instances/{args.agent_id}/role", token, {"role": args.role}
+            )
+            if status != 200:
+                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
+                return 1
+            print(f"role {args.agent_id}: {body['from']} -> {body['role']}")
             return 0
         if args._name == "requests":
             path = (

@@ -17,6 +17,7 @@ from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.admin import Admin
 from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
+from vllm_disagg.orchestrator.dashboard import add_dashboard_routes
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
@@ -27,6 +28,7 @@ from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.spawner import AgentSpawner
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ CONTROL_KEY = web.AppKey("control", ControlPlane)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
 REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 KV_INDEX_KEY = web.AppKey("kv_index", KvIndex)
+SPAWNER_KEY = web.AppKey("spawner", AgentSpawner)
 ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate admin listener
 
 
@@ -60,6 +63,7 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
+        await app[SPAWNER_KEY].close()  # while the socket is open: their Goodbyes still arrive
         for task in tasks:
             await cancel_and_wait(task)
         control.close()
@@ -95,6 +99,7 @@ def build_app(
     registry.on_event = events.publish_fields
     registry.on_kv_audit = gateway.kv_audited
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
+    spawner = AgentSpawner(control, registry)
     admin = Admin(
         registry,
         control,
@@ -105,6 +110,7 @@ def build_app(
         events,
         gateway.live_requests,
         scheduler,
+        spawner=spawner,
     )
 
     app = web.Application(client_max_size=config.max_body_bytes)
@@ -116,13 +122,16 @@ def build_app(
     app[GATEWAY_KEY] = gateway
     app[REQUEST_LOG_KEY] = request_log
     app[KV_INDEX_KEY] = kv_index
+    app[SPAWNER_KEY] = spawner
     gateway.add_routes(app)
     admin.add_public_routes(app)
     if config.admin_port is None:
         admin.add_admin_routes(app, config.admin_token)
+        add_dashboard_routes(app)  # beside the API it reads: same origin
     else:  # its own listener, started beside the gateway's by ``start_orchestrator``
         admin_app = web.Application(client_max_size=1 << 20)
         admin.add_admin_routes(admin_app, config.admin_token)
+        add_dashboard_routes(admin_app)  # not on the public port: there it is a 404
         app[ADMIN_APP_KEY] = admin_app
         app.router.add_route("*", "/admin/{tail:.*}", admin.elsewhere)
     app.cleanup_ctx.append(_control_ctx)

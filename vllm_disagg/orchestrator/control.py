@@ -4,11 +4,17 @@ The reader never dies on bad input: a frame that cannot be decoded, a wrong prot
 heartbeat or ``KvEvents`` from an agent without a session is answered with a ``Refuse`` carrying a
 code and a reason, counted in ``vllm_disagg_protocol_refused_total{code}``, and the loop goes on.
 
+Connections are not agents: the ROUTER names each connection, and a ``Hello`` binds one to an agent
+id; a frame from a connection no ``Hello`` bound is refused (``unknown_agent``), which sends an agent
+that reconnected back to ``Hello``.
+
 Who may speak (docs/security.md): with agent keys, only a listed key connects at all, a ``Hello`` must
 name the agent id its key is bound to, and every later frame must come with that key. Without keys, a
-``Hello`` for an id held by a live session on another connection is refused, never a takeover. Either
-way a model's settings (engine, tokenizer, block size, revision) are fixed by its first instance: a
-later ``Hello`` that disagrees is refused, not applied.
+``Hello`` for an id held by a live session is refused while that session's connection is still open
+(the refusal is sent there too, so the real agent logs that someone claimed its id); once libzmq has
+closed that connection, the new one takes the session over. Either way a model's settings (engine,
+tokenizer, block size, revision) are fixed by its first instance: a later ``Hello`` that disagrees is
+refused, not applied.
 
 The control plane is the only writer of the ``KvIndex``: it applies each live agent's ``KvEvents`` and
 drops an instance's entries when the instance dies (expiry, Goodbye, engine stopped) or says Hello
@@ -131,7 +137,7 @@ class ControlPlane:
         self._clock = clock
         self._metrics = metrics
         self._transport: RouterTransport | None = None
-        # Heartbeats carry no agent id: the ROUTER's peer identity says who sent them.
+        # Heartbeats carry no agent id: the connection they came on says who sent them.
         self._peer_to_agent: dict[bytes, str] = {}
         self._agent_to_peer: dict[str, bytes] = {}
         self._pending: dict[int, _Pending] = {}
@@ -139,6 +145,7 @@ class ControlPlane:
         self._next_command_id = 1
         self._curve = load_server_curve(config)
         self._models: dict[str, ModelSettings] = {}  # fixed by each model's first instance
+        self._incarnations: dict[str, str] = {}  # agent id -> the agent process of its session
 
     @property
     def endpoint(self) -> str:
@@ -146,6 +153,17 @@ class ControlPlane:
         if self._transport is None:
             raise RuntimeError("the control plane is not started")
         return self._transport.endpoint
+
+    @property
+    def public_key(self) -> bytes | None:
+        """The orchestrator's CurveZMQ public key (z85), None without agent keys."""
+        return self._curve.keys.public if self._curve is not None else None
+
+    def admit(self, public_key: bytes, agent_id: str) -> None:
+        """With agent keys: admit ``agent_id``'s key from now on (an agent the admin API spawned)."""
+        if self._transport is None:
+            raise RuntimeError("the control plane is not started")
+        self._transport.admit(public_key, agent_id)
 
     def start(self) -> None:
         """Bind the socket (synchronously, so the endpoint is known before agents are told it)."""
@@ -178,7 +196,7 @@ class ControlPlane:
             try:
                 self.handle(incoming)
             except Exception:  # a bug in a handler must not stop every agent's session
-                log.exception("error handling a frame from %r", incoming.peer)
+                log.exception("error handling a frame from %s", self._who(incoming.peer))
 
     async def run_expiry(self) -> None:
         """Every half heartbeat interval, mark silent instances dead."""
@@ -229,9 +247,14 @@ class ControlPlane:
         elif isinstance(msg, Goodbye):
             self._on_goodbye(peer, msg)
         elif isinstance(msg, Refuse):
-            log.warning("agent %r refused a frame: %s (%s)", peer, msg.reason, msg.code)
+            log.warning("%s refused a frame: %s (%s)", self._who(peer), msg.reason, msg.code)
         elif msg is not None:
             self._refuse(peer, "unexpected_message", f"an agent may not send {type(msg).__name__}")
+
+    def _who(self, peer: bytes) -> str:
+        """A connection, for logs: its agent's id once a Hello named one."""
+        agent_id = self._peer_to_agent.get(peer)
+        return f"agent {agent_id!r}" if agent_id is not None else f"connection {peer.hex()}"
 
     def _send(self, peer: bytes, message: Message) -> bool:
         return self._transport is not None and self._transport.send(peer, message)
@@ -242,12 +265,12 @@ class ControlPlane:
         # code until its next Hello, the rest at DEBUG.
         key = (peer, code)
         if key in self._refused_peers:
-            log.debug("refusing frame from %r: %s (%s)", peer, reason, code)
+            log.debug("refusing frame from %s: %s (%s)", self._who(peer), reason, code)
         else:
             if len(self._refused_peers) >= _MAX_REFUSED_PEERS:
                 self._refused_peers.clear()
             self._refused_peers.add(key)
-            log.info("refusing frame from %r: %s (%s)", peer, reason, code)
+            log.info("refusing frame from %s: %s (%s)", self._who(peer), reason, code)
         self._send(peer, Refuse(code=code, reason=reason))
 
     def _on_hello(self, peer: bytes, msg: Hello, user: str = "") -> None:
@@ -264,7 +287,7 @@ class ControlPlane:
         refusal = self._hello_refusal(peer, msg, user)
         if refusal is not None:
             code, reason = refusal
-            log.warning("refusing Hello as %r from %r: %s", msg.agent_id, peer, reason)
+            log.warning("refusing Hello as %r from %s: %s", msg.agent_id, self._who(peer), reason)
             self._refuse(peer, code, reason)
             return
         self._models.setdefault(msg.instance.model, ModelSettings.of(msg.instance))
@@ -275,18 +298,25 @@ class ControlPlane:
             self._peer_to_agent.pop(old_peer, None)
         self._peer_to_agent[peer] = msg.agent_id
         self._agent_to_peer[msg.agent_id] = peer
-        self.kv_index.drop(msg.agent_id)  # a new session: maybe a new engine, whose cache is empty
-        view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic())
-        if self._hello_hook is not None:
-            self._hello_hook(msg.instance)
-        log.info(
-            "hello from %s (session %d): %s %s at %s",
-            msg.agent_id,
-            view.session,
-            msg.instance.role,
-            msg.instance.model,
-            msg.instance.url,
-        )
+        view = self._registry.get(msg.agent_id)
+        if self._reconnected(msg):
+            # The same agent process on a new connection: its engine, cache and requests are as they
+            # were, so its session goes on (a new one would abandon its requests as lost).
+            log.info("agent %s reconnected (session %d goes on)", msg.agent_id, view.session if view else 0)
+        else:
+            self._incarnations[msg.agent_id] = msg.incarnation
+            self.kv_index.drop(msg.agent_id)  # a new session: maybe a new engine, whose cache is empty
+            view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic())
+            if self._hello_hook is not None:
+                self._hello_hook(msg.instance)
+            log.info(
+                "hello from %s (session %d): %s %s at %s",
+                msg.agent_id,
+                view.session,
+                msg.instance.role,
+                msg.instance.model,
+                msg.instance.url,
+            )
         self._send(
             peer,
             Welcome(
@@ -295,6 +325,17 @@ class ControlPlane:
                 heartbeat_interval_s=self._config.heartbeat_interval_s,
                 heartbeat_timeout_s=self._config.heartbeat_timeout_s,
             ),
+        )
+
+    def _reconnected(self, msg: Hello) -> bool:
+        """Whether this Hello is a live session's agent process back on a new connection."""
+        view = self._registry.get(msg.agent_id)
+        return (
+            bool(msg.incarnation)
+            and self._incarnations.get(msg.agent_id) == msg.incarnation
+            and view is not None
+            and view.state != "dead"
+            and view.info == msg.instance
         )
 
     def _hello_refusal(self, peer: bytes, msg: Hello, user: str) -> tuple[str, str] | None:
@@ -306,11 +347,16 @@ class ControlPlane:
                 f"this connection's key is {user!r}'s: it may not say Hello as {agent_id!r}",
             )
         old_peer = self._agent_to_peer.get(agent_id)
-        if self._curve is None and old_peer not in (None, peer) and self._registry.is_live(agent_id):
+        if (
+            self._curve is None
+            and old_peer not in (None, peer)
+            and self._registry.is_live(agent_id)
+            and self._still_open(old_peer, agent_id)
+        ):
             return (
                 "agent_id_in_use",
                 f"agent id {agent_id!r} is held by a live session on another connection; it is free "
-                "again once that one says Goodbye or goes silent",
+                "again once that connection closes, says Goodbye or goes silent",
             )
         fixed = self._models.get(msg.instance.model)
         said = ModelSettings.of(msg.instance)
@@ -320,6 +366,18 @@ class ControlPlane:
                 f"{said.describe()}"
             )
         return None
+
+    def _still_open(self, peer: bytes, agent_id: str) -> bool:
+        """Whether ``peer``'s connection is open, found by telling it that another claims its id.
+
+        libzmq refuses a send to a connection it has closed or is closing, which is what an agent's own
+        reconnect leaves behind; a connection that takes the message is an agent still there.
+        """
+        claim = Refuse(
+            code="agent_id_in_use",
+            reason=f"another connection said Hello as {agent_id!r}; it was refused while this one is open",
+        )
+        return self._send(peer, claim)
 
     def _on_heartbeat(self, peer: bytes, msg: Heartbeat) -> None:
         agent_id = self._peer_to_agent.get(peer)
@@ -351,14 +409,14 @@ class ControlPlane:
         self._refuse(
             peer,
             "unknown_agent",
-            f"no live session for {peer.decode(errors='replace')!r}: send Hello first "
-            "(the orchestrator restarted, or the session expired)",
+            "no live session on this connection: send Hello first "
+            "(the orchestrator restarted, the session expired, or the agent reconnected)",
         )
 
     def _on_ack(self, peer: bytes, msg: Ack) -> None:
         pending = self._pending.get(msg.id)
         if pending is None or self._agent_to_peer.get(pending.agent_id) != peer:
-            log.debug("ack %d from %r matches no pending command", msg.id, peer)
+            log.debug("ack %d from %s matches no pending command", msg.id, self._who(peer))
             return
         del self._pending[msg.id]
         if not pending.future.done():

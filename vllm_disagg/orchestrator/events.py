@@ -17,7 +17,7 @@ from typing import Any
 
 from vllm_disagg import jsonutil
 
-EVENT_KINDS = ("joined", "state", "breaker", "link", "fallback", "resume", "kv_recomputed", "removed")
+EVENT_KINDS = ("joined", "state", "role", "breaker", "link", "fallback", "resume", "kv_recomputed", "removed")
 
 
 @dataclass(frozen=True, slots=True)

@@ -209,6 +209,12 @@ class OrchestratorMetrics:
             ["decode", "outcome"],
             registry=r,
         )
+        self._role_changes = Counter(
+            "vllm_disagg_role_changes",
+            "Instances that changed role while serving, by instance and the roles from and to",
+            ["instance", "from_role", "to_role"],
+            registry=r,
+        )
         self._kv_released = Counter(
             "vllm_disagg_kv_released",
             "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
@@ -273,6 +279,10 @@ class OrchestratorMetrics:
     def retry(self, leg: Leg, cause: str) -> None:
         """Count a leg tried again elsewhere."""
         self._retry_children[leg, cause].inc()
+
+    def role_changed(self, agent_id: str, old: str, new: str) -> None:
+        """Count an instance's change of role."""
+        self._role_changes.labels(agent_id, old, new).inc()
 
     def fallback(self, cause: str) -> None:
         """Count a request run colocated after its prefill legs failed."""

@@ -357,6 +357,17 @@ class Registry:
             self._changed(inst, membership=True)
         return self._views[agent_id]
 
+    def set_role(self, agent_id: str, role: Role) -> InstanceView:
+        """The instance now serves as ``role`` (its agent said yes): the same session goes on, and its
+        requests with it; the next decision sees it in its new pool."""
+        inst = self._instances[agent_id]
+        old = inst.info.role
+        inst.info = dataclasses.replace(inst.info, role=role)
+        self._changed(inst, membership=True)
+        if self.on_event is not None and old != role:
+            self.on_event("role", {"instance": agent_id, "from": old, "to": role})
+        return self._views[agent_id]
+
     def set_cordon(self, agent_id: str, cordoned: bool) -> InstanceView:
         """An operator cordons (or uncordons) an instance: no new requests; those on it finish."""
         inst = self._instances[agent_id]

@@ -95,6 +95,13 @@ def load_agent_keys(directory: str) -> dict[bytes, str]:
     return agents
 
 
+def write_public(path: Path, public_key: bytes) -> None:
+    """Write a ``.key`` file holding only ``public_key`` (z85), in the format ``load_public`` reads."""
+    path.write_text(
+        f'#   ZeroMQ CURVE Public Certificate\nmetadata\ncurve\n    public-key = "{public_key.decode()}"\n'
+    )
+
+
 def _load(path: str) -> tuple[bytes, bytes | None]:
     try:
         return zmq.auth.load_certificate(path)
@@ -128,6 +135,10 @@ class AgentAuthenticator(AsyncioAuthenticator):
         """Serve ZAP requests on this context (before the ROUTER binds)."""
         super().start()
         self.configure_curve_callback("*", credentials_provider=_Credentials(self._agents, self._on_denied))
+
+    def admit(self, public_key: bytes, agent_id: str) -> None:
+        """Admit one more agent's key (z85) from now on (an agent the orchestrator spawned itself)."""
+        self._agents[public_key] = agent_id  # the credentials provider reads this same dict
 
     def curve_user_id(self, client_public_key: bytes) -> str:
         """The agent id the admitted key belongs to."""

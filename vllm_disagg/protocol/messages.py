@@ -11,17 +11,28 @@ docs/protocol.md for an example of each.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
+from urllib.parse import urlsplit
 
 PROTOCOL_VERSION = 1
 
 Role = Literal["prefill", "decode", "both"]
 EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
-CommandKind = Literal["drain", "undrain", "shutdown"]
+CommandKind = Literal["drain", "undrain", "shutdown", "set_role"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unhealthy", "restarting", "stopped")
-COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown")
+COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown", "set_role")
+AGENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # what the tools choose and the admin API accepts
+
+
+def default_agent_id(role: str, url: str) -> str:
+    """``ROLE-HOST-PORT`` for an engine at ``url``, in the characters of ``AGENT_ID``."""
+    parsed = urlsplit(url)
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"{role}-{parsed.hostname}-{parsed.port}")[:128]
+
+
 KvEventKind = Literal["stored", "removed", "cleared"]
 KV_EVENT_KINDS: tuple[KvEventKind, ...] = ("stored", "removed", "cleared")
 
@@ -39,6 +50,7 @@ class InstanceInfo:
     kv_connector: str = ""  # e.g. NixlConnector; P and D must match to exchange KV
     max_model_len: int = 0
     tokenizer: str = ""  # where the orchestrator can load the tokenizer (vLLM: weights dir); "": bytes (sim)
+    tensor_parallel_size: int = 0  # 0: not known (an attached vLLM tells only in dev mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +88,9 @@ class Hello:
     protocol_version: int
     agent_id: str
     instance: InstanceInfo
+    # Random per agent process: a Hello with the incarnation of a live session is that agent back on
+    # a new connection (a blip), which resumes its session; any other Hello starts a new one.
+    incarnation: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,10 +13,12 @@ of several parts is refused by its count and size without being read, and the on
 message is decoded from a view of libzmq's buffer. With agent keys (``curve``), a peer without a
 listed key is refused during the handshake and cannot make the orchestrator buffer anything.
 
-One connection per agent id: a second connection with a routing id already connected is refused by
-libzmq (no ``ROUTER_HANDOVER``: a forger could otherwise take a live agent's id, and the real agent's
-connection was never closed, stranding it). ZMTP pings on both sides drop dead connections within
-seconds, so a reconnecting agent gets its id back.
+Routing ids are the ROUTER's own, one per connection; agents never choose one. An agent id is what
+a ``Hello`` says (with keys: what its key is bound to), and the control plane maps connections to
+agent ids. A routing id chosen by the peer would be kept across its reconnects, and libzmq strands a
+connection whose id is still held by a connection it has not finished closing (it leaves the new
+pipe unread, for good, while the agent believes it is connected); ``ROUTER_HANDOVER`` would instead
+let any peer take a live agent's id. ZMTP pings on both sides drop dead connections within seconds.
 """
 
 from __future__ import annotations
@@ -89,7 +91,7 @@ def _incoming(peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int, user: str
 
 
 class RouterTransport:
-    """The orchestrator's socket: many agents, addressed by their routing id (the agent id)."""
+    """The orchestrator's socket: many agents, one routing id per connection (libzmq's, not the peer's)."""
 
     def __init__(
         self,
@@ -118,6 +120,12 @@ class RouterTransport:
         self._sock.bind(endpoint)
         self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
+    def admit(self, public_key: bytes, agent_id: str) -> None:
+        """With agent keys: admit one more agent's key from now on (``RuntimeError`` without keys)."""
+        if self._auth is None:
+            raise RuntimeError("this socket admits any agent: it has no agent keys")
+        self._auth.admit(public_key, agent_id)
+
     async def recv(self) -> Incoming:
         """The next frame from any agent."""
         parts = await self._sock.recv_multipart(copy=False)
@@ -125,7 +133,7 @@ class RouterTransport:
         return _incoming(parts[0].bytes, parts[1:], self._max, user)
 
     def send(self, peer: bytes, message: Message) -> bool:
-        """Send to one agent; False when it is not connected or its queue is full."""
+        """Send to one connection; False when it is closed (or closing) or its queue is full."""
         return self.send_raw(peer, encode(message))
 
     def send_raw(self, peer: bytes, frame: bytes) -> bool:
@@ -152,7 +160,6 @@ class DealerTransport:
     def __init__(
         self,
         endpoint: str,
-        identity: str,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         reconnect_ivl_ms: int = 100,
@@ -164,7 +171,6 @@ class DealerTransport:
         if curve is not None:
             setup_client(self._sock, curve)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.ROUTING_ID, identity.encode())
         self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while the orchestrator is away
         self._sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
         self._sock.setsockopt(zmq.RECONNECT_IVL, reconnect_ivl_ms)

@@ -74,7 +74,12 @@ class EngineCore:
         self.clock = clock
         self.prefix_cache = PrefixCache(config.timing.num_blocks, config.timing.block_size)
         self.holds = TransferHolds(config.timing.block_size, config.kv_lease_s)
-        self.metrics = EngineMetrics(config.model, self.gauges)
+        cache_config = {
+            "block_size": str(config.timing.block_size),
+            "enable_prefix_caching": "True",
+            "num_gpu_blocks": str(config.timing.num_blocks),
+        }
+        self.metrics = EngineMetrics(config.model, self.gauges, cache_config=cache_config)
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self.reserved_blocks = 0

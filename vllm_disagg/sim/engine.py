@@ -323,6 +323,20 @@ async def version(request: web.Request) -> web.Response:
     return web.Response(body=jsonutil.dumps({"version": SIM_VERSION}), content_type="application/json")
 
 
+async def kv_event_sources(request: web.Request) -> web.Response:
+    """``GET /kv_event_sources``: vLLM's KV-events config per data-parallel rank ({} without events)."""
+    config = request.app[ENGINE_KEY].config
+    sources: dict[str, object] = {}
+    if config.kv_events_port:
+        sources["0"] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{config.kv_events_port}",
+            "topic": "",
+        }
+    return web.Response(body=jsonutil.dumps(sources), content_type="application/json")
+
+
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text with vLLM's v1 names."""
     body = request.app[ENGINE_KEY].core.metrics.render()
@@ -391,6 +405,7 @@ def build_app(config: SimEngineConfig, *, clock: Clock | None = None) -> web.App
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_post(KV_PULL_PATH, kv_pull)
     return app
 

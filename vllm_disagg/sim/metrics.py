@@ -8,7 +8,7 @@ text is built only when ``/metrics`` is scraped.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -80,9 +80,17 @@ class GaugeValues:
 class EngineMetrics:
     """Every counter and histogram of one simulated engine, exposed with vLLM's v1 names."""
 
-    def __init__(self, model_name: str, gauges: Callable[[], GaugeValues], engine: str = "0") -> None:
+    def __init__(
+        self,
+        model_name: str,
+        gauges: Callable[[], GaugeValues],
+        engine: str = "0",
+        cache_config: Mapping[str, str] | None = None,
+    ) -> None:
         self.labels = (model_name, engine)
         self._gauges = gauges
+        # vLLM's ``vllm:cache_config_info`` labels (str() of each value), as an attached agent reads them.
+        self.cache_config = dict(cache_config or {})
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefix_cache_queries = 0
@@ -123,6 +131,14 @@ class _Collector:
         labels = ["model_name", "engine"]
         values = list(m.labels)
         g = m._gauges()
+        if m.cache_config:
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=[*m.cache_config, "engine"],
+            )
+            info.add_metric([*m.cache_config.values(), m.labels[1]], 1.0)
+            yield info
         for name, doc, value in (
             ("vllm:num_requests_running", "Number of requests in model execution batches.", g.running),
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting),

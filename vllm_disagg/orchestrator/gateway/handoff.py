@@ -89,9 +89,15 @@ def dumps_leg(body: dict[str, Any]) -> bytes:
         raise BadRequest(f"the request body is nested too deeply to forward ({exc})") from None
 
 
+ENGINE_KEEPALIVE_S = 4.0  # below vLLM's 5 s server-side keep-alive
+
+
 def new_session(config: OrchestratorConfig) -> aiohttp.ClientSession:
     """The one client session for every engine call (no connection cap, keep-alive, no compression)."""
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=30)
+    # vLLM (uvicorn) closes a keep-alive connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). Reusing
+    # one it is closing at that moment fails the request with a reset (seen: a decode leg, and the
+    # decode that frees an abandoned prefill's KV, lost that way); dropping them at 4 s never races.
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=ENGINE_KEEPALIVE_S)
     return aiohttp.ClientSession(
         connector=connector,
         # Connect and idle-read limits, never a total: a healthy stream may run for hours, and a dead

@@ -1,0 +1,342 @@
+"""What a running vLLM says about itself, for an agent that attaches to it (``connect``, ``--attach``).
+
+An attached engine was started by someone else, so the agent cannot know its flags; guessing them
+(the simulator's block size, no connector) let the orchestrator pair engines whose KV blocks do not
+fit each other. vLLM 0.32 tells an outside observer this much (docs/vllm-attach-facts.md):
+
+- ``GET /v1/models``: every served name, ``root`` (the ``--model`` path or hub id as typed) and the
+  real ``max_model_len``;
+- ``GET /metrics``: ``vllm:cache_config_info`` carries the engine's real block size and whether prefix
+  caching is on; ``vllm:nixl_*`` series exist only when NIXL is the KV connector;
+- ``GET /version``, and ``GET /kv_event_sources``: where the engine publishes its KV-cache events;
+- only with ``VLLM_SERVER_DEV_MODE=1``: ``GET /server_info?config_format=json``, the whole config
+  (connector and ``kv_role``, revision, tensor-parallel size, dtype).
+
+Without dev mode the revision and ``kv_role`` cannot be known, and they are reported as unknown ("")
+rather than guessed. The parsers are pure; ``discover`` is the thin HTTP part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import yarl
+
+from vllm_disagg import jsonutil
+from vllm_disagg.agent.engine import tokenizer_source
+from vllm_disagg.agent.session import AgentSession
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.protocol.messages import InstanceInfo, Role
+
+log = logging.getLogger(__name__)
+
+CACHE_CONFIG_INFO = "vllm:cache_config_info"
+NIXL_PREFIX = "vllm:nixl_"
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ROLE_OF_KV_ROLE: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+
+
+class DiscoveryError(Exception):
+    """The engine did not answer what discovery needs (``/v1/models``), with why."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """A running vLLM as it describes itself; "" or 0 where it does not say."""
+
+    served_names: tuple[str, ...]
+    root: str = ""  # --model as typed: a path or a hub id (not a revision)
+    max_model_len: int = 0
+    block_size: int = 0
+    prefix_caching: bool | None = None
+    kv_connector: str = ""
+    kv_role: str = ""  # dev mode only
+    revision: str = ""  # dev mode only
+    tensor_parallel_size: int = 0  # dev mode only
+    dtype: str = ""  # dev mode only
+    version: str = ""
+    kv_events_endpoint: str = ""  # where to subscribe to its KV-cache events ("": it publishes none)
+    dev_mode: bool = False
+    notes: tuple[str, ...] = field(default=())  # what could not be learned, for the operator's log
+
+    @property
+    def role(self) -> Role | None:
+        """The role the engine's ``kv_role`` allows (None when unknown or without a connector)."""
+        return _ROLE_OF_KV_ROLE.get(self.kv_role)
+
+
+def check_role(role: Role, facts: EngineFacts) -> None:
+    """``DiscoveryError`` when the engine's ``kv_role`` (if it tells) cannot serve ``role``."""
+    if facts.role is not None and facts.role not in (role, "both"):
+        raise DiscoveryError(
+            f"the engine's kv_role is {facts.kv_role}: it can serve as {facts.role}, not {role}"
+        )
+
+
+def role_refusal(cfg: AgentConfig, role: Role, facts: EngineFacts | None) -> str:
+    """Why this agent's engine cannot serve ``role`` ("" when it can): the ``set_role`` check.
+
+    The simulator serves any role. A vLLM's ``kv_role`` is fixed when it starts: one the agent launched
+    has the one its role gave it, an attached one the one it says (in dev mode; unknown is allowed).
+    """
+    if cfg.engine != "vllm" or role == cfg.role:
+        return ""
+    if not cfg.attach_url:
+        from vllm_disagg.agent.vllm_command import KV_ROLES  # it imports the agent's engine module
+
+        kv_role = KV_ROLES[cfg.role] if cfg.kv_connector else ""
+        if not kv_role:
+            return "the engine runs without a KV connector: it can only serve whole requests (role both)"
+        if kv_role != "kv_both":
+            return f"the engine was launched with kv_role {kv_role}; restart it as {role} to change its role"
+        return ""
+    if facts is not None:
+        try:
+            check_role(role, facts)
+        except DiscoveryError as exc:
+            return str(exc)
+    return ""
+
+
+def attached_instance_info(cfg: AgentConfig, facts: EngineFacts) -> tuple[InstanceInfo, list[str]]:
+    """The Hello of an agent attached to the engine ``facts`` describe, and what the operator should
+    read about it. ``DiscoveryError`` when the engine cannot serve the agent's role."""
+    check_role(cfg.role, facts)
+    notes = list(facts.notes)
+    wanted = cfg.served_model_name or cfg.model
+    model = wanted
+    if wanted not in facts.served_names:
+        model = facts.served_names[0]
+        notes.append(f"the engine serves {list(facts.served_names)}, not {wanted!r}: registered as {model!r}")
+    block_size = facts.block_size or cfg.sim.block_size
+    if not facts.block_size:
+        notes.append(f"block size taken from the config: {block_size}")
+    info = InstanceInfo(
+        url=cfg.engine_url,
+        role=cfg.role,
+        model=model,
+        engine=cfg.engine,
+        revision=facts.revision,
+        block_size=block_size,
+        # The simulator moves KV its own way (and shows vLLM's nixl series for dashboards); a launched
+        # one says no connector, so an attached one must too, or the two would never be paired.
+        kv_connector=facts.kv_connector if cfg.engine == "vllm" else "",
+        max_model_len=facts.max_model_len,
+        tokenizer=tokenizer_source(cfg),
+        tensor_parallel_size=facts.tensor_parallel_size,
+    )
+    return info, notes
+
+
+def parse_models(body: Any) -> tuple[tuple[str, ...], str, int]:
+    """``/v1/models`` -> (served names, root, max_model_len); ``DiscoveryError`` if it has no model."""
+    data = body.get("data") if isinstance(body, dict) else None
+    cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)] if data else []
+    # LoRA adapters are listed too, with the base model as ``parent``: only base models serve as-is.
+    base = [c for c in cards if not c.get("parent")]
+    if not base:
+        raise DiscoveryError(f"/v1/models lists no model: {jsonutil.dumps(body).decode()[:200]}")
+    root = base[0].get("root")
+    max_len = base[0].get("max_model_len")
+    return (
+        tuple(c["id"] for c in base),
+        root if isinstance(root, str) else "",
+        max_len if isinstance(max_len, int) else 0,
+    )
+
+
+def metric_labels(exposition: str, name: str) -> dict[str, str] | None:
+    """The labels of the first sample of ``name`` in a Prometheus text exposition, None if absent."""
+    for line in exposition.splitlines():
+        if line.startswith(name + "{"):
+            end = line.rfind("}")
+            return {k: v.replace('\\"', '"').replace("\\\\", "\\") for k, v in _LABEL.findall(line[:end])}
+    return None
+
+
+def parse_metrics(exposition: str) -> tuple[int, bool | None, str]:
+    """``/metrics`` -> (block size, prefix caching on, KV connector): 0, None, "" where it does not say."""
+    info = metric_labels(exposition, CACHE_CONFIG_INFO) or {}
+    block = info.get("block_size", "")
+    caching = info.get("enable_prefix_caching")
+    nixl = any(line.startswith(NIXL_PREFIX) for line in exposition.splitlines())
+    return (
+        int(block) if block.isdigit() else 0,
+        None if caching is None else caching == "True",
+        "NixlConnector" if nixl else "",
+    )
+
+
+def parse_server_info(body: Any) -> dict[str, Any]:
+    """Dev mode's ``/server_info?config_format=json`` -> the fields discovery uses (absent: left out)."""
+    config = body.get("vllm_config") if isinstance(body, dict) else None
+    if not isinstance(config, dict):
+        return {}
+
+    def section(name: str) -> Mapping[str, Any]:
+        value = config.get(name)
+        return value if isinstance(value, dict) else {}
+
+    model, cache, parallel = section("model_config"), section("cache_config"), section("parallel_config")
+    transfer = section("kv_transfer_config")
+    found: dict[str, Any] = {
+        "revision": model.get("revision"),
+        "dtype": model.get("dtype"),
+        "max_model_len": model.get("max_model_len"),
+        "tensor_parallel_size": parallel.get("tensor_parallel_size"),
+        "block_size": cache.get("block_size"),
+        "kv_connector": transfer.get("kv_connector"),
+        "kv_role": transfer.get("kv_role"),
+    }
+    kinds = {"revision": str, "dtype": str, "kv_connector": str, "kv_role": str}
+    return {
+        k: v
+        for k, v in found.items()
+        if v is not None and isinstance(v, kinds.get(k, int)) and not isinstance(v, bool)
+    }
+
+
+def parse_kv_event_sources(body: Any, engine_host: str) -> str:
+    """``/kv_event_sources`` -> the ZMQ endpoint to subscribe to ("" if none), a bound wildcard made the
+    engine's host. With data parallelism each rank publishes apart; rank 0's is the one followed."""
+    if not isinstance(body, dict) or not body:
+        return ""
+    source = body.get("0", next(iter(body.values())))
+    if not isinstance(source, dict) or not source.get("enable_kv_cache_events"):
+        return ""
+    endpoint = source.get("endpoint")
+    if source.get("publisher") != "zmq" or not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+        return ""
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if host in ("*", "0.0.0.0", "[::]", "::"):
+        host = engine_host
+    return f"tcp://{host}:{port}"
+
+
+async def discover(http: aiohttp.ClientSession, url: str, *, timeout_s: float = 10.0) -> EngineFacts:
+    """Ask the vLLM at ``url`` what it is. ``DiscoveryError`` when ``/v1/models`` does not answer."""
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+
+    async def get(path: str) -> tuple[int, bytes]:
+        try:
+            async with http.get(url.rstrip("/") + path, timeout=timeout) as resp:
+                return resp.status, await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return 0, str(exc).encode()
+
+    answers = await asyncio.gather(
+        get("/v1/models"),
+        get("/metrics"),
+        get("/version"),
+        get("/server_info?config_format=json"),
+        get("/kv_event_sources"),
+    )
+    (m_status, models), (x_status, metrics), (v_status, version), (s_status, server), events = answers
+    if m_status != 200:
+        why = models.decode(errors="replace")[:200] or "no answer"
+        raise DiscoveryError(f"GET {url}/v1/models: {m_status or 'unreachable'}: {why}")
+    names, root, max_len = parse_models(_json(models))
+    notes = []
+    block, caching, connector = 0, None, ""
+    if x_status == 200:
+        block, caching, connector = parse_metrics(metrics.decode(errors="replace"))
+    if not block:
+        notes.append("no vllm:cache_config_info on /metrics (--disable-log-stats?): block size unknown")
+    dev = parse_server_info(_json(server)) if s_status == 200 else {}
+    if not dev:
+        notes.append("no /server_info (VLLM_SERVER_DEV_MODE unset): kv_role, revision, TP size unknown")
+    v = _json(version) if v_status == 200 else {}
+    return EngineFacts(
+        served_names=names,
+        root=root,
+        max_model_len=dev.get("max_model_len", max_len),
+        block_size=dev.get("block_size", block),
+        prefix_caching=caching,
+        kv_connector=dev.get("kv_connector", connector),
+        kv_role=dev.get("kv_role", ""),
+        revision=dev.get("revision", ""),
+        tensor_parallel_size=dev.get("tensor_parallel_size", 0),
+        dtype=dev.get("dtype", ""),
+        version=str(v.get("version", "")) if isinstance(v, dict) else "",
+        kv_events_endpoint=(
+            parse_kv_event_sources(_json(events[1]), yarl.URL(url).host or "127.0.0.1")
+            if events[0] == 200
+            else ""
+        ),
+        dev_mode=bool(dev),
+        notes=tuple(notes),
+    )
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return jsonutil.loads(raw)
+    except ValueError:
+        return None
+
+
+class AttachedEngine:
+    """Keeps an attached agent's Hello true to its engine: asks the engine at start and again each time
+    it turns ready (someone may have restarted it with other flags), and says Hello again on a change.
+    """
+
+    def __init__(self, cfg: AgentConfig, http: aiohttp.ClientSession) -> None:
+        self._cfg = cfg
+        self._http = http
+        self._task: asyncio.Task[None] | None = None
+        self.session: AgentSession | None = None
+        self.facts: EngineFacts | None = None
+
+    async def first_look(self) -> InstanceInfo | None:
+        """The Hello as the engine describes itself, None while it does not answer (``DiscoveryError``
+        when it cannot serve the agent's role: the agent must not register)."""
+        try:
+            facts = await discover(self._http, self._cfg.engine_url)
+        except DiscoveryError as exc:
+            log.info("engine not described yet (%s); will ask again once it is ready", exc)
+            return None
+        return self._adopt(facts)
+
+    def _adopt(self, facts: EngineFacts, cfg: AgentConfig | None = None) -> InstanceInfo:
+        info, notes = attached_instance_info(cfg or self._cfg, facts)
+        self.facts = facts
+        log.info(
+            "attached engine: vLLM %s serving %s (root %r), block size %d, max model len %d, connector %r, "
+            "kv_role %r, TP %s",
+            facts.version or "?", list(facts.served_names), facts.root, info.block_size, info.max_model_len,
+            info.kv_connector, facts.kv_role or "unknown", facts.tensor_parallel_size or "unknown",
+        )  # fmt: skip
+        for note in notes:
+            log.warning("attached engine: %s", note)
+        return info
+
+    def engine_state(self, state: str) -> None:
+        """The supervisor's state callback: look again when the engine turns ready."""
+        if state == "ready" and self.session is not None and (self._task is None or self._task.done()):
+            self._task = asyncio.create_task(self._look_again(self.session), name="attach-discovery")
+
+    async def _look_again(self, session: AgentSession) -> None:
+        try:
+            facts = await discover(self._http, self._cfg.engine_url)
+            # The role is the session's: the orchestrator may have changed it since the agent started.
+            cfg = dataclasses.replace(self._cfg, role=session.instance.role)
+            info = self._adopt(facts, cfg)
+        except DiscoveryError as exc:
+            log.error("attached engine: %s; keeping what the orchestrator was told", exc)
+            return
+        if info != session.instance:
+            log.warning("attached engine changed: saying Hello again as %s", info)
+            session.set_instance(info)
+
+    async def close(self) -> None:
+        """Stop a look in progress."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
