@@ -218,11 +218,12 @@ async def test_a_decode_engine_that_recomputes_is_found_by_its_counters_and_its_
     engines: tuple[str, str], tmp_path: Path
 ) -> None:
     p, d = engines
-    # This machine stalls for seconds during NIXL work: nothing here is about detection speed.
-    server = await start_orchestrator(
-        orch_config(heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0),
-        shutdown_timeout_s=5.0,
+    # This machine stalls for seconds during NIXL work: nothing here is about detection speed. The link
+    # breaker stays open 30 s (not 1 s before a probe): long enough to see it open and avoided.
+    config = orch_config(
+        heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0, breaker_open_s=30.0
     )
+    server = await start_orchestrator(config, shutdown_timeout_s=5.0)
     try:
         async with unreachable_handles(p) as proxy, aiohttp.ClientSession() as session:
             log = tmp_path / "agents.log"
@@ -274,8 +275,6 @@ async def _recomputes_are_found(server: OrchestratorServer, session: aiohttp.Cli
             async with session.get(f"{server.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
                 raise AssertionError(f"{request_id} was not disaggregated: {await resp.text()}")
         await eventually(functools.partial(audited, n + 1), timeout=180, what=f"verdict {n + 1}")
-    for request_id, text in answers.items():
-        assert text == await reference(request_id), "a recomputed prompt still gives the right answer"
 
     async with session.get(f"{server.url}/admin/v1/requests/slow-0", headers=ADMIN) as resp:
         record = await resp.json()
@@ -288,3 +287,5 @@ async def _recomputes_are_found(server: OrchestratorServer, session: aiohttp.Cli
     assert metric_sum(samples, "vllm_disagg_link_breaker_open", **pair) == 1
     _, headers = await complete(session, server.url, "after")
     assert headers["X-Disagg-Mode"] == "colocated", "the link is avoided"
+    for request_id, text in answers.items():
+        assert text == await reference(request_id), "a recomputed prompt still gives the right answer"
