@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -25,11 +26,43 @@ ADMIN_TOKEN = "tests-admin-token-4f1c2b9e7d"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def free_port() -> int:
-    """A TCP port free on loopback right now."""
+# Ports for the servers tests start. Below Linux's ephemeral range (32768-60999): a port picked
+# there can be taken by any outgoing connection's local end between the pick and the server's bind.
+# And never the same port twice in a run: bind(0) may hand a just-closed port out again, and two
+# picks that collide start two servers on one port (seen in CI: up's ZMQ port was its first
+# engine's, and that engine never started).
+_TEST_PORTS = range(10000, 30000)
+_handed_out: set[int] = set()
+_port_rng = random.Random(os.getpid())
+
+
+def port_free(port: int) -> bool:
+    """True when nothing listens on ``port`` on loopback right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, offsets: tuple[int, ...] = (0,)) -> int:
+    """A base port where ``base + k + d`` (k < n, d in ``offsets``) are all free now and were never
+    handed out before in this run; they are handed out now."""
+    while True:
+        base = _port_rng.randrange(_TEST_PORTS.start, _TEST_PORTS.stop - n - max(offsets))
+        ports = {base + k + d for k in range(n) for d in offsets}
+        if ports & _handed_out or not all(port_free(p) for p in ports):
+            continue
+        if len(_handed_out) > len(_TEST_PORTS) // 2:
+            _handed_out.clear()  # a long run: the earliest ports' servers are long gone
+        _handed_out.update(ports)
+        return base
+
+
+def free_port() -> int:
+    """A TCP port free on loopback right now, and not handed out before in this run."""
+    return free_ports(1)
 
 
 async def eventually(

@@ -263,6 +263,9 @@ class AgentConfig:
     # answers an error, "recompute" computes the prompt itself (silently slower). Empty: vLLM's default
     # ("fail" in 0.32). Passed only with a connector.
     kv_load_failure_policy: str = ""
+    # vLLM's kv_transfer_config kv_lease_duration: how long a prefill engine keeps a finished prompt's
+    # blocks for a decode engine that never pulls them. 0: the engine's default (30 s). With a connector.
+    kv_lease_s: int = 0
     nixl_side_channel_port: int = 0  # 0: engine_port + 1000
     kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
@@ -309,6 +312,8 @@ class AgentConfig:
                 "agent.kv_load_failure_policy must be 'fail', 'recompute' or empty (vLLM's default), "
                 f"got {self.kv_load_failure_policy!r}"
             )
+        if self.kv_lease_s < 0:
+            raise ConfigError(f"agent.kv_lease_s must be >= 0 (0: the default), got {self.kv_lease_s}")
 
     @property
     def engine_url(self) -> str:

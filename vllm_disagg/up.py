@@ -61,6 +61,7 @@ class ClusterSpec:
     model_path: str = ""  # vLLM weights directory
     engine_args: str = ""  # more vLLM flags for every instance
     kv_load_failure_policy: str = ""  # a decode engine's failed KV pull: "fail", "recompute"; "": default
+    kv_lease_s: int = 0  # how long P keeps KV that no decode pulls (vLLM's kv_lease_duration); 0: default
     engine_startup_timeout_s: float = 900.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -150,6 +151,8 @@ class ClusterSpec:
         ]  # fmt: skip
         if self.kv_load_failure_policy:
             argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]
+        if self.kv_lease_s:
+            argv += ["--kv-lease-s", str(self.kv_lease_s)]
         if self.keys_dir:
             keys = Path(self.keys_dir)
             argv += [
@@ -295,6 +298,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what a decode engine does when pulling KV fails: answer an error, or compute the prompt "
         "itself (silently slower; the orchestrator's KV audit finds it). Default: vLLM's (fail)",
     )
+    parser.add_argument(
+        "--kv-lease-s",
+        type=int,
+        default=d.kv_lease_s,
+        help="seconds a prefill engine keeps a prompt's KV that no decode engine pulls (vLLM's "
+        "kv_lease_duration); 0: the engine's default (30)",
+    )
     parser.add_argument("--host", default=d.host, help="gateway host")
     parser.add_argument("--port", type=int, default=d.port, help="gateway port")
     parser.add_argument("--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents")
@@ -337,6 +347,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         model_path=args.model if args.engine == "vllm" else "",
         engine_args=args.engine_args,
         kv_load_failure_policy=args.kv_load_failure_policy or "",
+        kv_lease_s=args.kv_lease_s,
         host=args.host,
         port=args.port,
         zmq_port=args.zmq_port,

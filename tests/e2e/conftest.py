@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,3 +15,21 @@ def tiny_model() -> Path:
     from vllm_disagg.up import tiny_model_dir
 
     return build_tiny_model(tiny_model_dir()).path
+
+
+LOG_TAIL_LINES = 80
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that holds a cluster (a fixture with a ``log`` path) shows that log's last lines:
+    what the orchestrator, agents and engines said is the first thing to read, and CI keeps no files."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        log = getattr(value, "log", None)
+        if isinstance(log, Path) and log.exists():
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            report.sections.append((f"{log}, last lines", "\n".join(line[:400] for line in lines)))

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import ADMIN, cli_argv, eventually_sync, free_port, http_json, stop_process_group
+from tests.helpers import (
+    ADMIN,
+    cli_argv,
+    eventually_sync,
+    free_port,
+    free_ports,
+    http_json,
+    stop_process_group,
+)
 
 
 @dataclass
@@ -49,10 +56,8 @@ def start_up(
     tmp_path: Path, prefill: int, decode: int, *extra: str, env: dict[str, str] | None = None
 ) -> Cluster:
     """``up --engine sim`` with ``extra`` flags (and ``env``), once every instance is ready."""
-    port, zmq_port, base_port = free_port(), free_port(), free_port()
-    # Engine ports follow base_port; make sure the whole range is free right now.
-    while not all(port_free(base_port + i) for i in range(prefill + decode)):
-        base_port = free_port()
+    # Engine ports follow base_port; up puts their KV-event ports 2000 above.
+    port, zmq_port, base_port = free_port(), free_port(), free_ports(prefill + decode, (0, 1000, 2000))
     log = tmp_path / "up.log"
     argv = cli_argv(
         "up", "--engine", "sim", "--prefill", str(prefill), "--decode", str(decode),
@@ -71,15 +76,6 @@ def start_up(
         stop(cluster)
         raise AssertionError(log.read_text()) from None
     return cluster
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def stop(cluster: Cluster) -> int | None:

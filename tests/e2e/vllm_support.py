@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import signal
 import subprocess
 import time
@@ -15,8 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.e2e.up_support import port_free
-from tests.helpers import cli_argv, eventually_sync, http_json, sse_text
+from tests.helpers import cli_argv, eventually_sync, free_ports, http_json, sse_text
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
@@ -26,18 +24,9 @@ from vllm_disagg.runtime import die_with_parent
 START_TIMEOUT_S = 900.0  # two cold vLLM starts side by side on 2 cores took 92 s; leave room
 
 
-# Below Linux's ephemeral range (32768-60999): a port picked there can be taken by any outgoing
-# connection between the check and vLLM's bind (seen: the KV-events PUB port, "Address already in use").
-_ENGINE_PORTS = range(20000, 28000)
-
-
 def free_engine_ports(n: int) -> int:
     """A base port where n engines, their NIXL side channels (+1000) and KV event ports (+2000) are free."""
-    rng = random.Random()
-    while True:
-        base = rng.randrange(_ENGINE_PORTS.start, _ENGINE_PORTS.stop - 2000 - n)
-        if all(port_free(base + k + d) for k in range(n) for d in (0, 1000, 2000)):
-            return base
+    return free_ports(n, (0, 1000, 2000))
 
 
 @contextlib.contextmanager

@@ -123,6 +123,8 @@ async def test_when_no_prefill_instance_succeeds_the_request_runs_colocated_on_i
         assert (rec["mode"], rec["fallback"], rec["status"]) == ("colocated", cause, 200)
         samples = await scrape(http, cluster.server.url)
         assert sample(samples, "vllm_disagg_fallbacks_total", cause=cause) == 2
+        assert sample(samples, "vllm_disagg_requests_total", mode="fallback", status="200") == 2
+        assert sample(samples, "vllm_disagg_requests_total", mode="colocated") == 0
         d_samples = await scrape(http, d.url)
         assert sample(d_samples, "vllm:nixl_num_failed_transfers_total") == 0, "D computed, never pulled"
 
@@ -326,6 +328,42 @@ async def _leave_during_prefill(
     await eventually(idle, timeout=10, what="P's KV back at idle long before its 30 s lease")
     rec = await record(http, cluster, "gone-4")
     assert rec["status"] == 499
+
+
+@pytest.mark.parametrize(
+    ("handler", "cause", "tries"),
+    [
+        pytest.param(_status_500, "status", 1, id="decode-answers-500"),
+        pytest.param(_drop_before_first_byte, "transport", 2, id="decode-drops-the-connection-twice"),
+    ],
+)
+async def test_a_kv_freeing_decode_that_fails_is_counted_by_cause_and_a_dropped_connection_is_tried_twice(
+    http: aiohttp.ClientSession, sim_engine: EngineFactory, handler: Handler, cause: str, tries: int
+) -> None:
+    seen: list[str] = []
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("X-Request-Id", ""))
+        return await handler(request)
+
+    async with start_cluster() as cluster, fake_engine(decode) as d:
+        p = await sim_engine(timing=SimTiming(prefill_s_per_token=0.002))
+        await cluster.add("p0", p.url, "prefill")
+        await cluster.add("d0", d.url, "decode")
+        await cluster.ready(1, 1)
+        task = asyncio.ensure_future(complete(http, cluster, "gone", prompt=f"gone {PROMPT}"))
+        await eventually(lambda: cluster.server.registry.snapshot().in_flight_of("p0") == 1, what="prefill")
+        task.cancel()  # the client goes away mid-prefill: D gets only the KV-freeing decode
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+        async def failures() -> float | None:
+            text = await scrape(http, cluster.server.url)
+            return sample(text, "vllm_disagg_kv_release_failures_total", cause=cause) or None
+
+        assert await eventually(failures, what="the failed release counted") == 1
+        assert seen == ["gone-release"] * tries
+        assert sample(await scrape(http, cluster.server.url), "vllm_disagg_kv_released_total") == 0
 
 
 async def test_when_the_last_decode_instance_fails_a_prefill_instance_serves_the_request_by_itself(

@@ -53,4 +53,6 @@ async def test_every_dashboard_query_names_a_metric_the_orchestrator_exports(
     exported |= {f"{name}_total" for name in exported}
     missing = sorted(dashboard_metrics() - exported)
     assert not missing, f"the dashboard queries metrics /metrics does not have: {missing}"
-    assert {"vllm_disagg_schedule_seconds", "vllm_disagg_kv_handoff_seconds"} <= dashboard_metrics()
+    stages = {"schedule", "kv_handoff", "queue", "time_per_output_token"}
+    assert {f"vllm_disagg_{stage}_seconds" for stage in stages} <= dashboard_metrics()
+    assert "vllm_disagg_role_changes_total" in dashboard_metrics()

@@ -299,20 +299,23 @@ async def test_metrics_expose_instances_and_requests(
     await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
     for _ in range(3):
         assert (await complete(http, orch))[0] == 200
+    stream = {"model": MODEL, "prompt": "a stream", "max_tokens": 5, "stream": True}
+    async with http.post(f"{orch.url}/v1/completions", data=jsonutil.dumps(stream)) as resp:
+        assert resp.status == 200 and (await resp.read()).endswith(b"data: [DONE]\n\n")
     samples = await scrape(http, orch.url)
     assert sample(samples, "vllm_disagg_instance_up", instance="p0", role="prefill", state="ready") == 1
     assert sample(samples, "vllm_disagg_instance_up", instance="d0", role="decode", state="ready") == 1
     assert sample(samples, "vllm_disagg_instance_in_flight", instance="d0") == 0
     assert (
         sample(samples, "vllm_disagg_requests_total", route="completions", mode="disaggregated", status="200")
-        == 3
+        == 4
     )
-    assert sample(samples, "vllm_disagg_request_duration_seconds_count", route="completions") == 3
-    assert sample(samples, "vllm_disagg_prefill_leg_seconds_count") == 3
-    assert sample(samples, "vllm_disagg_time_to_first_byte_seconds_count") == 3
-    assert sample(samples, "vllm_disagg_gateway_overhead_seconds_count") == 3
-    assert sample(samples, "vllm_disagg_schedule_seconds_count") == 3
-    assert sample(samples, "vllm_disagg_kv_handoff_seconds_count") == 3, "each request was disaggregated"
+    assert sample(samples, "vllm_disagg_request_duration_seconds_count", route="completions") == 4
+    for each in ("prefill_leg", "time_to_first_byte", "gateway_overhead", "schedule", "queue"):
+        assert sample(samples, f"vllm_disagg_{each}_seconds_count") == 4, each
+    assert sample(samples, "vllm_disagg_kv_handoff_seconds_count") == 4, "each request was disaggregated"
+    assert sample(samples, "vllm_disagg_time_per_output_token_seconds_count") == 1, "the one stream"
+    assert sample(samples, "vllm_disagg_time_per_output_token_seconds_sum") > 0
 
 
 async def test_status_and_drain_commands_talk_to_the_admin_api(

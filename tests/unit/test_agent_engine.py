@@ -192,3 +192,10 @@ def test_a_launched_sim_engine_follows_the_agents_kv_load_failure_policy(policy:
     rest = argv[argv.index("sim-engine") + 1 :]
     flags = dict(zip(rest[::2], rest[1::2], strict=True))
     assert flags["--kv-load-failure-policy"] == expected
+
+
+@pytest.mark.parametrize(("lease", "expected"), [(0, "30.0"), (600, "600.0")])
+def test_a_launched_sim_engine_holds_unpulled_kv_for_the_agents_kv_lease(lease: int, expected: str) -> None:
+    argv = SimEngineCommand().argv(agent(engine_port=8123, kv_lease_s=lease))
+    rest = argv[argv.index("sim-engine") + 1 :]
+    assert dict(zip(rest[::2], rest[1::2], strict=True))["--kv-lease-s"] == expected

@@ -29,3 +29,9 @@ def test_an_unknown_policy_is_refused_before_anything_starts(capsys: pytest.Capt
     with pytest.raises(SystemExit):
         spec_of("--kv-load-failure-policy", "retry")
     assert "invalid choice: 'retry'" in capsys.readouterr().err
+
+
+def test_every_agent_gets_the_kv_lease_and_none_without_the_flag() -> None:
+    for argv in spec_of("--kv-lease-s", "600"):
+        assert argv[argv.index("--kv-lease-s") + 1] == "600"
+    assert all("--kv-lease-s" not in argv for argv in spec_of())

@@ -289,3 +289,15 @@ BAD_CONFIGS = [
 def test_bad_vllm_settings_are_refused_naming_the_field(changes: dict[str, object], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         agent(**changes)
+
+
+def test_a_kv_lease_goes_into_the_connectors_extra_config_as_vllms_kv_lease_duration() -> None:
+    cfg = agent(role="prefill", kv_lease_s=600)
+    transfer = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-transfer-config"])
+    assert transfer["kv_connector_extra_config"] == {"kv_lease_duration": 600}
+    assert "kv_connector_extra_config" not in kv_transfer_config(agent(role="prefill"), "cpu")
+
+
+def test_a_negative_kv_lease_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="kv_lease_s"):
+        agent(kv_lease_s=-1)

@@ -89,6 +89,7 @@ class SimEngineCommand(EngineCommand):
             timing=cfg.sim,
             kv_events_port=kv_events_port(cfg),
             kv_load_failure_policy=cfg.kv_load_failure_policy or "fail",  # vLLM 0.32's default
+            kv_lease_s=float(cfg.kv_lease_s or 30),  # vLLM's default
         )
 
     def argv(self, cfg: AgentConfig) -> list[str]:

@@ -72,6 +72,12 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         str,
         "a failed KV pull: fail (error) or recompute (compute the prompt); empty: vLLM's default",
     ),
+    (
+        "--kv-lease-s",
+        "kv_lease_s",
+        int,
+        "seconds a prefill engine keeps KV no decode engine pulls (vLLM's kv_lease_duration); 0: 30",
+    ),
     ("--nixl-side-channel-port", "nixl_side_channel_port", int, "NIXL handshake port (0: engine port+1000)"),
     ("--kv-events-port", "kv_events_port", int, "KV cache events PUB port (0: engine port+2000)"),
     ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),

@@ -74,17 +74,19 @@ def kv_events_endpoint(cfg: AgentConfig) -> str:
     return f"tcp://{cfg.engine_host}:{kv_events_port(cfg)}"
 
 
-def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, str]:
+def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, object]:
     """The ``--kv-transfer-config`` object for the agent's role; empty without a connector."""
     if not cfg.kv_connector:
         return {}
-    config = {"kv_connector": cfg.kv_connector, "kv_role": KV_ROLES[cfg.role]}
+    config: dict[str, object] = {"kv_connector": cfg.kv_connector, "kv_role": KV_ROLES[cfg.role]}
     if device == "cpu":
         # No device memory to register: NIXL moves blocks between host buffers over UCX.
         config["kv_buffer_device"] = "cpu"
     if cfg.kv_load_failure_policy:
         # What a decode engine does when a pull fails; unset, vLLM's default applies ("fail" in 0.32).
         config["kv_load_failure_policy"] = cfg.kv_load_failure_policy
+    if cfg.kv_lease_s:
+        config["kv_connector_extra_config"] = {"kv_lease_duration": cfg.kv_lease_s}
     return config
 
 

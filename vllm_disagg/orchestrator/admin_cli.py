@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any
 
 from vllm_disagg import jsonutil
@@ -170,6 +171,35 @@ def _message(body: Any) -> str:
     return str(body)
 
 
+class _Failed(Exception):
+    """A command's one-line error: ``run`` prints it and exits 1."""
+
+
+def _expect(status: int, body: Any, *ok: int) -> Any:
+    """``body`` when ``status`` is one of ``ok`` (200 by default); else ``_Failed`` with the API's reason."""
+    if status not in (ok or (200,)):
+        raise _Failed(f"HTTP {status}: {_message(body)}")
+    return body
+
+
+def _status(base: str, token: str, args: argparse.Namespace) -> int:
+    """``status``: the instance table (``--json``: the API's document)."""
+    body = _expect(*_call("GET", f"{base}/admin/v1/instances", token))
+    items = body.get("instances", []) if isinstance(body, dict) else []
+    if args.json:
+        print(jsonutil.dumps(body).decode())
+    else:
+        print(format_table(items) if items else "no instances registered")
+    return 0
+
+
+def _remove(base: str, token: str, args: argparse.Namespace) -> int:
+    """``remove``: forget a dead instance."""
+    _expect(*_call("DELETE", f"{base}/admin/v1/instances/{args.agent_id}", token))
+    print(f"removed {args.agent_id}")
+    return 0
+
+
 def _add(base: str, token: str, args: argparse.Namespace) -> int:
     """``add``: the orchestrator attaches the engine at ``args.engine_url`` (``POST /admin/v1/instances``)."""
     request = {
@@ -179,9 +209,7 @@ def _add(base: str, token: str, args: argparse.Namespace) -> int:
         "model": args.model,
     }
     status, body = _call("POST", f"{base}/admin/v1/instances", token, {k: v for k, v in request.items() if v})
-    if status not in (201, 202):
-        print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
-        return 1
+    _expect(status, body, 201, 202)
     if status == 202:
         print(
             f"add {body['agent_id']}: its agent is still starting (pid {body['pid']}); see vllm-disagg status"
@@ -195,68 +223,30 @@ def _add(base: str, token: str, args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    """``status``: print the instance table. ``drain``: drain (or undrain) one instance."""
-    base = args.url.rstrip("/")
-    try:
-        token = load_admin_token(args.admin_token_file)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        if args._name == "status":
-            status, body = _call("GET", f"{base}/admin/v1/instances", token)
-            if status != 200:
-                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
-                return 1
-            items = body.get("instances", []) if isinstance(body, dict) else []
-            if args.json:
-                print(jsonutil.dumps(body).decode())
-            else:
-                print(format_table(items) if items else "no instances registered")
-            return 0
-        if args._name == "events":
-            return _events(base, token, args)
-        if args._name == "remove":
-            status, body = _call("DELETE", f"{base}/admin/v1/instances/{args.agent_id}", token)
-            if status != 200:
-                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
-                return 1
-            print(f"removed {args.agent_id}")
-            return 0
-        if args._name == "add":
-            return _add(base, token, args)
-        if args._name == "role":
-            status, body = _call(
-                "POST", f"{base}/admin/v1/instances/{args.agent_id}/role", token, {"role": args.role}
-            )
-            if status != 200:
-                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
-                return 1
-            print(f"role {args.agent_id}: {body['from']} -> {body['role']}")
-            return 0
-        if args._name == "requests":
-            path = (
-                f"requests/{args.request_id}" if args.request_id else f"requests?limit={max(0, args.limit)}"
-            )
-            status, body = _call("GET", f"{base}/admin/v1/{path}", token)
-            if status != 200:
-                print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
-                return 1
-            if args.json or args.request_id:
-                print(jsonutil.dumps(body).decode())
-            else:
-                records = body.get("requests", []) if isinstance(body, dict) else []
-                print(format_requests(records) if records else "no requests recorded")
-            return 0
-        action = "undrain" if args.undo else "drain"
-        status, body = _call("POST", f"{base}/admin/v1/instances/{args.agent_id}/{action}", token)
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"error: cannot reach the orchestrator at {base}: {exc}", file=sys.stderr)
-        return 1
-    if status != 200:
-        print(f"error: HTTP {status}: {_message(body)}", file=sys.stderr)
-        return 1
+def _role(base: str, token: str, args: argparse.Namespace) -> int:
+    """``role``: change what an instance serves (its agent may refuse: 409 with its reason)."""
+    url = f"{base}/admin/v1/instances/{args.agent_id}/role"
+    body = _expect(*_call("POST", url, token, {"role": args.role}))
+    print(f"role {args.agent_id}: {body['from']} -> {body['role']}")
+    return 0
+
+
+def _requests(base: str, token: str, args: argparse.Namespace) -> int:
+    """``requests``: recent requests as a table, or one request's whole record."""
+    path = f"requests/{args.request_id}" if args.request_id else f"requests?limit={max(0, args.limit)}"
+    body = _expect(*_call("GET", f"{base}/admin/v1/{path}", token))
+    if args.json or args.request_id:
+        print(jsonutil.dumps(body).decode())
+    else:
+        records = body.get("requests", []) if isinstance(body, dict) else []
+        print(format_requests(records) if records else "no requests recorded")
+    return 0
+
+
+def _drain(base: str, token: str, args: argparse.Namespace) -> int:
+    """``drain`` (``--undo``: undrain) one instance; its agent acknowledges."""
+    action = "undrain" if args.undo else "drain"
+    body = _expect(*_call("POST", f"{base}/admin/v1/instances/{args.agent_id}/{action}", token))
     ack = body.get("ack", {})
     if not ack.get("ok", False):
         print(f"{action} {args.agent_id}: agent refused: {ack.get('error', '')}", file=sys.stderr)
@@ -264,3 +254,32 @@ def run(args: argparse.Namespace) -> int:
     state = (body.get("instance") or {}).get("state", "?")
     print(f"{action} {args.agent_id}: acknowledged (state: {state})")
     return 0
+
+
+_COMMANDS: dict[str, Callable[[str, str, argparse.Namespace], int]] = {
+    "status": _status,
+    "events": _events,
+    "remove": _remove,
+    "add": _add,
+    "role": _role,
+    "requests": _requests,
+    "drain": _drain,
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run one admin subcommand (``args._name``) against the orchestrator at ``args.url``."""
+    base = args.url.rstrip("/")
+    try:
+        token = load_admin_token(args.admin_token_file)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _COMMANDS[args._name](base, token, args)
+    except _Failed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"error: cannot reach the orchestrator at {base}: {exc}", file=sys.stderr)
+        return 1

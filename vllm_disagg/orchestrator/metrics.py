@@ -24,6 +24,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 # LLM requests run from milliseconds (a cached prefill) to minutes (long generations).
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # The gateway's own work per request: the target is well under a millisecond.
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 Leg = str  # "prefill" | "decode"
@@ -140,6 +141,18 @@ class OrchestratorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._tpot = Histogram(
+            "vllm_disagg_time_per_output_token_seconds",
+            "A stream's time per output token after the first, as its client saw it (resumes included)",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self._queue = Histogram(
+            "vllm_disagg_queue_seconds",
+            "From a request's arrival to the start of its first engine leg (the gateway's own wait)",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
         self._schedule = Histogram(
             "vllm_disagg_schedule_seconds",
             "From a request's arrival to its scheduling decision (body read, parsed, P and D picked)",
@@ -220,6 +233,12 @@ class OrchestratorMetrics:
             "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
             registry=r,
         )
+        self._kv_release_failures = Counter(
+            "vllm_disagg_kv_release_failures",
+            "One-token KV-freeing decodes that failed: the prefill's KV stays held until its lease ends",
+            ["cause"],
+            registry=r,
+        )
         self._kv_events = Counter(
             "vllm_disagg_kv_events",
             "KV-cache events from the instance's agent applied to the KV index",
@@ -252,15 +271,22 @@ class OrchestratorMetrics:
         engine_s: float,
         prefill_s: float | None,
         ttfb_s: float | None,
+        *,
         schedule_s: float | None = None,
         handoff_s: float | None = None,
+        queue_s: float | None = None,
+        tpot_s: float | None = None,
     ) -> None:
-        """Record one finished client request."""
+        """Record one finished client request (``mode``: disaggregated, colocated, fallback, none)."""
         self._request_children[route, mode, status].inc()
         self._duration_children[route, mode].observe(total_s)
         self._overhead.observe(max(0.0, total_s - engine_s))
         if schedule_s is not None:
             self._schedule.observe(schedule_s)
+        if queue_s is not None:
+            self._queue.observe(queue_s)
+        if tpot_s is not None:
+            self._tpot.observe(tpot_s)
         if handoff_s is not None:
             self._handoff.observe(handoff_s)
         if prefill_s is not None:
@@ -316,6 +342,10 @@ class OrchestratorMetrics:
     def kv_released(self) -> None:
         """Count a one-token decode that freed an abandoned prefill's KV."""
         self._kv_released.inc()
+
+    def kv_release_failed(self, cause: str) -> None:
+        """Count a KV-freeing decode that failed (``status``, ``transport`` or ``lost``)."""
+        self._kv_release_failures.labels(cause).inc()
 
     def kv_events(self, agent_id: str, applied: int, missed: int) -> None:
         """Count one ``KvEvents`` message from an instance's agent (both series appear with the first)."""

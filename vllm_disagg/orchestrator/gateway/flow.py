@@ -162,6 +162,7 @@ class Flow:
         target = gw.target("prefill", p, self.route)
         gw.registry.acquire(p)
         started = self.stamps["prefill_start"] = gw.clock.monotonic()
+        self.stamps.setdefault("dispatched", started)
         # Its own task, shielded: a client that leaves now must not strand the KV the prefill keeps
         # for a decode that will never come (vLLM holds it for its lease, 30 s by default).
         leg = asyncio.ensure_future(
@@ -372,6 +373,7 @@ class Flow:
         timing = self.timing
         gw.registry.acquire(d)
         started = self.stamps["decode_start"] = gw.clock.monotonic()
+        self.stamps.setdefault("dispatched", started)
         try:
             response = await run_decode(
                 self.request,

@@ -15,7 +15,6 @@ before the body goes to an engine.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import reprlib
 import uuid
@@ -259,21 +258,36 @@ class Gateway:
                 kv = (await prefill).kv
             except Exception:  # it failed: nothing is held
                 return
-            target = self.target("decode", decode_id, route)
             released = decode_body(one_token_body(body), kv)
             released_headers = {**headers, "X-Request-Id": headers["X-Request-Id"] + "-release"}
-            session = self.session_or_fail()
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, UpstreamError):
-                async with session.post(target.url, data=released, headers=released_headers) as resp:
-                    await resp.read()
-                if resp.status == 200:
+            # Twice: a pooled connection the engine closed just then fails before any answer.
+            for last in (False, True):
+                cause, detail = await self._release_once(decode_id, route, released, released_headers)
+                if not cause:
                     self.metrics.kv_released()
-                else:
-                    log.warning("freeing the KV of %s failed: HTTP %d", headers["X-Request-Id"], resp.status)
+                    return
+                if last or cause != "transport":
+                    log.warning("freeing the KV of %s failed: %s", headers["X-Request-Id"], detail)
+                    self.metrics.kv_release_failed(cause)
+                    return
 
         task = asyncio.ensure_future(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    async def _release_once(
+        self, decode_id: str, route: Route, body: bytes, headers: dict[str, str]
+    ) -> tuple[str, str]:
+        """One KV-freeing decode: ("", "") when it answered 200, else a cause and what happened."""
+        try:
+            target = self.target("decode", decode_id, route)
+            async with self.session_or_fail().post(target.url, data=body, headers=headers) as resp:
+                await resp.read()
+        except UpstreamError as exc:  # the decode instance is gone: its engine cannot pull anything
+            return "lost", exc.message
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            return "transport", f"{type(exc).__name__}: {exc}"
+        return ("", "") if resp.status == 200 else ("status", f"HTTP {resp.status}")
 
     async def close(self) -> None:
         """Cancel background work (KV releases) and close the engine session."""
@@ -478,7 +492,20 @@ class Gateway:
         if mode == "disaggregated" and "prefill_end" in stamps and "decode_start" in stamps:
             handoff = stamps["decode_start"] - stamps["prefill_end"]
         schedule = t_decided - t0 if flow is not None else None
-        self.metrics.request_done(route, mode, status, total, engine_s, prefill_s, ttfb, schedule, handoff)
+        queue = stamps["dispatched"] - t0 if "dispatched" in stamps else None
+        self.metrics.request_done(
+            route,
+            "fallback" if flow is not None and flow.fallback else mode,
+            status,
+            total,
+            engine_s,
+            prefill_s,
+            ttfb,
+            schedule_s=schedule,
+            handoff_s=handoff,
+            queue_s=queue,
+            tpot_s=_tpot(flow, status),
+        )
         self.request_log.add(
             RequestRecord(
                 request_id=request_id,
@@ -543,3 +570,13 @@ class Gateway:
         app.router.add_post(PATHS["completions"], self.completions)
         app.router.add_post(PATHS["chat_completions"], self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+
+
+def _tpot(flow: Flow | None, status: int) -> float | None:
+    """A finished stream's time per output token after the first, where the gateway counted them."""
+    if flow is None or flow.state is None or status != 200:
+        return None
+    first, last, tokens = flow.timing.first_byte, flow.timing.finished, len(flow.state.ids)
+    if first is None or last is None or tokens < 2:
+        return None
+    return (last - first) / (tokens - 1)
