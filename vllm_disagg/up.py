@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import IO
 
 import aiohttp
 
@@ -232,15 +233,19 @@ class LocalCluster:
             await stop_processes([self.orchestrator], self.spec.stop_grace_s)
 
 
-async def spawn(argv: list[str], env: dict[str, str] | None = None) -> asyncio.subprocess.Process:
+async def spawn(
+    argv: list[str], env: dict[str, str] | None = None, output: IO[bytes] | None = None
+) -> asyncio.subprocess.Process:
     """A child in its own process group that dies with this process; without ``env``, ours minus the
-    orchestrator's secrets (``child_env``)."""
+    orchestrator's secrets (``child_env``). ``output``: where its stdout and stderr go (else ours)."""
     return await asyncio.create_subprocess_exec(
         *argv,
         env=child_env() if env is None else env,
         start_new_session=True,
         preexec_fn=die_with_parent,
         stdin=asyncio.subprocess.DEVNULL,
+        stdout=output,
+        stderr=asyncio.subprocess.STDOUT if output is not None else None,
     )
 
 

@@ -122,9 +122,15 @@ class Up:
         return pgid
 
     async def both_ready(self) -> None:
+        """Both instances ready, and each engine answering itself: right after an engine is killed,
+        until its agent has seen it (a starved agent may take seconds), the registry still says ready
+        (seen in CI: the next test's requests went to the dead decode engine)."""
+
         def ready() -> bool:
-            states = {i: v["state"] for i, v in self.instances().items()}
-            return states == {"prefill-0": "ready", "decode-0": "ready"}
+            instances = self.instances()
+            if {i: v["state"] for i, v in instances.items()} != {"prefill-0": "ready", "decode-0": "ready"}:
+                return False
+            return all(http_json(f"{v['url']}/health")[0] == 200 for v in instances.values())
 
         await eventually(ready, timeout=START_TIMEOUT_S, interval=0.5, what="1P1D ready")
 

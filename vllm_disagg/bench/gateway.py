@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 import aiohttp
 
 from vllm_disagg import jsonutil
+from vllm_disagg.bench.compare import ROUTER_PLACEHOLDERS, parse_compare, render_comparison, run_comparison
+from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body
 from vllm_disagg.procfs import cpu_seconds
 from vllm_disagg.runtime import asyncio_run
@@ -60,6 +62,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-chars", type=int, default=256, help="prompt length (sim: 1 token/byte)")
     parser.add_argument("--port", type=int, default=18000, help="gateway port (engines use the next ones)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    side = parser.add_argument_group("side by side with other routers (docs/benchmarks.md)")
+    side.add_argument(
+        "--compare",
+        nargs="*",
+        metavar="NAME=CMD",
+        help="measure our gateway and each router command on the same engines, rounds interleaved; "
+        "placeholders: " + ", ".join("{" + k + "}" for k in ROUTER_PLACEHOLDERS),
+    )
+    side.add_argument("--rounds", type=int, default=3, help="rounds of every scenario on every router")
+    side.add_argument("--prefill", type=int, default=2, help="prefill engines")
+    side.add_argument("--decode", type=int, default=2, help="decode engines")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -237,7 +250,16 @@ def _results_of(report: dict[str, object]) -> list[Result]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the benchmark and print a table, or JSON with ``--json``."""
+    """Run the benchmark (``--compare``: side by side) and print a table, or JSON with ``--json``."""
+    if args.compare is not None:
+        try:
+            compared = [parse_compare(item) for item in args.compare]
+        except ConfigError as exc:
+            print(f"vllm-disagg bench gateway: {exc}", file=sys.stderr)
+            return 2
+        report = asyncio_run(run_comparison(args, compared))
+        print(jsonutil.dumps(report).decode() if args.json else render_comparison(report), file=sys.stdout)
+        return 0
     report = asyncio_run(run_benchmark(args))
     print(jsonutil.dumps(report).decode() if args.json else render_table(report), file=sys.stdout)
     return 0
