@@ -83,6 +83,11 @@ class KvEventsError(ProtocolError):
     code = "kv_events_error"
 
 
+def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict[str, object]:
+    """The OpenAI-style error object every HTTP error of ours carries (vLLM's shape too)."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
 class RequestError(DisaggError):
     """A client request that cannot be served; ``status`` is its HTTP status."""
 
@@ -96,9 +101,7 @@ class RequestError(DisaggError):
 
     def to_json(self) -> dict[str, object]:
         """The OpenAI-style error object."""
-        return {
-            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
-        }
+        return error_body(self.message, self.type, self.status, self.param)
 
 
 class BadRequest(RequestError):

@@ -316,6 +316,7 @@ async def test_metrics_expose_instances_and_requests(
     assert sample(samples, "vllm_disagg_kv_handoff_seconds_count") == 4, "each request was disaggregated"
     assert sample(samples, "vllm_disagg_time_per_output_token_seconds_count") == 1, "the one stream"
     assert sample(samples, "vllm_disagg_time_per_output_token_seconds_sum") > 0
+    assert sample(samples, "vllm_disagg_event_loop_lag_seconds_count") > 0, "sampled since the start"
 
 
 async def test_status_and_drain_commands_talk_to_the_admin_api(

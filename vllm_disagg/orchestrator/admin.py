@@ -19,7 +19,7 @@ from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
-from vllm_disagg.errors import BadRequest
+from vllm_disagg.errors import BadRequest, error_body
 from vllm_disagg.orchestrator import openapi
 from vllm_disagg.orchestrator.auth import guarded
 from vllm_disagg.orchestrator.control import CommandError, ControlPlane
@@ -46,7 +46,7 @@ def _json(body: Any, status: int = 200) -> web.Response:
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:
-    return _json({"error": {"message": message, "type": type_, "param": None, "code": status}}, status)
+    return _json(error_body(message, type_, status), status)
 
 
 def _add_request(body: Any) -> tuple[str, Role | None, str, str]:

@@ -23,6 +23,7 @@ from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
@@ -57,6 +58,7 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
     tasks = [
         asyncio.create_task(control.run_reader(), name="orchestrator-zmq-reader"),
         asyncio.create_task(control.run_expiry(), name="orchestrator-expiry"),
+        asyncio.create_task(watch_loop_lag(app[METRICS_KEY].loop_lag), name="orchestrator-loop-lag"),
     ]
     for task in tasks:
         task.add_done_callback(_log_crash)

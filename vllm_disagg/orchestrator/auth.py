@@ -18,7 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from vllm_disagg import jsonutil
-from vllm_disagg.errors import ConfigError
+from vllm_disagg.errors import ConfigError, error_body
 
 ENV_ADMIN_TOKEN = "VLLM_DISAGG_ADMIN_TOKEN"
 ENV_ENGINE_API_KEY = "VLLM_DISAGG_ENGINE_API_KEY"
@@ -70,10 +70,9 @@ def admin_headers(token: str) -> dict[str, str]:
 
 
 def _unauthorized(message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "AuthenticationError", "param": None, "code": 401}}
     return web.Response(
         status=401,
-        body=jsonutil.dumps(body),
+        body=jsonutil.dumps(error_body(message, "AuthenticationError", 401)),
         content_type="application/json",
         headers={"WWW-Authenticate": 'Bearer realm="vllm-disagg admin"'},
     )

@@ -25,6 +25,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # The gateway's own work per request: the target is well under a millisecond.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+_LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 Leg = str  # "prefill" | "decode"
@@ -151,6 +152,12 @@ class OrchestratorMetrics:
             "vllm_disagg_queue_seconds",
             "From a request's arrival to the start of its first engine leg (the gateway's own wait)",
             buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self._loop_lag = Histogram(
+            "vllm_disagg_event_loop_lag_seconds",
+            "How much later than due the orchestrator's event loop woke a task (sampled every 0.1 s)",
+            buckets=_LAG_BUCKETS,
             registry=r,
         )
         self._schedule = Histogram(
@@ -342,6 +349,10 @@ class OrchestratorMetrics:
     def kv_released(self) -> None:
         """Count a one-token decode that freed an abandoned prefill's KV."""
         self._kv_released.inc()
+
+    def loop_lag(self, seconds: float) -> None:
+        """Record how late the event loop woke a task that was due."""
+        self._loop_lag.observe(seconds)
 
     def kv_release_failed(self, cause: str) -> None:
         """Count a KV-freeing decode that failed (``status``, ``transport`` or ``lost``)."""

@@ -16,7 +16,7 @@ from aiohttp import web
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import SimEngineConfig
-from vllm_disagg.errors import BadRequest, RequestError
+from vllm_disagg.errors import BadRequest, RequestError, error_body
 from vllm_disagg.sim import perf_model
 from vllm_disagg.sim.core import ABORTED, EngineCore, Seq
 from vllm_disagg.sim.kv_publisher import KvEventPublisher
@@ -119,7 +119,7 @@ def _error_message(payload: bytes) -> str:
 
 
 def _error(status: int, err_type: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": err_type, "param": None, "code": status}}
+    body = error_body(message, err_type, status)
     return web.Response(
         status=status, body=jsonutil.dumps(body), content_type="application/json", headers=headers
     )

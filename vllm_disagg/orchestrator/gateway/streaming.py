@@ -18,7 +18,7 @@ import aiohttp
 from aiohttp import web
 
 from vllm_disagg import jsonutil
-from vllm_disagg.errors import UpstreamError
+from vllm_disagg.errors import UpstreamError, error_body
 from vllm_disagg.orchestrator.gateway.handoff import Target, status_failure, upstream_failure
 from vllm_disagg.orchestrator.gateway.resume import StreamBroken, StreamState
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
@@ -183,8 +183,7 @@ async def continue_stream(
 
 def error_event(message: str, status: int = 502, type_: str = "BadGatewayError") -> bytes:
     """An SSE error event shaped like the one vLLM sends when a stream fails."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
-    return b"data: " + jsonutil.dumps(body) + b"\n\n"
+    return b"data: " + jsonutil.dumps(error_body(message, type_, status)) + b"\n\n"
 
 
 async def end_with_error(out: web.StreamResponse, message: str, timing: LegTiming) -> None:
