@@ -18,7 +18,7 @@ async def test_every_router_runs_every_scenario_in_every_round_on_the_same_engin
     base = free_ports(1, (0, 1, 2, 3, 100, 101, 2100, 2101))
     args = argparse.Namespace(
         port=base, prefill=1, decode=1, rounds=2, concurrency=[1, 3], requests=12, warmup=2,
-        max_tokens=4, prompt_chars=32,
+        max_tokens=4, prompt_chars=32, modes=["plain", "stream"],
     )  # fmt: skip
     command = f"{Path(sys.executable).parent / 'vllm-disagg'} sim-engine --model sim-model --port {{port}}"
     report = await run_comparison(args, [("alone", command)])

@@ -16,7 +16,7 @@ async def test_a_loop_held_by_blocking_work_is_seen_late_by_at_least_the_hold() 
     try:
         await eventually(lambda: len(seen) >= 3, what="the watcher running")
         before = len(seen)
-        time.sleep(0.3)  # blocking on purpose: the loop can run nothing meanwhile
+        time.sleep(0.3)  # noqa: ASYNC251 -- blocking on purpose: the loop can run nothing meanwhile
         await eventually(lambda: len(seen) > before, what="a wake after the hold")
         assert seen[before] >= 0.25, seen[before:]
     finally:

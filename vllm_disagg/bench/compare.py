@@ -259,7 +259,7 @@ async def run_comparison(args: argparse.Namespace, compared: list[tuple[str, str
         async with aiohttp.ClientSession(connector=connector) as session:
             for n in range(args.rounds):
                 for concurrency in args.concurrency:
-                    for stream in (False, True):
+                    for stream in (mode == "stream" for mode in args.modes):
                         for router in fleet.routers:
                             rounds.append(await _one(session, fleet, router, n, concurrency, stream, args))
     finally:

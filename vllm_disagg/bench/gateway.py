@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "placeholders: " + ", ".join("{" + k + "}" for k in ROUTER_PLACEHOLDERS),
     )
     side.add_argument("--rounds", type=int, default=3, help="rounds of every scenario on every router")
+    side.add_argument(
+        "--modes", nargs="+", choices=("plain", "stream"), default=["plain", "stream"], help="response kinds"
+    )
     side.add_argument("--prefill", type=int, default=2, help="prefill engines")
     side.add_argument("--decode", type=int, default=2, help="decode engines")
 
