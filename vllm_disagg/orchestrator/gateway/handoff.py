@@ -11,13 +11,13 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 from yarl import URL
 
 from vllm_disagg import jsonutil
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import BadRequest, EngineRejected, UpstreamError, UpstreamTimeout
+from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineConnectError, EngineHTTPError
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
 # Longest engine error text quoted back to a client.
@@ -92,26 +92,17 @@ def dumps_leg(body: dict[str, Any]) -> bytes:
 ENGINE_KEEPALIVE_S = 4.0  # below vLLM's 5 s server-side keep-alive
 
 
-def new_session(config: OrchestratorConfig) -> aiohttp.ClientSession:
-    """The one client session for every engine call (no connection cap, keep-alive, no compression)."""
+def new_session(config: OrchestratorConfig) -> EngineClient:
+    """The one client for every engine call (keep-alive, no connection cap, no compression)."""
     # vLLM (uvicorn) closes a keep-alive connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE). Reusing
     # one it is closing at that moment fails the request with a reset (seen: a decode leg, and the
     # decode that frees an abandoned prefill's KV, lost that way); dropping them at 4 s never races.
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, keepalive_timeout=ENGINE_KEEPALIVE_S)
-    return aiohttp.ClientSession(
-        connector=connector,
-        # Connect and idle-read limits, never a total: a healthy stream may run for hours, and a dead
-        # or partitioned engine is cut off by the registry (``LegWatch``) long before a timeout.
-        timeout=aiohttp.ClientTimeout(
-            total=None,
-            connect=config.connect_timeout_s,
-            sock_connect=config.connect_timeout_s,
-            sock_read=config.idle_timeout_s,
-        ),
-        # Bodies are relayed as bytes: never ask engines to compress, never decompress.
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent", "Accept-Encoding"),
-        raise_for_status=False,
+    # Connect and idle-read limits, never a total: a healthy stream may run for hours, and a dead or
+    # partitioned engine is cut off by the registry (``LegWatch``) long before a timeout.
+    return EngineClient(
+        connect_timeout_s=config.connect_timeout_s,
+        idle_timeout_s=config.idle_timeout_s,
+        keepalive_s=ENGINE_KEEPALIVE_S,
     )
 
 
@@ -123,7 +114,7 @@ def upstream_failure(target: Target, exc: BaseException, metrics: OrchestratorMe
     if isinstance(exc, TimeoutError):
         metrics.upstream_error(target.leg, "timeout")
         return UpstreamTimeout(f"{target.describe()} did not answer in time ({type(exc).__name__})")
-    if isinstance(exc, aiohttp.ClientConnectorError):
+    if isinstance(exc, EngineConnectError):
         metrics.upstream_error(target.leg, "connect")
         return UpstreamError(
             f"{target.describe()} is unreachable: {exc.os_error.strerror or exc}", cause="connect"
@@ -175,7 +166,7 @@ class Prefilled:
 
 
 async def run_prefill(
-    session: aiohttp.ClientSession,
+    session: EngineClient,
     target: Target,
     body: bytes,
     headers: dict[str, str],
@@ -187,7 +178,7 @@ async def run_prefill(
         async with session.post(target.url, data=body, headers=headers) as resp:
             data = await resp.read()
             status = resp.status
-    except (aiohttp.ClientError, TimeoutError, OSError, UpstreamError) as exc:
+    except (EngineHTTPError, TimeoutError, OSError, UpstreamError) as exc:
         raise upstream_failure(target, exc, metrics) from None
     if not 200 <= status < 300:
         raise status_failure(target, status, data, metrics)

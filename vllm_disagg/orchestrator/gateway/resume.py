@@ -71,7 +71,12 @@ def _ids_at(event: bytes, key: bytes) -> list[int] | None:
         return None
     start = i + len(key)
     end = event.find(b"]", start)
-    return [int(t) for t in event[start:end].split(b",") if t]
+    return _parsed(event[start:end])
+
+
+def _parsed(raw: bytes) -> list[int]:
+    """``b"1,2,3"`` -> ``[1, 2, 3]``."""
+    return [int(t) for t in raw.split(b",") if t]
 
 
 def _nulled(event: bytes, key: bytes) -> bytes:
@@ -95,7 +100,10 @@ class StreamState:
     forced_usage: bool = False
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens, when seen
     prompt_ids: list[int] | None = None
-    ids: list[int] = field(default_factory=list)  # output ids of the events the client has
+    # Output ids of the events the client has, as the engine wrote them (b"17" or b"17,18" per event):
+    # relaying only counts them; a resume, if one ever comes, parses them (``ids``).
+    id_parts: list[bytes] = field(default_factory=list)
+    n_ids: int = 0
     safe: int = 0  # output tokens up to the client's last event with text: where a resume starts
     finished: bool = False  # the client has the event with the finish reason
     done: bool = False  # the client has [DONE]
@@ -106,17 +114,22 @@ class StreamState:
     leg_first: bool = True
     skip: int = 0  # tokens this leg regenerates that the client already has
     held: bytes = b""  # with forced usage: the finish event, until the usage chunk says its fingerprint
-    held_ids: list[int] = field(default_factory=list)
+    held_ids: bytes = b""
     held_text: bool = False
     offset: int = 0  # output tokens before this leg's prompt ended (usage is restated with it)
     _buffer: bytes = b""
     _pending: list[bytes] = field(default_factory=list)  # the client's bytes of the chunk being read
 
+    @property
+    def ids(self) -> list[int]:
+        """The output ids the client has."""
+        return _parsed(b",".join(self.id_parts))
+
     def start_leg(self) -> None:
         """A resumed leg begins: it regenerates from ``safe``."""
         self.resumes += 1
         self.offset = self.safe
-        self.skip = len(self.ids) - self.safe
+        self.skip = self.n_ids - self.safe
         self.leg_head, self.leg_first, self._buffer, self.held = b"", True, b"", b""
         self.forced_usage = False  # a resumed leg is the client's own request
 
@@ -167,7 +180,12 @@ class StreamState:
                 return False
         if event.startswith(_ERROR):
             raise StreamBroken(f"reported an error mid-stream: {event[6:306]!r}", cause="status")
-        ids = _ids_at(event, _TOKEN_IDS) or []
+        # The event's token ids, counted but not parsed: the hot path of every stream.
+        at = event.find(_TOKEN_IDS)
+        start = at + len(_TOKEN_IDS)
+        end = event.find(b"]", start) if at >= 0 else -1
+        ids = event[start:end] if at >= 0 else b""
+        n = ids.count(b",") + 1 if ids else 0
         if self.leg_first:
             self.leg_first = False
             model_at = event.find(_MODEL)
@@ -177,9 +195,9 @@ class StreamState:
                 self.prompt_ids = _ids_at(event, _PROMPT_IDS)
             elif self.chat and _ROLE in event:
                 return False  # the resumed leg's role chunk: the client has one
-        if self.skip and ids:
-            if len(ids) <= self.skip:  # the client has these tokens (their text was empty)
-                self.skip -= len(ids)
+        if self.skip and n:
+            if n <= self.skip:  # the client has these tokens (their text was empty)
+                self.skip -= n
                 return False
             self.skip = 0
         out_event = event
@@ -190,22 +208,29 @@ class StreamState:
             if b'"usage":{' in out_event:
                 out_event = self._restated_usage(out_event)
         if not self.client_ids:
-            if ids and self.chat and b'"delta":{},' in event and _UNFINISHED in event:
-                self.ids.extend(ids)  # sent only because we asked for ids: not the client's to see
+            if n and self.chat and b'"delta":{},' in event and _UNFINISHED in event:
+                self._add_ids(ids, n)  # sent only because we asked for ids: not the client's to see
                 return False
-            out_event = _nulled(_nulled(out_event, _PROMPT_IDS), _TOKEN_IDS)
+            if out_event is event and at >= 0:  # the ids found above, still where they were
+                out_event = _nulled(event[: start - 1] + b"null" + event[end + 1 :], _PROMPT_IDS)
+            else:
+                out_event = _nulled(_nulled(out_event, _PROMPT_IDS), _TOKEN_IDS)
         if self.forced_usage and _UNFINISHED not in event and _NO_CHOICES not in event:
             self.held, self.held_ids, self.held_text = out_event, ids, _has_text(event)
             return False
-        self._pending.append(out_event + b"\n\n")
-        self._delivered(event, ids, bool(ids) and _has_text(event))
+        self._pending += (out_event, b"\n\n")
+        self._delivered(event, ids, n, bool(n) and _has_text(event))
         return False
 
-    def _delivered(self, event: bytes, ids: list[int], text: bool) -> None:
-        if ids:
-            self.ids.extend(ids)
+    def _add_ids(self, ids: bytes, n: int) -> None:
+        self.id_parts.append(ids)
+        self.n_ids += n
+
+    def _delivered(self, event: bytes, ids: bytes, n: int, text: bool) -> None:
+        if n:
+            self._add_ids(ids, n)
             if text:
-                self.safe = len(self.ids)
+                self.safe = self.n_ids
         if _UNFINISHED not in event and _NO_CHOICES not in event:
             self.finished = True
 
@@ -214,7 +239,8 @@ class StreamState:
         self.held = b""
         event = held[:-1] + fingerprint + b"}" if fingerprint else held
         self._pending.append(event + b"\n\n")
-        self._delivered(held, self.held_ids, self.held_text)
+        ids = self.held_ids
+        self._delivered(held, ids, ids.count(b",") + 1 if ids else 0, self.held_text)
 
     def _restated_usage(self, event: bytes) -> bytes:
         prompt = len(self.prompt_ids or ())

@@ -21,7 +21,6 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import aiohttp
 from aiohttp import web
 from yarl import URL
 
@@ -42,6 +41,7 @@ from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_b
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
+from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.kv_index import KvIndex
@@ -208,7 +208,7 @@ class Gateway:
         self.kv_index = kv_index or KvIndex()
         self.tokenizers = tokenizers or Tokenizers()
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
-        self.session: aiohttp.ClientSession | None = None
+        self.session: EngineClient | None = None
         self._urls: dict[tuple[str, str], URL] = {}
         self.events = EventLog(clock.wall)  # the app hands in the shared log
         self._live: set[Flow] = set()  # requests in flight, for the admin API
@@ -232,7 +232,7 @@ class Gateway:
             url = self._urls[key] = URL(base.rstrip("/") + path)
         return Target(leg, agent_id, url)
 
-    def session_or_fail(self) -> aiohttp.ClientSession:
+    def session_or_fail(self) -> EngineClient:
         """The engine client session; ``UpstreamError`` before the app has started it."""
         if self.session is None:
             raise UpstreamError("the gateway is not started")
@@ -285,7 +285,7 @@ class Gateway:
                 await resp.read()
         except UpstreamError as exc:  # the decode instance is gone: its engine cannot pull anything
             return "lost", exc.message
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        except (EngineHTTPError, TimeoutError, OSError) as exc:
             return "transport", f"{type(exc).__name__}: {exc}"
         return ("", "") if resp.status == 200 else ("status", f"HTTP {resp.status}")
 

@@ -14,17 +14,17 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-import aiohttp
 from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import UpstreamError, error_body
 from vllm_disagg.orchestrator.gateway.handoff import Target, status_failure, upstream_failure
 from vllm_disagg.orchestrator.gateway.resume import StreamBroken, StreamState
+from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError, EngineResponse
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 
-_UPSTREAM_ERRORS = (aiohttp.ClientError, TimeoutError, OSError, UpstreamError)
+_UPSTREAM_ERRORS = (EngineHTTPError, TimeoutError, OSError, UpstreamError)
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -41,7 +41,7 @@ class LegTiming:
 
 async def run_decode(
     request: web.Request,
-    session: aiohttp.ClientSession,
+    session: EngineClient,
     target: Target,
     body: bytes,
     headers: dict[str, str],
@@ -109,7 +109,7 @@ def _leg_error(target: Target, exc: BaseException, metrics: OrchestratorMetrics)
 
 
 async def _relay(
-    resp: aiohttp.ClientResponse,
+    resp: EngineResponse,
     out: web.StreamResponse,
     chunk: bytes,
     chunks: AsyncIterator[bytes],
@@ -137,7 +137,7 @@ async def _relay(
 
 
 async def _relay_events(
-    resp: aiohttp.ClientResponse,
+    resp: EngineResponse,
     out: web.StreamResponse,
     first: bytes,
     chunks: AsyncIterator[bytes],
@@ -154,7 +154,7 @@ async def _relay_events(
 
 async def continue_stream(
     out: web.StreamResponse,
-    session: aiohttp.ClientSession,
+    session: EngineClient,
     target: Target,
     body: bytes,
     headers: dict[str, str],
