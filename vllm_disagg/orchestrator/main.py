@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 
@@ -169,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         server = await start_orchestrator(
             config, scheduler=scheduler, shutdown_timeout_s=args.shutdown_timeout_s
         )
+        # Everything alive now (imports, tokenizers, the app) lives as long as the process: out of
+        # the collector's sight, a full collection no longer walks it, and the loop stalls less
+        # (bench gateway --compare, c=64 plain: p99 128-141 ms -> 96-107 ms).
+        gc.collect()
+        gc.freeze()
         try:
             admin = f"  admin {server.admin_url}" if server.admin_url != server.url else ""
             print(f"orchestrator: http {server.url}  agents {server.zmq_endpoint}{admin}", flush=True)
