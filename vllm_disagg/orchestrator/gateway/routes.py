@@ -417,30 +417,10 @@ class Gateway:
             raw = await self._read_body(request)
             parsed = parse_request(raw, route)
             model, streaming = parsed.model, parsed.stream
-            pin = request.headers.get(PIN_HEADER) or None
-            if pin and parsed.pinned_prefill and pin != parsed.pinned_prefill:
-                raise BadRequest(
-                    f"the {PIN_HEADER} header ({pin!r}) and '{PIN_FIELD}' "
-                    f"({parsed.pinned_prefill!r}) disagree",
-                    param=PIN_FIELD,
-                )
-            snapshot = self.registry.snapshot()
-            scheduling = self.scheduling_request(
-                request_id, route, parsed, snapshot, pin or parsed.pinned_prefill
-            )
-            try:
-                decision = self.scheduler.decide(scheduling, snapshot, t0)
-            except NoCapacity as exc:
-                decision = last_resort(scheduling, snapshot, exc)
+            scheduling, decision = self._decide(request_id, route, parsed, _pin(request, parsed), t0)
             t_decided = clock.monotonic()
             explanation = decision.explanation
-            up_headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-            if self._engine_auth:
-                up_headers["Authorization"] = self._engine_auth
-            elif self.config.forward_client_authorization:
-                auth = request.headers.get("Authorization")
-                if auth:
-                    up_headers["Authorization"] = auth
+            up_headers = self._upstream_headers(request, request_id)
             flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
             flow.stamps["scheduled"] = t_decided
             self._live.add(flow)
@@ -459,6 +439,30 @@ class Gateway:
             if flow is not None:
                 self._live.discard(flow)
             self._record(request_id, route, model, streaming, status, error, t0, t_decided, explanation, flow)
+
+    def _decide(
+        self, request_id: str, route: Route, parsed: ParsedRequest, pin: str | None, now: float
+    ) -> tuple[SchedulingRequest, Decision]:
+        """What the scheduler knows of the request, and where it goes (a prefill instance serves
+        colocated, as a last resort, when no decode instance can)."""
+        snapshot = self.registry.snapshot()
+        scheduling = self.scheduling_request(request_id, route, parsed, snapshot, pin)
+        try:
+            return scheduling, self.scheduler.decide(scheduling, snapshot, now)
+        except NoCapacity as exc:
+            return scheduling, last_resort(scheduling, snapshot, exc)
+
+    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+        """The engine legs' headers: the request id, and the engines' key (or, when configured, the
+        client's own ``Authorization``; otherwise engines never see it)."""
+        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        if self._engine_auth:
+            headers["Authorization"] = self._engine_auth
+        elif self.config.forward_client_authorization:
+            auth = request.headers.get("Authorization")
+            if auth:
+                headers["Authorization"] = auth
+        return headers
 
     def _record(
         self,
@@ -580,3 +584,14 @@ def _tpot(flow: Flow | None, status: int) -> float | None:
     if first is None or last is None or tokens < 2:
         return None
     return (last - first) / (tokens - 1)
+
+
+def _pin(request: web.Request, parsed: ParsedRequest) -> str | None:
+    """The prefill instance the client pinned, by header or body field (``BadRequest`` if they differ)."""
+    pin = request.headers.get(PIN_HEADER) or None
+    if pin and parsed.pinned_prefill and pin != parsed.pinned_prefill:
+        raise BadRequest(
+            f"the {PIN_HEADER} header ({pin!r}) and '{PIN_FIELD}' ({parsed.pinned_prefill!r}) disagree",
+            param=PIN_FIELD,
+        )
+    return pin or parsed.pinned_prefill
