@@ -72,18 +72,27 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 @contextlib.contextmanager
-def connected(endpoint: str, engines: list[tuple[str, ...]], log: Path) -> Iterator[None]:
-    """``vllm-disagg connect`` running for each ``(url, *flags)``, stopped on exit."""
+def running(argvs: list[list[str]], log: Path) -> Iterator[None]:
+    """One process per command line, all writing to ``log``; each process group stopped on exit."""
     procs = []
     with log.open("wb") as out:
-        for url, *flags in engines:
-            argv = cli_argv("connect", "--orchestrator", endpoint, "--url", url, *flags)
+        for argv in argvs:
             procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
     try:
         yield
     finally:
         for proc in procs:
             stop_process_group(proc, timeout=30)
+
+
+def connected(
+    endpoint: str, engines: list[tuple[str, ...]], log: Path
+) -> contextlib.AbstractContextManager[None]:
+    """``vllm-disagg connect`` running for each ``(url, *flags)``."""
+    return running(
+        [cli_argv("connect", "--orchestrator", endpoint, "--url", url, *flags) for url, *flags in engines],
+        log,
+    )
 
 
 async def connect(*args: str) -> tuple[int, str]:
@@ -182,22 +191,17 @@ async def unreachable_handles(prefill: str) -> AsyncIterator[str]:
         await runner.cleanup()
 
 
-@contextlib.contextmanager
-def attached_agents(server: OrchestratorServer, engines: dict[str, str], log: Path) -> Iterator[None]:
+def attached_agents(
+    server: OrchestratorServer, engines: dict[str, str], log: Path
+) -> contextlib.AbstractContextManager[None]:
     """A real agent process in attach mode for each ``role -> engine URL``."""
-    procs = []
-    with log.open("wb") as out:
-        for role, url in engines.items():
-            argv = cli_argv(
-                "agent", "--agent-id", f"{role}-0", "--role", role, "--model", MODEL, "--engine", "vllm",
-                "--orchestrator", server.zmq_endpoint, "--attach", url, "--health-timeout-s", "20",
-            )  # fmt: skip
-            procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-    try:
-        yield
-    finally:
-        for proc in procs:
-            stop_process_group(proc, timeout=30)
+    flags = ["--model", MODEL, "--engine", "vllm", "--orchestrator", server.zmq_endpoint]
+    flags += ["--health-timeout-s", "20"]
+    argvs = [
+        cli_argv("agent", "--agent-id", f"{role}-0", "--role", role, "--attach", url, *flags)
+        for role, url in engines.items()
+    ]
+    return running(argvs, log)
 
 
 def prompt(request_id: str) -> str:
