@@ -6,6 +6,8 @@ import argparse
 
 import pytest
 
+from vllm_disagg.orchestrator import main as orchestrator_main
+from vllm_disagg.orchestrator.flags import RECOVERY_FLAGS
 from vllm_disagg.up import add_arguments, spec_from_args
 
 
@@ -35,3 +37,25 @@ def test_every_agent_gets_the_kv_lease_and_none_without_the_flag() -> None:
     for argv in spec_of("--kv-lease-s", "600"):
         assert argv[argv.index("--kv-lease-s") + 1] == "600"
     assert all("--kv-lease-s" not in argv for argv in spec_of())
+
+
+def orchestrator_argv_of(*flags: str) -> list[str]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--engine", "sim", *flags])
+    return spec_from_args(args).orchestrator_argv()
+
+
+def test_the_orchestrators_recovery_flags_given_to_up_reach_the_orchestrator_and_parse_there() -> None:
+    argv = orchestrator_argv_of("--max-resumes", "5", "--breaker-open-s", "2.5", "--idle-timeout-s", "60")
+    i = argv.index("orchestrator")
+    assert argv[argv.index("--max-resumes") + 1] == "5" and argv[argv.index("--breaker-open-s") + 1] == "2.5"
+    parser = argparse.ArgumentParser()
+    orchestrator_main.add_arguments(parser)
+    config = orchestrator_main.config_from_args(parser.parse_args(argv[i + 1 :]))
+    assert (config.max_resumes, config.breaker_open_s, config.idle_timeout_s) == (5, 2.5, 60.0)
+
+
+def test_recovery_flags_not_given_to_up_leave_the_orchestrators_defaults() -> None:
+    argv = orchestrator_argv_of()
+    assert not {flag for flag, *_ in RECOVERY_FLAGS} & set(argv)

@@ -17,28 +17,16 @@ from vllm_disagg.orchestrator.auth import (
     load_secret,
 )
 from vllm_disagg.orchestrator.control import load_server_curve
+from vllm_disagg.orchestrator.flags import RECOVERY_FLAGS, add_recovery_arguments
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.runtime import run_service
 
 _DEFAULTS = OrchestratorConfig()
+
+
 # (flag, OrchestratorConfig field, type, help)
-_RECOVERY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    (
-        "--suspect-after-s",
-        "suspect_after_s",
-        float,
-        "no heartbeat this long: stop routing to the instance before it is dead (default: off)",
-    ),
-    ("--prefill-attempts", "prefill_attempts", int, "prefill instances tried before running colocated"),
-    ("--decode-attempts", "decode_attempts", int, "decode instances tried before the first byte"),
-    ("--max-resumes", "max_resumes", int, "mid-stream resumes of one request on another instance"),
-    ("--breaker-failures", "breaker_failures", int, "consecutive failed legs that open a breaker"),
-    ("--breaker-open-s", "breaker_open_s", float, "first open period of a breaker before its probe"),
-)
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``vllm-disagg orchestrator``."""
     d = _DEFAULTS
@@ -56,15 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
     parser.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s, help="to an engine")
-    parser.add_argument(
-        "--idle-timeout-s",
-        type=float,
-        default=d.idle_timeout_s,
-        help="no byte from an engine for this long fails the leg (never a total: streams may run for hours)",
-    )
-    recovery = parser.add_argument_group("recovery (docs/operations.md)")
-    for flag, name, kind, help_text in _RECOVERY_FLAGS:
-        recovery.add_argument(flag, dest=name, type=kind, default=getattr(d, name), help=help_text)
+    add_recovery_arguments(parser.add_argument_group("recovery (docs/operations.md)"))
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="agent frame limit")
     parser.add_argument(
         "--shutdown-timeout-s",
@@ -139,8 +119,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s,
-        idle_timeout_s=args.idle_timeout_s,
-        **{name: getattr(args, name) for _, name, _, _ in _RECOVERY_FLAGS},
+        **{name: getattr(args, name) for _, name, _, _ in RECOVERY_FLAGS},
         max_frame_bytes=args.max_frame_bytes,
         scheduler_config=args.scheduler_config,
         preload_tokenizer_libs=args.preload_tokenizer_libs,

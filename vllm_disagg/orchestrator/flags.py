@@ -1,0 +1,53 @@
+"""Orchestrator flags that ``vllm-disagg orchestrator`` and ``up`` share, declared once.
+
+Kept apart from ``main`` so that ``up`` reads them without importing the orchestrator itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from vllm_disagg.config import OrchestratorConfig
+
+_DEFAULTS = OrchestratorConfig()
+
+# ``vllm-disagg orchestrator`` takes them, and ``up`` forwards each one given to its
+# orchestrator (``add_recovery_arguments(..., forwarded=True)``).
+RECOVERY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    (
+        "--idle-timeout-s",
+        "idle_timeout_s",
+        float,
+        "no byte from an engine for this long fails the leg (never a total: streams may run for hours)",
+    ),
+    (
+        "--suspect-after-s",
+        "suspect_after_s",
+        float,
+        "no heartbeat this long: stop routing to the instance before it is dead (default: off)",
+    ),
+    ("--prefill-attempts", "prefill_attempts", int, "prefill instances tried before running colocated"),
+    ("--decode-attempts", "decode_attempts", int, "decode instances tried before the first byte"),
+    ("--max-resumes", "max_resumes", int, "mid-stream resumes of one request on another instance"),
+    ("--breaker-failures", "breaker_failures", int, "consecutive failed legs that open a breaker"),
+    ("--breaker-open-s", "breaker_open_s", float, "first open period of a breaker before its probe"),
+)
+
+
+def add_recovery_arguments(group: Any, *, forwarded: bool = False) -> None:
+    """The recovery and timeout flags; ``forwarded`` (``up``): no defaults, so that only the flags
+    given go to the orchestrator (``recovery_argv``) and its own defaults hold otherwise."""
+    for flag, name, kind, help_text in RECOVERY_FLAGS:
+        default = None if forwarded else getattr(_DEFAULTS, name)
+        group.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
+
+
+def recovery_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The recovery flags given in ``args`` (parsed with ``forwarded=True``), as orchestrator flags."""
+    return tuple(
+        part
+        for flag, name, _, _ in RECOVERY_FLAGS
+        if getattr(args, name, None) is not None
+        for part in (flag, str(getattr(args, name)))
+    )
