@@ -127,7 +127,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def measure(
-    send: Callable[[], Awaitable[None]], concurrency: int, requests: int
+    send: Callable[[], Awaitable[object]], concurrency: int, requests: int
 ) -> tuple[list[float], float]:
     """Latencies (s) of ``requests`` sends by ``concurrency`` workers, and the wall time they took."""
     latencies: list[float] = []

@@ -10,17 +10,21 @@ orchestrator's CPU time per request (from /proc), with scheduling and metrics sw
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
-import time
-from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 import aiohttp
 
 from vllm_disagg import jsonutil
-from vllm_disagg.bench.compare import ROUTER_PLACEHOLDERS, parse_compare, render_comparison, run_comparison
+from vllm_disagg.bench.compare import (
+    ROUTER_PLACEHOLDERS,
+    measure,
+    parse_compare,
+    percentile,
+    render_comparison,
+    run_comparison,
+)
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body
 from vllm_disagg.procfs import cpu_seconds
@@ -78,13 +82,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     side.add_argument("--decode", type=int, default=2, help="decode engines")
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-quantile (0..1) by nearest rank; values need not be sorted."""
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
-    return ordered[index]
-
-
 class Client:
     """The benchmark's client: one request either through the gateway or P→D by hand."""
 
@@ -114,29 +111,6 @@ class Client:
             self.decode_url, data=decode_body(dict(body), params), headers=_JSON
         ) as resp:
             return await self._drain(resp)
-
-
-async def measure(
-    send: Callable[[dict[str, object]], Awaitable[bytes]],
-    body: dict[str, object],
-    concurrency: int,
-    requests: int,
-) -> tuple[list[float], float]:
-    """Latencies (s) of ``requests`` sends by ``concurrency`` workers, and the wall time they took."""
-    latencies: list[float] = []
-    remaining = requests
-
-    async def worker() -> None:
-        nonlocal remaining
-        while remaining > 0:
-            remaining -= 1
-            t0 = time.perf_counter()
-            await send(body)
-            latencies.append(time.perf_counter() - t0)
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return latencies, time.perf_counter() - start
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
@@ -179,9 +153,9 @@ async def _scenario(client: Client, gateway_pid: int, scenario: Scenario, args: 
         "stream": scenario.stream,
     }
     send = client.via_gateway if scenario.path == "gateway" else client.direct
-    await measure(send, body, scenario.concurrency, args.warmup)
+    await measure(lambda: send(body), scenario.concurrency, args.warmup)
     cpu0 = cpu_seconds(gateway_pid)
-    latencies, wall = await measure(send, body, scenario.concurrency, args.requests)
+    latencies, wall = await measure(lambda: send(body), scenario.concurrency, args.requests)
     cpu = cpu_seconds(gateway_pid) - cpu0
     return Result(
         path=scenario.path,

@@ -79,6 +79,11 @@ def _parsed(raw: bytes) -> list[int]:
     return [int(t) for t in raw.split(b",") if t]
 
 
+def _count(raw: bytes) -> int:
+    """How many ids ``b"1,2,3"`` holds, without parsing them."""
+    return raw.count(b",") + 1 if raw else 0
+
+
 def _nulled(event: bytes, key: bytes) -> bytes:
     """``"key":[...]`` -> ``"key":null``."""
     i = event.find(key)
@@ -185,7 +190,7 @@ class StreamState:
         start = at + len(_TOKEN_IDS)
         end = event.find(b"]", start) if at >= 0 else -1
         ids = event[start:end] if at >= 0 else b""
-        n = ids.count(b",") + 1 if ids else 0
+        n = _count(ids)
         if self.leg_first:
             self.leg_first = False
             model_at = event.find(_MODEL)
@@ -239,8 +244,7 @@ class StreamState:
         self.held = b""
         event = held[:-1] + fingerprint + b"}" if fingerprint else held
         self._pending.append(event + b"\n\n")
-        ids = self.held_ids
-        self._delivered(held, ids, ids.count(b",") + 1 if ids else 0, self.held_text)
+        self._delivered(held, self.held_ids, _count(self.held_ids), self.held_text)
 
     def _restated_usage(self, event: bytes) -> bytes:
         prompt = len(self.prompt_ids or ())

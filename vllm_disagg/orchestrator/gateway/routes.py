@@ -580,7 +580,7 @@ def _tpot(flow: Flow | None, status: int) -> float | None:
     """A finished stream's time per output token after the first, where the gateway counted them."""
     if flow is None or flow.state is None or status != 200:
         return None
-    first, last, tokens = flow.timing.first_byte, flow.timing.finished, len(flow.state.ids)
+    first, last, tokens = flow.timing.first_byte, flow.timing.finished, flow.state.n_ids
     if first is None or last is None or tokens < 2:
         return None
     return (last - first) / (tokens - 1)
