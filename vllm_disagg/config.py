@@ -171,6 +171,9 @@ class OrchestratorConfig:
     # Import transformers (and the torch it pulls in) before serving: imported later, mid-traffic, its
     # native libraries load while holding the GIL and freeze the event loop for seconds.
     preload_tokenizer_libs: bool = True
+    # Hugging Face tokenizations (cache misses) waiting for or running on the gateway's tokenize thread;
+    # beyond that a request is scheduled on its length estimate rather than delayed.
+    tokenize_queue: int = 64
     # --- the admin API (docs/security.md) ---
     # The bearer token every /admin/v1 call must carry; "" closes the admin API. Read from a file or
     # the environment by ``main``, never from argv; kept out of the repr so it is never logged.
@@ -210,6 +213,7 @@ class OrchestratorConfig:
             decode_attempts=self.decode_attempts,
             breaker_failures=self.breaker_failures,
             breaker_open_s=self.breaker_open_s,
+            tokenize_queue=self.tokenize_queue,
         )
         _non_negative("orchestrator", max_resumes=self.max_resumes)
         if self.suspect_after_s is not None:

@@ -64,6 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="do not import transformers at start (saves memory and seconds when no engine is vLLM)",
     )
+    parser.add_argument(
+        "--tokenize-queue",
+        type=int,
+        default=d.tokenize_queue,
+        help="prompts that may wait for the tokenize thread (vLLM models); beyond, requests are "
+        "scheduled on a length estimate",
+    )
     admin = parser.add_argument_group("admin API and credentials (docs/security.md)")
     admin.add_argument(
         "--admin-token-file",
@@ -123,6 +130,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         max_frame_bytes=args.max_frame_bytes,
         scheduler_config=args.scheduler_config,
         preload_tokenizer_libs=args.preload_tokenizer_libs,
+        tokenize_queue=args.tokenize_queue,
         admin_token=load_admin_token(args.admin_token_file),
         engine_api_key=load_secret(args.engine_api_key_file, ENV_ENGINE_API_KEY, "engine API key"),
         forward_client_authorization=args.forward_client_authorization,

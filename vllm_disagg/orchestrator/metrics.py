@@ -10,7 +10,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
@@ -176,6 +183,22 @@ class OrchestratorMetrics:
             "vllm_disagg_gateway_overhead_seconds",
             "Request duration minus time spent waiting on engines (parsing, scheduling, relaying)",
             buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self._tokenize = Histogram(
+            "vllm_disagg_tokenize_seconds",
+            "Tokenizations run on the tokenize worker thread (Hugging Face cache misses), work only",
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self._tokenize_full = Counter(
+            "vllm_disagg_tokenize_queue_full",
+            "Requests scheduled on a prompt-length estimate because the tokenize worker's queue was full",
+            registry=r,
+        )
+        self._tokenize_depth = Gauge(
+            "vllm_disagg_tokenize_queue_depth",
+            "Distinct tokenizations waiting for or running on the tokenize worker thread",
             registry=r,
         )
         self._refused = Counter(
@@ -353,6 +376,18 @@ class OrchestratorMetrics:
     def loop_lag(self, seconds: float) -> None:
         """Record how late the event loop woke a task that was due."""
         self._loop_lag.observe(seconds)
+
+    def tokenize_done(self, seconds: float) -> None:
+        """Record one tokenization the worker thread ran."""
+        self._tokenize.observe(seconds)
+
+    def tokenize_queue_full(self) -> None:
+        """Count a request scheduled without exact tokens: the tokenize worker's queue was full."""
+        self._tokenize_full.inc()
+
+    def tokenize_queue_depth(self, depth: int) -> None:
+        """Set the tokenize worker's queue depth (waiting and running)."""
+        self._tokenize_depth.set(depth)
 
     def kv_release_failed(self, cause: str) -> None:
         """Count a KV-freeing decode that failed (``status``, ``transport`` or ``lost``)."""

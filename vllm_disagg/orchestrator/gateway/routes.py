@@ -206,7 +206,7 @@ class Gateway:
         self._background: set[asyncio.Future[None]] = set()
         self.request_log = request_log
         self.kv_index = kv_index or KvIndex()
-        self.tokenizers = tokenizers or Tokenizers()
+        self.tokenizers = tokenizers or Tokenizers(max_pending=config.tokenize_queue, metrics=metrics)
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
         self.session: EngineClient | None = None
         self._urls: dict[tuple[str, str], URL] = {}
@@ -380,19 +380,14 @@ class Gateway:
         request_id: str,
         route: Route,
         parsed: ParsedRequest,
-        snapshot: RegistrySnapshot,
+        tokens: list[int] | None,
         pin: str | None,
     ) -> SchedulingRequest:
-        """What the scheduler needs: exact prompt tokens when the tokenizer is loaded, and the cache map."""
-        model = parsed.model
-        population = snapshot.by_model.get(model)
-        if population and model not in self._tokenizer_of:
-            self.instance_joined(population[0].info)
-        tokens = self.tokenizers.tokenize(model, route, parsed.body)
+        """What the scheduler needs: the exact prompt tokens (None: the estimate), and the cache map."""
         cached = self.kv_index.cached_tokens(tokens) if tokens else NO_CACHE
         return SchedulingRequest(
             request_id,
-            model,
+            parsed.model,
             len(tokens) if tokens is not None else parsed.prompt_len,
             route == "chat_completions",
             parsed.stream,
@@ -417,7 +412,7 @@ class Gateway:
             raw = await self._read_body(request)
             parsed = parse_request(raw, route)
             model, streaming = parsed.model, parsed.stream
-            scheduling, decision = self._decide(request_id, route, parsed, _pin(request, parsed), t0)
+            scheduling, decision = await self._decide(request_id, route, parsed, _pin(request, parsed), t0)
             t_decided = clock.monotonic()
             explanation = decision.explanation
             up_headers = self._upstream_headers(request, request_id)
@@ -440,13 +435,22 @@ class Gateway:
                 self._live.discard(flow)
             self._record(request_id, route, model, streaming, status, error, t0, t_decided, explanation, flow)
 
-    def _decide(
+    async def _decide(
         self, request_id: str, route: Route, parsed: ParsedRequest, pin: str | None, now: float
     ) -> tuple[SchedulingRequest, Decision]:
         """What the scheduler knows of the request, and where it goes (a prefill instance serves
         colocated, as a last resort, when no decode instance can)."""
         snapshot = self.registry.snapshot()
-        scheduling = self.scheduling_request(request_id, route, parsed, snapshot, pin)
+        population = snapshot.by_model.get(parsed.model)
+        if population and parsed.model not in self._tokenizer_of:
+            self.instance_joined(population[0].info)
+        # Exact ids (None: not known) at once, or a future while the tokenize thread works.
+        tokens = self.tokenizers.tokenize_nowait(parsed.model, route, parsed.body)
+        if isinstance(tokens, asyncio.Future):
+            tokens = await tokens
+            # The registry and the clock moved on meanwhile.
+            snapshot, now = self.registry.snapshot(), self.clock.monotonic()
+        scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin)
         try:
             return scheduling, self.scheduler.decide(scheduling, snapshot, now)
         except NoCapacity as exc:

@@ -4,13 +4,17 @@ The orchestrator hashes a prompt's blocks the way the engine's prefix cache does
 the engine's own. The simulated engine's byte tokenizer is exact by construction (its own functions).
 For vLLM the model's Hugging Face tokenizer is loaded in a thread on first registration and used the
 way vLLM 0.32's OpenAI server uses it (``vllm/renderers/`` and ``entrypoints/openai/``; summary in
-docs/scheduler.md "Tokenization"). What cannot be reproduced exactly (tools, images, a chat template in
-the request, truncation, a cache salt, Mistral or Harmony formats) yields None: no answer beats a wrong
-one. transformers and jinja2 are imported only in the loading thread: the orchestrator starts without.
+docs/scheduler.md "Tokenization"; the chat template's content format in ``content_format``). What
+cannot be reproduced exactly (tools, images, a chat template in the request, truncation, a cache salt,
+Mistral or Harmony formats) yields None: no answer beats a wrong one. transformers and jinja2 are
+imported only in the loading thread: the orchestrator starts without. On the event loop,
+``tokenize_nowait`` answers hits and byte tokenizations at once and sends a Hugging Face tokenizer's
+misses to a worker thread (``tokenize_worker``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import hashlib
 import importlib
@@ -18,24 +22,26 @@ import inspect
 import logging
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import BadRequest
+from vllm_disagg.orchestrator.gateway.content_format import ContentFormat, content_format
+from vllm_disagg.orchestrator.gateway.tokenize_worker import (
+    DEFAULT_MAX_PENDING,
+    TokenizeMetrics,
+    TokenizeWorker,
+)
 from vllm_disagg.sim import openai_api, textgen
-
-if TYPE_CHECKING:
-    from jinja2 import nodes
 
 log = logging.getLogger(__name__)
 
 Route = Literal["completions", "chat_completions"]
-ContentFormat = Literal["string", "openai"]
 ENGINES = ("sim", "vllm")
 
 # Body fields that can change a prompt's token ids, or make them unknowable here, per route. Only
@@ -67,6 +73,9 @@ _PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 class _Tokenizer(Protocol):
+    @property
+    def inline(self) -> bool: ...  # cheap enough to run on the event loop: a thread hop would cost more
+
     def completions(self, body: Mapping[str, Any]) -> list[int] | None: ...
 
     def chat_completions(self, body: Mapping[str, Any]) -> list[int] | None: ...
@@ -74,6 +83,8 @@ class _Tokenizer(Protocol):
 
 class _SimTokenizer:
     """The simulated engine's own parsing and byte tokenizer."""
+
+    inline = True  # microseconds: the hot path of the gateway benchmarks
 
     def completions(self, body: Mapping[str, Any]) -> list[int] | None:
         try:
@@ -96,6 +107,8 @@ class _SimTokenizer:
 @dataclass(frozen=True, slots=True)
 class _HfTokenizer:
     """A Hugging Face tokenizer used the way vLLM 0.32's OpenAI server uses it."""
+
+    inline = False  # milliseconds of Python (jinja, transformers) for a long prompt
 
     tok: Any
     template: str | None  # the tokenizer's chat template; None: vLLM would use a fallback
@@ -233,124 +246,6 @@ def _conversation(messages: object, content_format: ContentFormat) -> list[dict[
     return conversation
 
 
-# --- the chat template's content format: a port of vLLM 0.32's ``_detect_content_format`` ----------
-# vLLM passes message content as a string, or as a list of {"type": "text", ...} parts when the
-# template loops over a message's content. The guess is syntactic, so it is reproduced syntactically.
-
-
-def content_format(template: str) -> ContentFormat:
-    """ "openai" when vLLM 0.32 would hand this template content parts, else "string"."""
-    try:
-        utils = importlib.import_module("transformers.utils.chat_template_utils")
-        root = utils._compile_jinja_template(template).environment.parse(template)
-    except Exception:
-        return "string"
-    try:
-        return "openai" if _loops_over_content(root) else "string"
-    except Exception:  # vLLM's own walk fails (asserts) on the same shapes: it answers "string" too
-        return "string"
-
-
-def _is_var(node: nodes.Node, name: str) -> bool:
-    from jinja2 import nodes as jn
-
-    return isinstance(node, jn.Name) and node.ctx == "load" and node.name == name
-
-
-def _is_var_or_elems(node: nodes.Node, name: str, key: str | None = None) -> bool:
-    from jinja2 import nodes as jn
-
-    if isinstance(node, jn.Filter):
-        return node.node is not None and _is_var_or_elems(node.node, name, key)
-    if isinstance(node, jn.Test) or (isinstance(node, jn.Getitem) and isinstance(node.arg, jn.Slice)):
-        return _is_var_or_elems(node.node, name, key)
-    if key is None:
-        return _is_var(node, name)
-    if isinstance(node, jn.Getitem):
-        return _is_var(node.node, name) and isinstance(node.arg, jn.Const) and node.arg.value == key
-    return isinstance(node, jn.Getattr) and _is_var(node.node, name) and node.attr == key
-
-
-def _target_name(node: nodes.Node) -> str:
-    from jinja2 import nodes as jn
-
-    if not isinstance(node, jn.Name):
-        raise ValueError("unsupported assignment target")
-    return str(node.name)
-
-
-def _aliases(root: nodes.Template, name: str) -> list[str]:
-    """``name`` and every variable assigned from it (or from its elements), transitively."""
-    from jinja2 import nodes as jn
-
-    found, queue = [name], deque([name])
-    while queue:
-        related = queue.popleft()
-        for assign in root.find_all(jn.Assign):
-            if _is_var_or_elems(assign.node, related):
-                target = _target_name(assign.target)
-                if target not in found:  # vLLM loops forever on a cycle; a one-off guard here
-                    found.append(target)
-                    queue.append(target)
-    return found
-
-
-def _message_vars(root: nodes.Template) -> list[str]:
-    from jinja2 import nodes as jn
-
-    messages = _aliases(root, "messages")
-    return [
-        _target_name(loop.target)
-        for loop in root.find_all(jn.For)
-        if any(_is_var_or_elems(loop.iter, v) for v in messages)
-    ]
-
-
-def _macro_content_params(
-    root: nodes.Template, message_vars: Iterable[str]
-) -> tuple[dict[int, set[str]], set[int]]:
-    """Loops inside macros -> the macro's parameters that receive ``message.content``; all such loops."""
-    from jinja2 import nodes as jn
-
-    def is_content(arg: nodes.Node) -> bool:
-        return any(_is_var_or_elems(arg, v, "content") for v in message_vars)
-
-    params_by_loop: dict[int, set[str]] = {}
-    loops_in_macros: set[int] = set()
-    for macro in root.find_all(jn.Macro):
-        names = {arg.name for arg in macro.args}
-        params: set[str] = set()
-        for call in root.find_all(jn.Call):
-            if not (isinstance(call.node, jn.Name) and call.node.name == macro.name):
-                continue
-            params |= {
-                macro.args[i].name for i, a in enumerate(call.args) if i < len(macro.args) and is_content(a)
-            }
-            params |= {kw.key for kw in call.kwargs if kw.key in names and is_content(kw.value)}
-        for loop in macro.find_all(jn.For):
-            loops_in_macros.add(id(loop))
-            if params:
-                params_by_loop[id(loop)] = params
-    return params_by_loop, loops_in_macros
-
-
-def _loops_over_content(root: nodes.Template) -> bool:
-    from jinja2 import nodes as jn
-
-    message_vars = _message_vars(root)
-    params_by_loop, loops_in_macros = _macro_content_params(root, message_vars)
-    for loop in root.find_all(jn.For):
-        it = loop.iter
-        if (
-            any(_is_var_or_elems(it, v, "content") for v in message_vars)
-            or (isinstance(it, jn.Name) and it.name in params_by_loop.get(id(loop), ()))
-            or (id(loop) not in loops_in_macros and isinstance(it, jn.Name) and it.name == "content")
-        ):
-            _target_name(loop.target)
-            return True
-    return False
-
-
 # --- loading -------------------------------------------------------------------------------------
 
 
@@ -437,12 +332,21 @@ class Tokenizers:
     """Per-model tokenizers, loaded lazily off the event loop and cached."""
 
     def __init__(
-        self, *, max_cached_prompts: int = 4096, executor: concurrent.futures.Executor | None = None
+        self,
+        *,
+        max_cached_prompts: int = 4096,
+        executor: concurrent.futures.Executor | None = None,
+        max_pending: int = DEFAULT_MAX_PENDING,
+        metrics: TokenizeMetrics | None = None,
     ) -> None:
+        """``executor`` loads tokenizers; ``max_pending`` bounds the tokenizations waiting for the worker."""
         if max_cached_prompts < 0:
             raise ValueError("max_cached_prompts must be >= 0")
         self._max_cached = max_cached_prompts
         self._executor = executor
+        # Not the loading thread: a load takes seconds, and tokenizations queued behind it would wait
+        # that long (with the queue full meanwhile); a tokenization must never wait for a load.
+        self._worker = TokenizeWorker(max_pending, metrics)
         self._own_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._lock = threading.Lock()  # entries change from the loading thread too
         self._entries: dict[str, _Entry] = {}
@@ -481,24 +385,72 @@ class Tokenizers:
     def tokenize(self, model: str, route: Route, body: Mapping[str, Any]) -> list[int] | None:
         """The prompt's token ids as the engine will see them, or None when they cannot be known exactly.
 
-        Synchronous and fast: a repeated prompt costs a digest and a dict lookup. The list returned may
+        Synchronous, on the calling thread: a repeated prompt costs a digest and a dict lookup, a new
+        one its whole tokenization (on the event loop, use ``tokenize_nowait``). The list returned may
         be the cached one: do not modify it.
         """
-        entry = self._entries.get(model)
-        tok = entry.tokenizer if entry is not None else None
+        tok = self._tokenizer(model)
         if tok is None:
             return None
         key = _cache_key(model, route, body)
-        if key is not None:
-            hit = self._cache.get(key)
-            if hit is not None and hit[0] is tok:
-                self._cache.move_to_end(key)
-                return hit[1]
-        try:
-            ids = tok.completions(body) if route == "completions" else tok.chat_completions(body)
-        except Exception:  # a template or tokenizer refusing the input: vLLM would answer 400
-            log.debug("model %s: cannot tokenize a %s body", model, route, exc_info=True)
-            ids = None
+        hit = self._hit(key, tok)
+        return hit[1] if hit is not None else self._remember(key, tok, _run(tok, model, route, body))
+
+    def tokenize_nowait(
+        self, model: str, route: Route, body: Mapping[str, Any]
+    ) -> list[int] | asyncio.Future[list[int] | None] | None:
+        """``tokenize``'s answer at once, or a future of it while the worker thread computes it.
+
+        Call on the event loop. A hit, and a tokenizer cheap enough for the loop (the simulated
+        engine's), answer at once; a Hugging Face tokenizer's miss goes to the worker thread, and
+        identical misses in flight share one run. With ``max_pending`` already there, None at once:
+        the request is scheduled on its estimate rather than delayed. Cancelling the future is safe:
+        the worker's answer still fills the cache.
+        """
+        tok = self._tokenizer(model)
+        if tok is None:
+            return None
+        key = _cache_key(model, route, body)
+        hit = self._hit(key, tok)
+        if hit is not None:
+            return hit[1]
+        if tok.inline:
+            return self._remember(key, tok, _run(tok, model, route, body))
+        # The tokenizer's identity is part of the key: a replaced tokenizer never shares an old run.
+        # The body is not copied: its request waits for the answer, and does not change it meanwhile.
+        in_flight = (key if key is not None else object(), id(tok))
+        future = self._worker.submit(
+            in_flight, partial(_run, tok, model, route, body), partial(self._remember, key, tok)
+        )
+        return future  # None: the queue is full
+
+    async def tokenize_async(self, model: str, route: Route, body: Mapping[str, Any]) -> list[int] | None:
+        """``tokenize`` that never runs a Hugging Face tokenizer on the event loop (``tokenize_nowait``)."""
+        ids = self.tokenize_nowait(model, route, body)
+        return await ids if isinstance(ids, asyncio.Future) else ids
+
+    def pending(self) -> int:
+        """Tokenizations waiting for, or running on, the worker thread."""
+        return self._worker.pending()
+
+    def _tokenizer(self, model: str) -> _Tokenizer | None:
+        entry = self._entries.get(model)
+        return entry.tokenizer if entry is not None else None
+
+    def _hit(
+        self, key: tuple[str, str, bytes] | None, tok: _Tokenizer
+    ) -> tuple[_Tokenizer, list[int] | None] | None:
+        if key is None:
+            return None
+        hit = self._cache.get(key)
+        if hit is None or hit[0] is not tok:
+            return None
+        self._cache.move_to_end(key)
+        return hit
+
+    def _remember(
+        self, key: tuple[str, str, bytes] | None, tok: _Tokenizer, ids: list[int] | None
+    ) -> list[int] | None:
         if key is not None and self._max_cached:
             self._cache[key] = (tok, ids)
             self._cache.move_to_end(key)
@@ -516,7 +468,9 @@ class Tokenizers:
         return len(self._cache)
 
     def close(self) -> None:
-        """Stop the loading thread this object started, if any (a load in progress finishes)."""
+        """Stop the threads this object started: loading (a load in progress finishes) and tokenizing
+        (queued work is dropped, its waiters get None; a tokenization in progress finishes)."""
+        self._worker.close()
         if self._own_executor is not None:
             self._own_executor.shutdown(wait=False, cancel_futures=True)
 
@@ -551,6 +505,14 @@ class Tokenizers:
             )
         else:
             log.info("model %s: tokenizer ready (%s content)", model, result.content_format)
+
+
+def _run(tok: _Tokenizer, model: str, route: Route, body: Mapping[str, Any]) -> list[int] | None:
+    try:
+        return tok.completions(body) if route == "completions" else tok.chat_completions(body)
+    except Exception:  # a template or tokenizer refusing the input: vLLM would answer 400
+        log.debug("model %s: cannot tokenize a %s body", model, route, exc_info=True)
+        return None
 
 
 def _cache_key(model: str, route: Route, body: Mapping[str, Any]) -> tuple[str, str, bytes] | None:
