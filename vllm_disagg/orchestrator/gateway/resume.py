@@ -38,6 +38,14 @@ _UNFINISHED = b'"finish_reason":null'
 _NO_CHOICES = b'"choices":[]'
 _FINGERPRINT = b',"system_fingerprint":'
 _CACHED = re.compile(rb'"cached_tokens":(\d+)')
+# ``_bulk``'s shape checks: an event with one of these has no text (a token ending inside a UTF-8
+# character; chat's role, ids-only and empty events) and goes through ``_event``.
+_NO_TEXT_COMPLETION = b'"text":"",'
+_NO_TEXT_CHAT = re.compile(rb'"delta":\{(?!"content":"[^"])')
+_TOKEN_IDS_RE = re.compile(rb'"token_ids":\[([\d,]*)\]')
+_NULL_IDS = b'"token_ids":null'
+_NO_IDS = b'"token_ids":[]'
+_FINISHED = b'"finish_reason":"'
 _USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":(\d+),"completion_tokens":(\d+)')
 # Fields that make a resumed leg differ from an uninterrupted one (offsets, several choices, tool-call
 # parser state, echoed prompts): such requests are not resumed.
@@ -149,11 +157,11 @@ class StreamState:
         while True:
             if chunk:
                 data = self._buffer + chunk if self._buffer else chunk
-                *events, self._buffer = data.split(b"\n\n")
+                end = data.rfind(b"\n\n") + 2  # complete events end there
+                self._buffer = data[end:] if end > 1 else data
                 try:
-                    for event in events:
-                        if event and self._event(event):
-                            return True
+                    if end > 1 and self._take(data[:end] if end < len(data) else data):
+                        return True
                 finally:
                     if pending:  # what the client is counted as having, even when the next event broke
                         await out.write(b"".join(pending))
@@ -165,6 +173,65 @@ class StreamState:
         if self._buffer.strip():  # a partial event at the end: the connection was cut inside it
             raise StreamBroken("ended its stream inside an event", cause="disconnect")
         raise StreamBroken("ended its stream without [DONE]", cause="disconnect")
+
+    def _take(self, events: bytes) -> bool:
+        """Take complete events (each ending in a blank line); True at [DONE].
+
+        A run of ordinary token events goes through ``_bulk`` at once; a lone event, the first of a
+        leg, resumed legs, held finish events and whatever ``_bulk`` refuses go one by one through
+        ``_event``. After one refusal the rest of the chunk goes one by one: retrying at every event
+        would scan the chunk again each time.
+        """
+        pos, size = 0, len(events)
+        bulk = True
+        while pos < size:
+            end = events.find(b"\n\n", pos)
+            if (
+                bulk
+                and end + 2 < size
+                and not (self.leg_first or self.skip or self.resumes or self.forced_usage or self.held)
+            ):
+                taken = self._bulk(events, pos)
+                if taken > pos:
+                    pos = taken
+                    continue
+                bulk = taken == pos  # -1: refused
+            event, pos = events[pos:end], end + 2
+            if event and self._event(event):
+                return True
+        return False
+
+    def _bulk(self, events: bytes, pos: int) -> int:
+        """Relay the ordinary events from ``pos`` on, up to the first finish reason; where it stopped
+        (``pos`` when the event there has a finish reason), or -1 when the run is not all ordinary.
+
+        Ordinary: one choice with text and token ids, a null finish reason, no prompt ids: what
+        ``_event`` would pass on unchanged but for nulling the ids the client did not ask for. Each
+        check is one scan of the whole run (JSON has no raw newlines, so a run of n events has 2n);
+        a run that fails one goes event by event. Same bytes and state as ``_event``, about a third
+        of the work on a run of many events.
+        """
+        cut = events.find(_FINISHED, pos)
+        cut = len(events) if cut < 0 else events.rfind(b"\n\n", pos, cut) + 2
+        if cut < pos + 2:
+            return pos  # the event at pos finishes the choice
+        run = events[pos:cut]
+        parts = _TOKEN_IDS_RE.split(run)
+        ids = parts[1::2]
+        n = len(ids)
+        if (
+            run.count(b"\n") != 2 * n
+            or run.count(_UNFINISHED) != n  # [DONE], errors and usage-only events have none
+            or _PROMPT_IDS in run
+            or _NO_IDS in run
+            or (_NO_TEXT_CHAT.search(run) is not None if self.chat else _NO_TEXT_COMPLETION in run)
+        ):
+            return -1
+        self._pending.append(run if self.client_ids else _NULL_IDS.join(parts[0::2]))
+        self.id_parts += ids
+        self.n_ids += b",".join(ids).count(b",") + 1  # no id list is empty (_NO_IDS)
+        self.safe = self.n_ids  # every event of the run has text
+        return cut
 
     def _event(self, event: bytes) -> bool:
         """Take one event; what the client gets of it goes to ``_pending``. True at [DONE]."""
