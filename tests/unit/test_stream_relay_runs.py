@@ -155,9 +155,15 @@ def streams(draw: st.DrawFn) -> tuple[bool, bytes]:
 class Out:
     def __init__(self) -> None:
         self.data = b""
+        self.ended = False
 
     async def write(self, data: bytes) -> None:
+        assert not self.ended, "nothing is written after the end"
         self.data += data
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self.write(data)
+        self.ended = True
 
 
 async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
@@ -175,6 +181,7 @@ async def relay(chat: bool, client_ids: bool, parts: list[bytes]) -> tuple[objec
         outcome = (type(exc).__name__, exc.message, exc.cause)
     return (
         out.data,
+        out.ended,
         outcome,
         state.ids,
         state.n_ids,
@@ -207,8 +214,8 @@ def test_any_chunking_relays_the_same_bytes_and_state_as_one_event_per_chunk(
 async def test_a_whole_stream_in_one_chunk_nulls_the_ids_and_keeps_them_for_a_resume() -> None:
     tokens = [Token(b" a", (5,)), Token(b" b", (6, 7)), Token(b" c", (8,)), Token(b" d", (9,), finish=True)]
     data = b"".join(completion_event(t, i == 0) + b"\n\n" for i, t in enumerate(tokens)) + b"data: [DONE]\n\n"
-    sent, outcome, ids, n_ids, safe, finished, done, _ = await relay(False, False, [data])
-    assert outcome is True and finished and done
+    sent, ended, outcome, ids, n_ids, safe, finished, done, _ = await relay(False, False, [data])
+    assert outcome is True and finished and done and ended
     assert ids == [5, 6, 7, 8, 9] and n_ids == 5 and safe == 5
     assert b'"token_ids":[' not in sent and b'"prompt_token_ids":[' not in sent
     assert sent.count(b'"token_ids":null') == 4 and sent.endswith(b"data: [DONE]\n\n")
@@ -217,11 +224,11 @@ async def test_a_whole_stream_in_one_chunk_nulls_the_ids_and_keeps_them_for_a_re
 async def test_a_run_with_a_token_without_text_resumes_after_the_last_token_with_text() -> None:
     tokens = [Token(b" a", (5,)), Token(b" b", (6,)), Token(b"", (7,)), Token(b"", (8,))]
     data = b"".join(completion_event(t, i == 0) + b"\n\n" for i, t in enumerate(tokens))
-    _, outcome, ids, n_ids, safe, finished, done, _ = await relay(False, False, [data])
+    _, ended, outcome, ids, n_ids, safe, finished, done, _ = await relay(False, False, [data])
     assert outcome == ("StreamBroken", "ended its stream without [DONE]", "disconnect")
     assert ids == [5, 6, 7, 8] and n_ids == 4
     assert safe == 2  # the client has tokens 7 and 8 but no text for them: a resume regenerates them
-    assert not finished and not done
+    assert not finished and not done and not ended
 
 
 @pytest.mark.parametrize("odd", ["empty", "usage", "bare", "prompt", "no-ids"])

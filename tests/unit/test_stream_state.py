@@ -51,9 +51,15 @@ class Out:
 
     def __init__(self) -> None:
         self.data = b""
+        self.ended = False
 
     async def write(self, data: bytes) -> None:
+        assert not self.ended, "nothing is written after the end"
         self.data += data
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self.write(data)
+        self.ended = True
 
 
 async def chunks(*parts: bytes) -> AsyncIterator[bytes]:

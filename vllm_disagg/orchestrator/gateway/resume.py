@@ -73,13 +73,13 @@ def _has_text(event: bytes) -> bool:
     return _EMPTY_TEXT.search(event) is None
 
 
-def _ids_at(event: bytes, key: bytes) -> list[int] | None:
+def _raw_ids_at(event: bytes, key: bytes) -> bytes | None:
+    """The ids of ``key``'s list as written (``b"1,2,3"``); None without one."""
     i = event.find(key)
     if i < 0:
         return None
     start = i + len(key)
-    end = event.find(b"]", start)
-    return _parsed(event[start:end])
+    return event[start : event.find(b"]", start)]
 
 
 def _parsed(raw: bytes) -> list[int]:
@@ -112,7 +112,9 @@ class StreamState:
     # system fingerprint vLLM moves there goes back to the last token's event).
     forced_usage: bool = False
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens, when seen
-    prompt_ids: list[int] | None = None
+    # The prompt's ids as the first event wrote them (b"1,2,3"), None until seen: parsed only by a
+    # resume (``prompt_ids``).
+    prompt_raw: bytes | None = None
     # Output ids of the events the client has, as the engine wrote them (b"17" or b"17,18" per event):
     # relaying only counts them; a resume, if one ever comes, parses them (``ids``).
     id_parts: list[bytes] = field(default_factory=list)
@@ -134,6 +136,11 @@ class StreamState:
     _pending: list[bytes] = field(default_factory=list)  # the client's bytes of the chunk being read
 
     @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's ids, once the first event said them."""
+        return None if self.prompt_raw is None else _parsed(self.prompt_raw)
+
+    @property
     def ids(self) -> list[int]:
         """The output ids the client has."""
         return _parsed(b",".join(self.id_parts))
@@ -150,7 +157,8 @@ class StreamState:
         """Relay one leg; True when the client's stream is complete. Raises ``UpstreamError`` when the
         engine breaks off or reports an error mid-stream (the caller resumes or ends the stream).
 
-        What one engine chunk carries goes to the client in one write, however many events it holds.
+        What one engine chunk carries goes to the client in one write, however many events it holds;
+        the one with [DONE] ends the response in the same write.
         """
         chunk = first
         pending = self._pending
@@ -164,8 +172,9 @@ class StreamState:
                         return True
                 finally:
                     if pending:  # what the client is counted as having, even when the next event broke
-                        await out.write(b"".join(pending))
+                        data = b"".join(pending)
                         pending.clear()
+                        await (out.write_eof(data) if self.done else out.write(data))
             try:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
@@ -264,7 +273,7 @@ class StreamState:
             self.leg_head = event[:model_at] if model_at > 0 else b""
             if not self.head:
                 self.head = self.leg_head
-                self.prompt_ids = _ids_at(event, _PROMPT_IDS)
+                self.prompt_raw = _raw_ids_at(event, _PROMPT_IDS)
             elif self.chat and _ROLE in event:
                 return False  # the resumed leg's role chunk: the client has one
         if self.skip and n:
@@ -314,7 +323,7 @@ class StreamState:
         self._delivered(held, self.held_ids, _count(self.held_ids), self.held_text)
 
     def _restated_usage(self, event: bytes) -> bytes:
-        prompt = len(self.prompt_ids or ())
+        prompt = _count(self.prompt_raw or b"")
 
         def restate(m: re.Match[bytes]) -> bytes:
             completion = int(m.group(3)) + self.offset
@@ -328,7 +337,7 @@ class StreamState:
 
     def can_resume(self) -> bool:
         """Is there a known place to go on from?"""
-        return self.prompt_ids is not None and not self.done and not self.finished
+        return self.prompt_raw is not None and not self.done and not self.finished
 
     def resume_body(self, client: dict[str, Any]) -> dict[str, Any] | None:
         """The next leg's request: the client's, from the prompt and output so far as token ids.

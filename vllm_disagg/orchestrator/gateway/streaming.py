@@ -39,6 +39,14 @@ class LegTiming:
     cut_cause: str = ""  # the cut's ``UpstreamError.cause``
 
 
+class _EventStream(web.StreamResponse):
+    """A streamed answer whose headers go out with its first chunk: one write instead of two. It is
+    prepared only once the engine's first bytes are in hand, so nothing waits for them. (aiohttp
+    >= 3.12 reads this flag; older versions send the headers at once, as before.)"""
+
+    _send_headers_immediately = False
+
+
 async def run_decode(
     request: web.Request,
     session: EngineClient,
@@ -81,7 +89,7 @@ async def run_decode(
             timing.first_byte = now()
             response_headers["Content-Type"] = content_type
             response_headers["Cache-Control"] = "no-cache"
-            out = web.StreamResponse(status=status, headers=response_headers)
+            out = _EventStream(status=status, headers=response_headers)
             await out.prepare(request)
             if state is None:
                 await _relay(resp, out, first, chunks, timing)
