@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import add
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
@@ -42,7 +43,7 @@ NAME = "plugins"
 _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen (built per decision; a frozen one costs twice as much): never mutated
 class _Stage:
     """One filter's input and output: agent ids for the memoized filters, views for the others."""
 
@@ -162,7 +163,12 @@ class _Profile:
 
     def set_weights(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
         """Replace the scorers' weights (one assignment: a decision sees all old or all new ones)."""
-        self.scorers, self.weights = tuple(scorers), tuple((s.name, w) for s, w in scorers)
+        self.scorers, self.weights, self._scorer_list, self._weight_list = (
+            tuple(scorers),
+            tuple((s.name, w) for s, w in scorers),
+            [s for s, _ in scorers],
+            [float(w) for _, w in scorers],
+        )
 
     def _eligible(
         self, ctx: ProfileContext, population: Sequence[InstanceView]
@@ -238,15 +244,8 @@ class _Profile:
                 self.picker.name,
                 -1,
             )
-        scores = tuple(s.score(ctx, candidates) for s, _ in self.scorers)
-        if scores:
-            weighted = [
-                column if weight == 1.0 else [weight * x for x in column]
-                for (_, weight), column in zip(self.scorers, scores, strict=True)
-            ]
-            totals: list[float] = list(map(sum, zip(*weighted, strict=True)))
-        else:
-            totals = [0.0] * len(candidates)
+        scores = tuple([s.score(ctx, candidates) for s in self._scorer_list])
+        totals = _weighted_sum(scores, self._weight_list, len(candidates))
         picked = self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
         return ProfileTrace(
             self.name,
@@ -272,6 +271,18 @@ class _Profile:
             stages.append(_Stage(f.name, current, kept))
             current = kept
         return current, tuple(stages)
+
+
+def _weighted_sum(scores: Sequence[Sequence[float]], weights: Sequence[float], n: int) -> list[float]:
+    """Each candidate's total, ``sum(weight * score)`` over the scorers; maps of C functions, not a
+    Python-level loop per candidate (the profile's hottest arithmetic)."""
+    totals = [0.0] * n
+    for weight, column in zip(weights, scores, strict=True):
+        if weight == 1.0:
+            totals = list(map(add, totals, column))
+        elif weight:
+            totals = list(map(add, totals, map(weight.__mul__, column)))
+    return totals
 
 
 def _resolve_pin(pin: str, snapshot: RegistrySnapshot, model: str) -> InstanceView:
