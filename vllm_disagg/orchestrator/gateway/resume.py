@@ -186,20 +186,16 @@ class StreamState:
     def _take(self, events: bytes) -> bool:
         """Take complete events (each ending in a blank line); True at [DONE].
 
-        A run of ordinary token events goes through ``_bulk`` at once; a lone event, the first of a
-        leg, resumed legs, held finish events and whatever ``_bulk`` refuses go one by one through
-        ``_event``. After one refusal the rest of the chunk goes one by one: retrying at every event
+        A run of ordinary token events (one, or many in a chunk) goes through ``_bulk`` at once; the
+        first event of a leg, resumed legs, held finish events and whatever ``_bulk`` refuses go one
+        by one through ``_event``. After one refusal the rest of the chunk goes one by one: retrying at every event
         would scan the chunk again each time.
         """
         pos, size = 0, len(events)
         bulk = True
         while pos < size:
             end = events.find(b"\n\n", pos)
-            if (
-                bulk
-                and end + 2 < size
-                and not (self.leg_first or self.skip or self.resumes or self.forced_usage or self.held)
-            ):
+            if bulk and not (self.leg_first or self.skip or self.resumes or self.forced_usage or self.held):
                 taken = self._bulk(events, pos)
                 if taken > pos:
                     pos = taken
