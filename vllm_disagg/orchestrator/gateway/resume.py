@@ -188,8 +188,8 @@ class StreamState:
 
         A run of ordinary token events (one, or many in a chunk) goes through ``_bulk`` at once; the
         first event of a leg, resumed legs, held finish events and whatever ``_bulk`` refuses go one
-        by one through ``_event``. After one refusal the rest of the chunk goes one by one: retrying at every event
-        would scan the chunk again each time.
+        by one through ``_event``. After one refusal the rest of the chunk goes one by one: retrying
+        at every event would scan the chunk again each time.
         """
         pos, size = 0, len(events)
         bulk = True
