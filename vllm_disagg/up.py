@@ -27,7 +27,7 @@ from vllm_disagg import jsonutil
 from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token, write_admin_token
-from vllm_disagg.orchestrator.flags import add_recovery_arguments, recovery_argv
+from vllm_disagg.orchestrator.flags import add_shared_arguments, shared_argv
 from vllm_disagg.protocol.curve import make_keypair
 from vllm_disagg.runtime import SELF_ARGV, child_env, die_with_parent, run_service, signal_group
 
@@ -338,8 +338,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
-    add_recovery_arguments(
-        parser.add_argument_group("the orchestrator's recovery (as vllm-disagg orchestrator's)"),
+    add_shared_arguments(
+        parser.add_argument_group("the orchestrator's recovery and tuning (as vllm-disagg orchestrator's)"),
         forwarded=True,
     )
     add_sim_timing_arguments(
@@ -370,7 +370,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         extra_orchestrator_args=(
             ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()
         )
-        + recovery_argv(args),
+        + shared_argv(args),
         sim_timing=tuple(
             (name, str(getattr(args, name)))
             for _, name, _ in sim_timing_flags()

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from vllm_disagg.orchestrator import main as orchestrator_main
-from vllm_disagg.orchestrator.flags import RECOVERY_FLAGS
+from vllm_disagg.orchestrator.flags import SHARED_FLAGS
 from vllm_disagg.up import add_arguments, spec_from_args
 
 
@@ -58,4 +58,4 @@ def test_the_orchestrators_recovery_flags_given_to_up_reach_the_orchestrator_and
 
 def test_recovery_flags_not_given_to_up_leave_the_orchestrators_defaults() -> None:
     argv = orchestrator_argv_of()
-    assert not {flag for flag, *_ in RECOVERY_FLAGS} & set(argv)
+    assert not {flag for flag, *_ in SHARED_FLAGS} & set(argv)

@@ -12,9 +12,9 @@ from vllm_disagg.config import OrchestratorConfig
 
 _DEFAULTS = OrchestratorConfig()
 
-# ``vllm-disagg orchestrator`` takes them, and ``up`` forwards each one given to its
-# orchestrator (``add_recovery_arguments(..., forwarded=True)``).
-RECOVERY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+# Recovery, timeouts and gateway tuning: ``vllm-disagg orchestrator`` takes them, and ``up`` forwards
+# each one given to its orchestrator (``add_shared_arguments(..., forwarded=True)``).
+SHARED_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     (
         "--idle-timeout-s",
         "idle_timeout_s",
@@ -32,22 +32,29 @@ RECOVERY_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-resumes", "max_resumes", int, "mid-stream resumes of one request on another instance"),
     ("--breaker-failures", "breaker_failures", int, "consecutive failed legs that open a breaker"),
     ("--breaker-open-s", "breaker_open_s", float, "first open period of a breaker before its probe"),
+    (
+        "--tokenize-queue",
+        "tokenize_queue",
+        int,
+        "prompts that may wait for the tokenize thread (vLLM models); beyond, requests are scheduled "
+        "on a length estimate",
+    ),
 )
 
 
-def add_recovery_arguments(group: Any, *, forwarded: bool = False) -> None:
-    """The recovery and timeout flags; ``forwarded`` (``up``): no defaults, so that only the flags
-    given go to the orchestrator (``recovery_argv``) and its own defaults hold otherwise."""
-    for flag, name, kind, help_text in RECOVERY_FLAGS:
+def add_shared_arguments(group: Any, *, forwarded: bool = False) -> None:
+    """The shared flags; ``forwarded`` (``up``): no defaults, so that only the flags given go to the
+    orchestrator (``shared_argv``) and its own defaults hold otherwise."""
+    for flag, name, kind, help_text in SHARED_FLAGS:
         default = None if forwarded else getattr(_DEFAULTS, name)
         group.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
 
 
-def recovery_argv(args: argparse.Namespace) -> tuple[str, ...]:
-    """The recovery flags given in ``args`` (parsed with ``forwarded=True``), as orchestrator flags."""
+def shared_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The shared flags given in ``args`` (parsed with ``forwarded=True``), as orchestrator flags."""
     return tuple(
         part
-        for flag, name, _, _ in RECOVERY_FLAGS
+        for flag, name, _, _ in SHARED_FLAGS
         if getattr(args, name, None) is not None
         for part in (flag, str(getattr(args, name)))
     )

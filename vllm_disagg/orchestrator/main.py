@@ -17,7 +17,7 @@ from vllm_disagg.orchestrator.auth import (
     load_secret,
 )
 from vllm_disagg.orchestrator.control import load_server_curve
-from vllm_disagg.orchestrator.flags import RECOVERY_FLAGS, add_recovery_arguments
+from vllm_disagg.orchestrator.flags import SHARED_FLAGS, add_shared_arguments
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes, help="larger bodies get 413")
     parser.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s, help="to an engine")
-    add_recovery_arguments(parser.add_argument_group("recovery (docs/operations.md)"))
+    add_shared_arguments(parser.add_argument_group("recovery, timeouts and tuning (docs/operations.md)"))
     parser.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes, help="agent frame limit")
     parser.add_argument(
         "--shutdown-timeout-s",
@@ -63,13 +63,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="preload_tokenizer_libs",
         action="store_false",
         help="do not import transformers at start (saves memory and seconds when no engine is vLLM)",
-    )
-    parser.add_argument(
-        "--tokenize-queue",
-        type=int,
-        default=d.tokenize_queue,
-        help="prompts that may wait for the tokenize thread (vLLM models); beyond, requests are "
-        "scheduled on a length estimate",
     )
     admin = parser.add_argument_group("admin API and credentials (docs/security.md)")
     admin.add_argument(
@@ -126,11 +119,10 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         max_body_bytes=args.max_body_bytes,
         connect_timeout_s=args.connect_timeout_s,
-        **{name: getattr(args, name) for _, name, _, _ in RECOVERY_FLAGS},
+        **{name: getattr(args, name) for _, name, _, _ in SHARED_FLAGS},
         max_frame_bytes=args.max_frame_bytes,
         scheduler_config=args.scheduler_config,
         preload_tokenizer_libs=args.preload_tokenizer_libs,
-        tokenize_queue=args.tokenize_queue,
         admin_token=load_admin_token(args.admin_token_file),
         engine_api_key=load_secret(args.engine_api_key_file, ENV_ENGINE_API_KEY, "engine API key"),
         forward_client_authorization=args.forward_client_authorization,
