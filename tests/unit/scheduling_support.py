@@ -65,26 +65,25 @@ def view(
 
 def snapshot(*views: InstanceView, in_flight: Mapping[str, int] | None = None) -> RegistrySnapshot:
     """A snapshot holding ``views`` with the gateway's in-flight counts."""
-    by_model: dict[str, list[InstanceView]] = {}
-    prefill: dict[str, list[InstanceView]] = {}
-    decode: dict[str, list[InstanceView]] = {}
+    by_model: dict[str, list[str]] = {}
+    prefill: dict[str, list[str]] = {}
+    decode: dict[str, list[str]] = {}
     for v in sorted(views, key=lambda v: v.agent_id):
-        by_model.setdefault(v.info.model, []).append(v)
+        by_model.setdefault(v.info.model, []).append(v.agent_id)
         if v.state == "ready" and v.info.role in PREFILL_ROLES:
-            prefill.setdefault(v.info.model, []).append(v)
+            prefill.setdefault(v.info.model, []).append(v.agent_id)
         if v.state == "ready" and v.info.role in DECODE_ROLES:
-            decode.setdefault(v.info.model, []).append(v)
+            decode.setdefault(v.info.model, []).append(v.agent_id)
     return RegistrySnapshot(
         version=1,
         membership=1,
         registry_id=next(_SNAPSHOT_IDS),  # each made-up snapshot is its own registry: no shared cache
-        instances=tuple(views),
         by_id=MappingProxyType({v.agent_id: v for v in views}),
         in_flight=MappingProxyType(dict(in_flight or {})),
         known_models=frozenset(v.info.model for v in views),
-        by_model=MappingProxyType({m: tuple(vs) for m, vs in by_model.items()}),
-        ready_prefill=MappingProxyType({m: tuple(vs) for m, vs in prefill.items()}),
-        ready_decode=MappingProxyType({m: tuple(vs) for m, vs in decode.items()}),
+        model_ids=MappingProxyType({m: tuple(ids) for m, ids in by_model.items()}),
+        prefill_ids=MappingProxyType({m: tuple(ids) for m, ids in prefill.items()}),
+        decode_ids=MappingProxyType({m: tuple(ids) for m, ids in decode.items()}),
     )
 
 

@@ -383,3 +383,28 @@ def test_membership_changes_when_a_breaker_changes_who_may_be_routed_to(
     assert snap.membership > before
     assert snap.ready_decode.get("m", ()) == ()
     assert "breaker open after 3 failures" in snap.by_id["a"].suspect_reason
+
+
+def test_a_snapshot_shows_the_instances_as_they_were_when_taken_even_where_built_later(
+    reg: Registry, clock: FakeClock
+) -> None:
+    now = clock.monotonic()
+    reg.hello("p", info("prefill", url="http://127.0.0.1:9001"), now)
+    reg.hello("d", info("decode", url="http://127.0.0.1:9002"), now)
+    reg.heartbeat("p", hb(running=1), now)
+    reg.heartbeat("d", hb(running=2), now)
+    before = reg.snapshot()
+    reg.heartbeat("d", hb(running=7, seq=2), now)  # a metrics change: the same membership
+    reg.acquire("p")
+    after = reg.snapshot()
+    # before's view tuples are built only now, after the heartbeat: they still show running=2
+    assert [v.metrics.num_running for v in before.by_model["m"]] == [2, 1]  # by agent id: d, p
+    assert [v.metrics.num_running for v in after.by_model["m"]] == [7, 1]
+    assert [v.agent_id for v in after.ready_prefill["m"]] == ["p"]
+    assert [v.agent_id for v in after.ready_decode["m"]] == ["d"]
+    assert {v.agent_id for v in after.instances} == {"p", "d"} and after.by_id["d"].metrics.num_running == 7
+    assert after.model_ids is before.model_ids  # the id groups last as long as the membership
+    assert after.in_flight_of("p") == 1 and before.in_flight_of("p") == 0
+    reg.heartbeat("p", hb("unhealthy", seq=2), now)  # a state change: new groups
+    assert reg.snapshot().prefill_ids.get("m", ()) == ()
+    assert after.prefill_ids["m"] == ("p",)

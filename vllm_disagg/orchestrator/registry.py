@@ -79,22 +79,61 @@ class InstanceView:
 
 @dataclass(frozen=True, slots=True)
 class RegistrySnapshot:
-    """What the scheduler and the admin API see: instances, in-flight counts, and per-model indexes."""
+    """What the scheduler and the admin API see: instances, in-flight counts, and per-model indexes.
+
+    A heartbeat changes one instance's view, so a snapshot is rebuilt for every few requests in a busy
+    cluster: only ``by_id`` is copied then. The per-model id tuples last as long as the membership,
+    and the tuples of views (``by_model``, ``ready_prefill``, ``ready_decode``, ``instances``) are
+    built on first use (at 1,024 instances building them all took 57 µs per snapshot).
+    """
 
     version: int  # changes with every change to any instance (a heartbeat's metrics included)
     # Changes only when an instance joins, leaves, or changes state (ready, draining, dead...); with
     # ``registry_id`` it keys caches of anything that depends on who is there, not on metrics.
     membership: int
     registry_id: int
-    instances: tuple[InstanceView, ...]
-    by_id: Mapping[str, InstanceView]
+    by_id: Mapping[str, InstanceView]  # in join order
     in_flight: Mapping[str, int]
     known_models: frozenset[str]  # served by an instance in any state, dead included
-    by_model: Mapping[str, tuple[InstanceView, ...]]  # model -> its instances in any state, by agent id
-    ready_prefill: Mapping[str, tuple[InstanceView, ...]]  # model -> ready instances that can prefill
-    ready_decode: Mapping[str, tuple[InstanceView, ...]]  # model -> ready instances that can decode
+    model_ids: Mapping[str, tuple[str, ...]]  # model -> its instances in any state, by agent id
+    prefill_ids: Mapping[str, tuple[str, ...]]  # model -> ready instances that can prefill
+    decode_ids: Mapping[str, tuple[str, ...]]  # model -> ready instances that can decode
     # (prefill id, decode id) pairs whose link breaker lets no request through now.
     blocked_links: frozenset[tuple[str, str]] = frozenset()
+    # The view tuples built so far, shared by the snapshots that differ only in in-flight counts.
+    _built: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def instances(self) -> tuple[InstanceView, ...]:
+        """Every instance, in join order."""
+        built = self._built.get("instances")
+        if built is None:
+            built = self._built["instances"] = tuple(self.by_id.values())
+        return built
+
+    @property
+    def by_model(self) -> Mapping[str, tuple[InstanceView, ...]]:
+        """Model -> its instances in any state, by agent id."""
+        return self._views_of("by_model", self.model_ids)
+
+    @property
+    def ready_prefill(self) -> Mapping[str, tuple[InstanceView, ...]]:
+        """Model -> ready instances that can prefill."""
+        return self._views_of("ready_prefill", self.prefill_ids)
+
+    @property
+    def ready_decode(self) -> Mapping[str, tuple[InstanceView, ...]]:
+        """Model -> ready instances that can decode."""
+        return self._views_of("ready_decode", self.decode_ids)
+
+    def _views_of(
+        self, name: str, ids: Mapping[str, tuple[str, ...]]
+    ) -> Mapping[str, tuple[InstanceView, ...]]:
+        built = self._built.get(name)
+        if built is None:
+            pick = self.by_id.__getitem__
+            built = self._built[name] = MappingProxyType({m: tuple(map(pick, i)) for m, i in ids.items()})
+        return built
 
     def in_flight_of(self, agent_id: str) -> int:
         """Gateway requests outstanding on an instance."""
@@ -102,7 +141,7 @@ class RegistrySnapshot:
 
     def ready_models(self) -> list[str]:
         """Models at least one ready instance serves, sorted."""
-        return sorted(set(self.ready_prefill) | set(self.ready_decode))
+        return sorted(set(self.prefill_ids) | set(self.decode_ids))
 
 
 @dataclass(slots=True)
@@ -533,18 +572,16 @@ class Registry:
         groups = self._groups
         if groups is None:
             groups = self._groups = _Groups.of(views.values())
-        pick = views.__getitem__
         return RegistrySnapshot(
             version=self._version,
             membership=self._membership,
             registry_id=self._id,
-            instances=tuple(views.values()),
             by_id=MappingProxyType(dict(views)),
             in_flight=MappingProxyType({}),
             known_models=groups.known_models,
-            by_model=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.by_model.items()}),
-            ready_prefill=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.prefill.items()}),
-            ready_decode=MappingProxyType({m: tuple(map(pick, ids)) for m, ids in groups.decode.items()}),
+            model_ids=groups.by_model,
+            prefill_ids=groups.prefill,
+            decode_ids=groups.decode,
             blocked_links=self._blocked,
         )
 
@@ -574,9 +611,9 @@ class _Groups:
                 decode.setdefault(model, []).append(v.agent_id)
         return _Groups(
             known_models=frozenset(by_model),
-            by_model={m: tuple(sorted(ids)) for m, ids in by_model.items()},
-            prefill={m: tuple(ids) for m, ids in prefill.items()},
-            decode={m: tuple(ids) for m, ids in decode.items()},
+            by_model=MappingProxyType({m: tuple(sorted(ids)) for m, ids in by_model.items()}),
+            prefill=MappingProxyType({m: tuple(ids) for m, ids in prefill.items()}),
+            decode=MappingProxyType({m: tuple(ids) for m, ids in decode.items()}),
         )
 
 
@@ -586,12 +623,12 @@ def _with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> Regist
         version=snap.version,
         membership=snap.membership,
         registry_id=snap.registry_id,
-        instances=snap.instances,
         by_id=snap.by_id,
         in_flight=MappingProxyType(in_flight),
         known_models=snap.known_models,
-        by_model=snap.by_model,
-        ready_prefill=snap.ready_prefill,
-        ready_decode=snap.ready_decode,
+        model_ids=snap.model_ids,
+        prefill_ids=snap.prefill_ids,
+        decode_ids=snap.decode_ids,
         blocked_links=snap.blocked_links,
+        _built=snap._built,
     )

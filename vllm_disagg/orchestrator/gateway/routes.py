@@ -441,9 +441,9 @@ class Gateway:
         """What the scheduler knows of the request, and where it goes (a prefill instance serves
         colocated, as a last resort, when no decode instance can)."""
         snapshot = self.registry.snapshot()
-        population = snapshot.by_model.get(parsed.model)
+        population = snapshot.model_ids.get(parsed.model)
         if population and parsed.model not in self._tokenizer_of:
-            self.instance_joined(population[0].info)
+            self.instance_joined(snapshot.by_id[population[0]].info)
         # Exact ids (None: not known) at once, or a future while the tokenize thread works.
         tokens = self.tokenizers.tokenize_nowait(parsed.model, route, parsed.body)
         if isinstance(tokens, asyncio.Future):

@@ -171,7 +171,7 @@ class _Profile:
         )
 
     def _eligible(
-        self, ctx: ProfileContext, population: Sequence[InstanceView]
+        self, ctx: ProfileContext, population: tuple[str, ...]
     ) -> tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str]]:
         snapshot = ctx.snapshot
         key = (snapshot.registry_id, snapshot.membership)
@@ -183,7 +183,8 @@ class _Profile:
         if hit is not None:
             return hit
         stages = []
-        current: Sequence[InstanceView] = population
+        by_id = snapshot.by_id
+        current: Sequence[InstanceView] = [by_id[i] for i in population]
         for f in self.static:
             kept = f.filter(ctx, current)
             stages.append(_Stage(f.name, tuple(v.agent_id for v in current), tuple(v.agent_id for v in kept)))
@@ -210,7 +211,7 @@ class _Profile:
         return holders + [i for i in window if i not in taken][: k - len(holders)]
 
     def run(
-        self, ctx: ProfileContext, population: Sequence[InstanceView], exclude: frozenset[str] = frozenset()
+        self, ctx: ProfileContext, population: tuple[str, ...], exclude: frozenset[str] = frozenset()
     ) -> ProfileTrace:
         """Filter, sample, score and pick; ``picked`` is -1 when no candidate is left.
 
@@ -345,7 +346,7 @@ class PluginScheduler:
     def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:
         """Pick D, then the mode, then P; raises ``ModelNotFound``, ``NoCapacity`` or ``BadRequest``."""
         model = request.model
-        population = snapshot.by_model.get(model)
+        population = snapshot.model_ids.get(model)
         if not population:
             raise ModelNotFound(f"the model '{model}' does not exist", param="model")
         pinned = _resolve_pin(request.pinned_prefill, snapshot, model) if request.pinned_prefill else None
@@ -418,7 +419,7 @@ class PluginScheduler:
         Instances in ``request.exclude`` (those that failed it) are never picked.
         """
         d = snapshot.by_id[decode]
-        population = snapshot.by_model.get(request.model, ())
+        population = snapshot.model_ids.get(request.model, ())
         ctx = ProfileContext(request, snapshot, now, "prefill", d)
         trace = self._profiles["prefill"].run(ctx, population, _prefill_exclude(request, snapshot, d))
         return trace.candidates[trace.picked].agent_id if trace.picked >= 0 else None
@@ -428,7 +429,7 @@ class PluginScheduler:
     ) -> str | None:
         """Another decode instance (a retry), able to take KV from ``prefill`` when given; None if none."""
         partner = snapshot.by_id.get(prefill) if prefill is not None else None
-        population = snapshot.by_model.get(request.model, ())
+        population = snapshot.model_ids.get(request.model, ())
         ctx = ProfileContext(request, snapshot, now, "decode", partner)
         exclude = request.exclude
         if partner is not None and snapshot.blocked_links:
