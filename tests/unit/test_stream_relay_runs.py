@@ -9,13 +9,13 @@ equal those of the same stream fed one event per chunk (which never takes that p
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.unit.stream_support import Out, chunks
 from vllm_disagg.errors import UpstreamError
 from vllm_disagg.orchestrator.gateway.resume import StreamState
 
@@ -152,31 +152,12 @@ def streams(draw: st.DrawFn) -> tuple[bool, bytes]:
     return chat, data
 
 
-class Out:
-    def __init__(self) -> None:
-        self.data = b""
-        self.ended = False
-
-    async def write(self, data: bytes) -> None:
-        assert not self.ended, "nothing is written after the end"
-        self.data += data
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await self.write(data)
-        self.ended = True
-
-
-async def _chunks(parts: list[bytes]) -> AsyncIterator[bytes]:
-    for part in parts:
-        yield part
-
-
 async def relay(chat: bool, client_ids: bool, parts: list[bytes]) -> tuple[object, ...]:
     """Everything observable after relaying ``parts``: bytes, outcome and the resume state."""
     state = StreamState(chat=chat, client_ids=client_ids, max_tokens=None)
     out = Out()
     try:
-        outcome: object = await state.relay(out, parts[0], _chunks(parts[1:]))  # type: ignore[arg-type]
+        outcome: object = await state.relay(out, parts[0], chunks(*parts[1:]))  # type: ignore[arg-type]
     except UpstreamError as exc:
         outcome = (type(exc).__name__, exc.message, exc.cause)
     return (

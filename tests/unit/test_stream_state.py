@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import pytest
 
+from tests.unit.stream_support import Out, chunks
 from vllm_disagg.errors import UpstreamError
 from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
 
@@ -44,27 +43,6 @@ USAGE = (
     b'"usage":{"prompt_tokens":4,"total_tokens":7,"completion_tokens":3,"prompt_tokens_details":{"cached_tokens":4}}'
 )
 DONE = b"data: [DONE]\n\n"
-
-
-class Out:
-    """Collects what the client would receive."""
-
-    def __init__(self) -> None:
-        self.data = b""
-        self.ended = False
-
-    async def write(self, data: bytes) -> None:
-        assert not self.ended, "nothing is written after the end"
-        self.data += data
-
-    async def write_eof(self, data: bytes = b"") -> None:
-        await self.write(data)
-        self.ended = True
-
-
-async def chunks(*parts: bytes) -> AsyncIterator[bytes]:
-    for part in parts:
-        yield part
 
 
 def sse(*events: bytes) -> bytes:
