@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import io
 import os
 import subprocess
 import uuid
@@ -41,7 +40,7 @@ from tests.helpers import (
     stop_process_group,
 )
 from tests.integration.orchestrator_support import orch_config
-from vllm_disagg import cli, jsonutil
+from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import default_agent_id
@@ -96,12 +95,19 @@ def connected(
 
 
 async def connect(*args: str) -> tuple[int, str]:
-    """``vllm-disagg connect`` in-process (for the refusals: it returns before it runs an agent), in a
-    thread of its own: it runs its own event loop."""
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = await asyncio.to_thread(cli.main, ["connect", *args])
-    return code, err.getvalue()
+    """``vllm-disagg connect`` as a process (for the refusals: it exits before it runs an agent, and one
+    that fails to refuse is killed at a deadline); its exit code and stderr."""
+    proc = await asyncio.create_subprocess_exec(
+        *cli_argv("connect", *args), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        _, err = await asyncio.wait_for(proc.communicate(), timeout=300)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise AssertionError(f"connect {args} neither refused nor exited within 300 s") from None
+    assert proc.returncode is not None
+    return proc.returncode, err.decode(errors="replace")
 
 
 async def test_connect_registers_a_running_vllm_as_it_is_and_refuses_a_role_it_cannot_serve(

@@ -196,15 +196,34 @@ def test_the_sim_prefix_cache_reports_new_runs_evictions_and_clears() -> None:
     cache.insert(h, PROMPT)  # block 0 cached already: blocks 1-2 chain to it
     cache.insert(h, PROMPT)  # nothing new
     other = chain_hashes([1] * 8, BS)
-    cache.insert(other, [1] * 8)  # two new blocks push out the two least recently used
+    cache.insert(other, [1] * 8)  # two new blocks push out the two least recently used, first (as vLLM)
     cache.clear()
     assert rec.events == [
         BlockStored(h[:1], None, tuple(PROMPT[:4]), BS),
         BlockStored(h[1:], h[0], tuple(PROMPT[4:12]), BS),
-        BlockStored(other, None, tuple([1] * 8), BS),
         BlockRemoved(h[:2]),
+        BlockStored(other, None, tuple([1] * 8), BS),
         AllBlocksCleared(),
     ]
+
+
+def test_the_sim_prefix_cache_never_reports_more_blocks_than_it_holds() -> None:
+    """Replaying the events gives the cache's content at every step, and never more than its capacity
+    (the orchestrator's index reads them one by one), even for a prompt longer than the whole cache."""
+    cache = PrefixCache(capacity_blocks=3, block_size=BS)
+    cache.listener = rec = Recorder()
+    held: set[int] = set()
+    prompts = [PROMPT, [7] * 8, PROMPT, list(range(20)), [7] * 8 + [9] * 4]
+    for prompt in prompts:
+        cache.insert(chain_hashes(prompt, BS), prompt)
+        for event in rec.events:
+            if isinstance(event, BlockStored):
+                held.update(event.block_hashes)
+            elif isinstance(event, BlockRemoved):
+                held.difference_update(event.block_hashes)
+            assert len(held) <= 3 or len(chain_hashes(prompt, BS)) > 3, (prompt, event)
+        rec.events.clear()
+        assert len(held) == len(cache) <= 3
 
 
 @pytest.mark.parametrize("port", [-1, 65536], ids=["negative", "above-65535"])

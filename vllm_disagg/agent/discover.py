@@ -41,10 +41,11 @@ CACHE_CONFIG_INFO = "vllm:cache_config_info"
 NIXL_PREFIX = "vllm:nixl_"
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _ROLE_OF_KV_ROLE: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+SERVER_INFO_TIMEOUT_S = 60.0  # vLLM's first /server_info runs collect_env (see ``discover``)
 
 
 class DiscoveryError(Exception):
-    """The engine did not answer what discovery needs (``/v1/models``), with why."""
+    """The engine did not answer what discovery needs (``/v1/models``), or left a question unanswered."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,28 +221,45 @@ def parse_kv_event_sources(body: Any, engine_host: str) -> str:
     return f"tcp://{host}:{port}"
 
 
-async def discover(http: aiohttp.ClientSession, url: str, *, timeout_s: float = 10.0) -> EngineFacts:
-    """Ask the vLLM at ``url`` what it is. ``DiscoveryError`` when ``/v1/models`` does not answer."""
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
+async def discover(
+    http: aiohttp.ClientSession,
+    url: str,
+    *,
+    timeout_s: float = 10.0,
+    server_info_timeout_s: float = SERVER_INFO_TIMEOUT_S,
+) -> EngineFacts:
+    """Ask the vLLM at ``url`` what it is. ``DiscoveryError`` when a question gets no answer at all (a
+    timeout or a dropped connection: silence must not be read as "not there", or an engine that was
+    only slow would be registered without its ``kv_role``) or ``/v1/models`` does not answer 200. A
+    4xx is an answer: a 404 on ``/server_info`` says dev mode is off.
 
-    async def get(path: str) -> tuple[int, bytes]:
+    ``/server_info`` has its own, longer budget (at least ``server_info_timeout_s``): vLLM 0.32 answers
+    its first one only after ``collect_env``, which shells out to pip and nvidia-smi (3.5 s on an idle
+    2-core box, past 10 s beside a busy engine).
+    """
+    base = url.rstrip("/")
+
+    async def get(path: str, budget_s: float) -> tuple[int, bytes]:
         try:
-            async with http.get(url.rstrip("/") + path, timeout=timeout) as resp:
+            async with http.get(base + path, timeout=aiohttp.ClientTimeout(total=budget_s)) as resp:
                 return resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            return 0, str(exc).encode()
+        except TimeoutError:
+            return 0, f"no answer in {budget_s:g} s".encode()
+        except aiohttp.ClientError as exc:
+            return 0, (str(exc) or type(exc).__name__).encode()
 
-    answers = await asyncio.gather(
-        get("/v1/models"),
-        get("/metrics"),
-        get("/version"),
-        get("/server_info?config_format=json"),
-        get("/kv_event_sources"),
-    )
+    paths = ("/v1/models", "/metrics", "/version", "/server_info?config_format=json", "/kv_event_sources")
+    answers = await asyncio.gather(*(
+        get(path, max(timeout_s, server_info_timeout_s) if path.startswith("/server_info") else timeout_s)
+        for path in paths
+    ))  # fmt: skip
+    for path, (status, said) in zip(paths, answers, strict=True):
+        if status == 0:
+            raise DiscoveryError(f"GET {base}{path}: unreachable: {said.decode(errors='replace')[:200]}")
     (m_status, models), (x_status, metrics), (v_status, version), (s_status, server), events = answers
     if m_status != 200:
         why = models.decode(errors="replace")[:200] or "no answer"
-        raise DiscoveryError(f"GET {url}/v1/models: {m_status or 'unreachable'}: {why}")
+        raise DiscoveryError(f"GET {base}/v1/models: {m_status}: {why}")
     names, root, max_len = parse_models(_json(models))
     notes = []
     block, caching, connector = 0, None, ""

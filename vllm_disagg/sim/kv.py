@@ -72,10 +72,24 @@ class PrefixCache:
             self._blocks.popitem(last=False)
 
     def _insert_told(self, listener: CacheListener, hashes: Sequence[int], token_ids: Sequence[int]) -> None:
+        # As vLLM: the prompt's cached blocks are touched, room is made (BlockRemoved) and only then are
+        # the new blocks stored (BlockStored), so a reader never sees the cache above its capacity.
+        blocks = self._blocks
+        new = 0
+        for cached in hashes:
+            if cached in blocks:
+                blocks.move_to_end(cached)
+            else:
+                new += 1
+        evicted: list[int] = []
+        while blocks and len(blocks) + new > self._capacity:
+            evicted.append(blocks.popitem(last=False)[0])
+        if evicted:
+            listener.removed(evicted)
         bs = self._block_size
         start = -1  # first block of the current run of new blocks
         for i, h in enumerate((*hashes, None)):
-            if h is not None and h not in self._blocks:
+            if h is not None and h not in blocks:
                 if start < 0:
                     start = i
                 continue
@@ -84,13 +98,13 @@ class PrefixCache:
                 listener.stored(hashes[start:i], parent, token_ids[start * bs : i * bs])
                 start = -1
         for h in hashes:
-            self._blocks[h] = None
-            self._blocks.move_to_end(h)
-        evicted = []
-        while len(self._blocks) > self._capacity:
-            evicted.append(self._blocks.popitem(last=False)[0])
-        if evicted:
-            listener.removed(evicted)
+            blocks[h] = None
+            blocks.move_to_end(h)
+        overflow = []
+        while len(blocks) > self._capacity:  # a prompt longer than the whole cache keeps its tail
+            overflow.append(blocks.popitem(last=False)[0])
+        if overflow:
+            listener.removed(overflow)
 
     def clear(self) -> None:
         """Forget everything (vLLM's reset_prefix_cache)."""
