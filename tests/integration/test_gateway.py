@@ -129,6 +129,35 @@ async def test_1p1d_output_equals_the_model_and_kv_moves_from_p_to_d(
     assert sample(p_metrics, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == 0
 
 
+@pytest.mark.parametrize("stream", STREAMS)
+@pytest.mark.parametrize("route", ROUTES)
+async def test_the_openai_routes_answer_alike_past_the_router_and_through_it(
+    orch: OrchestratorServer,
+    http: aiohttp.ClientSession,
+    pd: tuple[SimServer, SimServer],
+    route: str,
+    stream: bool,
+) -> None:
+    """A plain POST skips the application's router; a query string or ``Expect: 100-continue`` goes
+    through it. Both give the same bytes and headers; other methods are still a 405."""
+    answers = []
+    for n, (suffix, extra) in enumerate([("", {}), ("?via=router", {}), ("", {"Expect": "100-continue"})]):
+        headers = {"X-Request-Id": f"alike-{n}", "Content-Type": "application/json", **extra}
+        async with http.post(
+            orch.url + route + suffix, data=jsonutil.dumps(request_body(route, stream)), headers=headers
+        ) as resp:
+            raw = await resp.read()
+            assert resp.status == 200, raw
+            got = {k.lower(): v for k, v in resp.headers.items() if k.lower() not in ("date", "x-request-id")}
+            assert resp.headers["X-Request-Id"] == f"alike-{n}"
+        answers.append((raw.replace(f"alike-{n}".encode(), b"ID"), got))
+    assert answers[0] == answers[1] == answers[2]
+    assert text_of(route, answers[0][0], stream) == expected(route)
+    async with http.get(orch.url + route) as resp:
+        assert resp.status == 405
+        assert resp.headers["Allow"] == "POST"
+
+
 async def test_both_legs_carry_the_request_id_and_kv_params_pass_unchanged(
     orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory
 ) -> None:

@@ -15,7 +15,7 @@ from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.config import default_config_text, load_config
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
-from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler, weighted_sum
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 NOW = 1000.0
@@ -535,3 +535,21 @@ def test_new_weights_change_the_very_next_decision_and_its_explanation() -> None
     assert scheduler.weights()["decode"] == {
         "queue-scorer": 5.0, "kv-usage-scorer": 0.0, "tpot-scorer": 1.0, "prefix-scorer": 1.0
     }  # fmt: skip
+
+
+SCORE = st.floats(min_value=0.0, max_value=1.0)
+WEIGHT = st.sampled_from([0.0, 1.0, 2.0, 0.5]) | st.floats(min_value=-10.0, max_value=10.0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data(), st.lists(WEIGHT, max_size=6), st.integers(min_value=0, max_value=20))
+def test_a_profiles_weighted_totals_are_the_weighted_scores_added_in_order(
+    data: st.DataObject, weights: list[float], n: int
+) -> None:
+    columns = [data.draw(st.lists(SCORE, min_size=n, max_size=n)) for _ in weights]
+    expected = [0.0] * n
+    for weight, column in zip(weights, columns, strict=True):
+        if weight:  # as a scorer of weight 0 is never counted
+            expected = [total + weight * score for total, score in zip(expected, column, strict=True)]
+    got = weighted_sum(weights)(columns, n)
+    assert [x.hex() for x in got] == [x.hex() for x in expected], "bit-identical, not merely close"

@@ -408,3 +408,23 @@ def test_a_snapshot_shows_the_instances_as_they_were_when_taken_even_where_built
     reg.heartbeat("p", hb("unhealthy", seq=2), now)  # a state change: new groups
     assert reg.snapshot().prefill_ids.get("m", ()) == ()
     assert after.prefill_ids["m"] == ("p",)
+
+
+def test_snapshots_share_the_views_until_the_next_change_and_never_see_it(
+    reg: Registry, clock: FakeClock
+) -> None:
+    now = clock.monotonic()
+    reg.hello("a", info(), now)
+    reg.hello("b", info(url="http://127.0.0.1:9003"), now)
+    first = reg.snapshot()
+    reg.acquire("a")  # in-flight counts only: the same views, shared
+    second = reg.snapshot()
+    assert second.by_id is first.by_id and second.in_flight_of("a") == 1
+    reg.heartbeat("a", hb(running=3), now)
+    reg.hello("c", info(url="http://127.0.0.1:9004"), now)
+    reg.goodbye("b", "bye")
+    reg.remove("b")
+    assert set(first.by_id) == set(second.by_id) == {"a", "b"}, "a change after a snapshot is not in it"
+    assert first.by_id["a"].metrics.num_running == 0 and first.by_id["b"].state == "joining"
+    third = reg.snapshot()
+    assert set(third.by_id) == {"a", "c"} and third.by_id["a"].metrics.num_running == 3

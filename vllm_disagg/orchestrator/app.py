@@ -189,11 +189,15 @@ async def start_orchestrator(
     )
     runners = [runner]
     try:
+        await runner.setup()
+        assert runner.server is not None
+        app[GATEWAY_KEY].route_directly(runner.server, app)
         url = await _serve(runner, config.host, config.port)
         admin_url = ""
         if ADMIN_APP_KEY in app:
             admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None, shutdown_timeout=1.0)
             runners.append(admin_runner)
+            await admin_runner.setup()
             admin_url = await _serve(admin_runner, config.admin_host, config.admin_port or 0)
     except BaseException:
         for r in reversed(runners):
@@ -203,8 +207,7 @@ async def start_orchestrator(
 
 
 async def _serve(runner: web.AppRunner, host: str, port: int) -> str:
-    """Start ``runner`` on ``host:port`` (0: any free port); its base URL."""
-    await runner.setup()
+    """Start the set-up ``runner`` on ``host:port`` (0: any free port); its base URL."""
     await web.TCPSite(runner, host, port, reuse_address=True).start()
     bound_host, bound_port = runner.addresses[0][:2]
     if ":" in bound_host:

@@ -221,6 +221,10 @@ class Registry:
         # Views are rebuilt per changed instance, not per snapshot: a snapshot of 1,024 instances after
         # one heartbeat costs a few dict/tuple copies, not 1,024 new views.
         self._views: dict[str, InstanceView] = {}
+        # Copy-on-write: the last snapshot shares ``_views`` (no 1,024-entry copy per snapshot); the next
+        # change copies it first (``_own_views``), so a snapshot never sees a later change. The copy then
+        # falls in heartbeat handling, not in a request's decision.
+        self._views_shared = False
         self._groups: _Groups | None = None  # agent ids per model / ready role; rebuilt on membership
         self._blocked: frozenset[tuple[str, str]] = frozenset()
         self._cached: RegistrySnapshot | None = None
@@ -243,8 +247,9 @@ class Registry:
         return self._policy
 
     def _changed(self, inst: _Instance, membership: bool) -> None:
-        old = self._views.get(inst.agent_id)
-        new = self._views[inst.agent_id] = inst.view()
+        views = self._own_views()
+        old = views.get(inst.agent_id)
+        new = views[inst.agent_id] = inst.view()
         if self.on_event is not None:
             self._tell(old, new)
         self._version += 1
@@ -252,6 +257,13 @@ class Registry:
         if membership:
             self._membership += 1
             self._groups = None
+
+    def _own_views(self) -> dict[str, InstanceView]:
+        """``_views``, copied first if a snapshot shares it."""
+        if self._views_shared:
+            self._views = dict(self._views)
+            self._views_shared = False
+        return self._views
 
     def _update(self, inst: _Instance, lost_reason: str = "") -> None:
         """Re-derive a live instance's state after a signal changed; tell ``on_lost`` when it is lost."""
@@ -423,7 +435,7 @@ class Registry:
         if inst.state != "dead":
             raise ValueError(f"instance {agent_id!r} is {inst.state}: shut it down (or let it die) first")
         del self._instances[agent_id]
-        view = self._views.pop(agent_id)
+        view = self._own_views().pop(agent_id)
         self._requests_total.pop(agent_id, None)
         self._version += 1
         self._membership += 1
@@ -569,6 +581,7 @@ class Registry:
 
     def _build(self) -> RegistrySnapshot:
         views = self._views
+        self._views_shared = True
         groups = self._groups
         if groups is None:
             groups = self._groups = _Groups.of(views.values())
@@ -576,7 +589,7 @@ class Registry:
             version=self._version,
             membership=self._membership,
             registry_id=self._id,
-            by_id=MappingProxyType(dict(views)),
+            by_id=MappingProxyType(views),
             in_flight=MappingProxyType({}),
             known_models=groups.known_models,
             model_ids=groups.by_model,

@@ -579,6 +579,27 @@ class Gateway:
         app.router.add_post(PATHS["chat_completions"], self.chat_completions)
         app.router.add_get("/v1/models", self.models)
 
+    def route_directly(self, server: web.Server, app: web.Application) -> None:
+        """Hand ``POST /v1/completions`` and ``/v1/chat/completions`` from ``server`` (serving ``app``)
+        straight to their handlers, past the application's router: its resolve, match info and
+        handler lookup are about a tenth of a plain request's CPU in the gateway. The handlers read
+        neither ``request.app`` nor ``match_info``. Anything else (a query string, ``Expect``, another
+        method or path) goes through ``app`` as before, and so does everything when ``app`` has
+        middlewares (they must see every request)."""
+        if app.middlewares:
+            return
+        through_app = server.request_handler
+        direct = {PATHS["completions"]: self.completions, PATHS["chat_completions"]: self.chat_completions}
+
+        async def handle(request: web.BaseRequest) -> web.StreamResponse:
+            if request.method == "POST" and "Expect" not in request.headers:
+                handler = direct.get(request.raw_path)  # a query string makes it another key
+                if handler is not None:
+                    return await handler(request)  # type: ignore[arg-type]
+            return await through_app(request)
+
+        server.request_handler = handle
+
 
 def _tpot(flow: Flow | None, status: int) -> float | None:
     """A finished stream's time per output token after the first, where the gateway counted them."""

@@ -136,11 +136,8 @@ class PrefixIndex:
         while alive:
             depth += 1
             nxt = self._holders.get(block_keys[depth], 0) & alive if depth < len(block_keys) else 0
-            gone = alive & ~nxt
-            while gone:  # instances whose prefix ends at this depth
-                low = gone & -gone
-                matched[self._ids[low.bit_length() - 1]] = depth
-                gone ^= low
+            if nxt != alive:  # most blocks of a shared prefix lose no holder: skip the bit work
+                self._ended(alive & ~nxt, depth, matched)
             alive = nxt
         return matched
 
@@ -168,10 +165,15 @@ class PrefixIndex:
                 nxt = holders.get(key, 0) & alive
             else:
                 nxt = 0
-            gone = alive & ~nxt
-            while gone:  # instances whose prefix ends at this depth
-                low = gone & -gone
-                matched[self._ids[low.bit_length() - 1]] = depth
-                gone ^= low
+            if nxt != alive:
+                self._ended(alive & ~nxt, depth, matched)
             alive = nxt
         return matched
+
+    def _ended(self, gone: int, depth: int, matched: dict[str, int]) -> None:
+        """Record ``depth`` for each instance in the bit set ``gone`` (their prefix ends there)."""
+        ids = self._ids
+        while gone:
+            low = gone & -gone
+            matched[ids[low.bit_length() - 1]] = depth
+            gone ^= low
