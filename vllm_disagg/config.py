@@ -174,6 +174,9 @@ class OrchestratorConfig:
     # Hugging Face tokenizations (cache misses) waiting for or running on the gateway's tokenize thread;
     # beyond that a request is scheduled on its length estimate rather than delayed.
     tokenize_queue: int = 64
+    # Gateway processes on the port (SO_REUSEPORT): this one and N-1 workers that share its scheduler
+    # state (docs/operations.md, "Gateway workers"). 1: the gateway runs in this process only.
+    gateway_workers: int = 1
     # --- the admin API (docs/security.md) ---
     # The bearer token every /admin/v1 call must carry; "" closes the admin API. Read from a file or
     # the environment by ``main``, never from argv; kept out of the repr so it is never logged.
@@ -214,6 +217,7 @@ class OrchestratorConfig:
             breaker_failures=self.breaker_failures,
             breaker_open_s=self.breaker_open_s,
             tokenize_queue=self.tokenize_queue,
+            gateway_workers=self.gateway_workers,
         )
         _non_negative("orchestrator", max_resumes=self.max_resumes)
         if self.suspect_after_s is not None:

@@ -155,7 +155,15 @@ class Fleet:
         self.engine_ports = list(range(base + 100, base + 100 + n_p + n_d))  # routers: base + 2, 4, ...
         self.prefill = [f"http://127.0.0.1:{p}" for p in self.engine_ports[:n_p]]
         self.decode = [f"http://127.0.0.1:{p}" for p in self.engine_ports[n_p:]]
-        self.spec = ClusterSpec(engine="sim", model=MODEL, port=base, zmq_port=base + 1, stop_grace_s=5.0)
+        workers = getattr(args, "gateway_workers", 1)
+        self.spec = ClusterSpec(
+            engine="sim",
+            model=MODEL,
+            port=base,
+            zmq_port=base + 1,
+            stop_grace_s=5.0,
+            extra_orchestrator_args=("--gateway-workers", str(workers)) if workers > 1 else (),
+        )
         self.routers = [RouterSpec(OURS, (), base)] + [
             RouterSpec(name, router_argv(cmd, base + 2 + 2 * i, self.prefill, self.decode), base + 2 + 2 * i)
             for i, (name, cmd) in enumerate(compared)
@@ -267,6 +275,7 @@ async def run_comparison(args: argparse.Namespace, compared: list[tuple[str, str
     return {
         "benchmark": "gateway-compare",
         "engines": f"{args.prefill}P{args.decode}D zero-delay sim",
+        "gateway_workers": getattr(args, "gateway_workers", 1),
         "rounds": args.rounds,
         "requests": args.requests,
         "max_tokens": args.max_tokens,
@@ -322,7 +331,8 @@ def render_comparison(report: dict[str, object]) -> str:
     assert isinstance(raw, list)
     rows = [Round(**r) for r in raw]
     lines = [
-        f"gateway comparison: {report['engines']}, {report['rounds']} rounds x {report['requests']} "
+        f"gateway comparison: {report['engines']}, {report.get('gateway_workers', 1)} gateway process(es), "
+        f"{report['rounds']} rounds x {report['requests']} "
         f"requests per scenario, {report['max_tokens']} output tokens; medians over rounds [min-max]",
         f"{'router':<14} {'conc':>4} {'stream':>6} {'p50 ms':>8} {'p99 ms [min-max]':>22} {'req/s':>7} "
         f"{'cpu/req ms [min-max]':>23} {'agents':>7} {'ours/this cpu':>13} {'ours/this p99':>13}",

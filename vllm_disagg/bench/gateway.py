@@ -78,6 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     side.add_argument(
         "--modes", nargs="+", choices=("plain", "stream"), default=["plain", "stream"], help="response kinds"
     )
+    side.add_argument(
+        "--gateway-workers",
+        type=int,
+        default=1,
+        help="our gateway's processes (--gateway-workers of the orchestrator); CPU counts them all",
+    )
     side.add_argument("--prefill", type=int, default=2, help="prefill engines")
     side.add_argument("--decode", type=int, default=2, help="decode engines")
 

@@ -35,6 +35,7 @@ from vllm_disagg.orchestrator.registry import (
     RegistrySnapshot,
 )
 from vllm_disagg.orchestrator.spawner import AgentSpawner
+from vllm_disagg.orchestrator.workers.hub import WorkerHub
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 
 _DEFAULT_REQUESTS_LIMIT = 100
@@ -142,7 +143,9 @@ class Admin:
         scheduler: object = None,
         *,
         spawner: AgentSpawner | None = None,
+        workers: WorkerHub | None = None,
     ) -> None:
+        self._workers = workers  # gateway workers: their metrics and live requests are asked for
         self._scheduler = scheduler
         self._spawner = spawner
         self._events = events or EventLog(clock.wall)
@@ -172,8 +175,11 @@ class Admin:
         return _json({"status": "unavailable", "reason": reason, **body}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text exposition."""
-        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        """Prometheus text exposition (with gateway workers: theirs too, each under its ``worker``)."""
+        workers = []
+        if self._workers is not None:
+            workers = [(a.index, a.payload) for a in await self._workers.ask("metrics")]
+        return web.Response(body=self._metrics.render(workers), headers={"Content-Type": CONTENT_TYPE})
 
     def _instance(self, view: InstanceView, snap: RegistrySnapshot, now: float) -> dict[str, Any]:
         agent_id = view.agent_id
@@ -339,7 +345,12 @@ class Admin:
 
     async def live_requests(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/live-requests``: requests in flight now (stage, pair, age), oldest first."""
-        return _json({"requests": self._live_requests()})
+        live = self._live_requests()
+        if self._workers is not None:
+            for answer in await self._workers.ask("live"):
+                live += [{**r, "worker": answer.index} for r in answer.payload]
+            live.sort(key=lambda r: -float(r.get("age_s", 0.0)))
+        return _json({"requests": live})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """``GET /admin/v1/events``: the event log as server-sent events, then live ones as they happen."""

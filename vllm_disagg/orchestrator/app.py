@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -30,6 +31,7 @@ from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.spawner import AgentSpawner
+from vllm_disagg.orchestrator.workers.hub import JournaledKvIndex, WorkerHub
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,15 @@ REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 KV_INDEX_KEY = web.AppKey("kv_index", KvIndex)
 SPAWNER_KEY = web.AppKey("spawner", AgentSpawner)
 ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate admin listener
+WORKERS_KEY = web.AppKey("workers", WorkerHub)  # only with --gateway-workers above 1
+
+
+def _both(first: Callable[..., None], second: Callable[..., None]) -> Callable[..., None]:
+    def call(*args: Any) -> None:
+        first(*args)
+        second(*args)
+
+    return call
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -91,16 +102,22 @@ def build_app(
         suspect_after_s=config.suspect_after_s,
         breaker=BreakerPolicy(failures_to_open=config.breaker_failures, open_s=config.breaker_open_s),
     )
-    kv_index = KvIndex()
+    kv_index = KvIndex() if config.gateway_workers == 1 else JournaledKvIndex()
     metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of)
     request_log = RequestLog(REQUEST_LOG_CAPACITY)
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
-    registry.on_lost = gateway.instance_lost
     events = gateway.events
     registry.on_event = events.publish_fields
     registry.on_kv_audit = gateway.kv_audited
-    control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=gateway.instance_joined)
+    hub = None
+    if isinstance(kv_index, JournaledKvIndex):
+        hub = WorkerHub(config, registry, kv_index, request_log, events, getattr(scheduler, "weights", None))
+    registry.on_lost = (
+        gateway.instance_lost if hub is None else _both(gateway.instance_lost, hub.instance_lost)
+    )
+    on_hello = gateway.instance_joined if hub is None else _both(gateway.instance_joined, hub.instance_joined)
+    control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=on_hello)
     spawner = AgentSpawner(control, registry)
     admin = Admin(
         registry,
@@ -113,6 +130,7 @@ def build_app(
         gateway.live_requests,
         scheduler,
         spawner=spawner,
+        workers=hub,
     )
 
     app = web.Application(client_max_size=config.max_body_bytes)
@@ -125,6 +143,8 @@ def build_app(
     app[REQUEST_LOG_KEY] = request_log
     app[KV_INDEX_KEY] = kv_index
     app[SPAWNER_KEY] = spawner
+    if hub is not None:
+        app[WORKERS_KEY] = hub
     gateway.add_routes(app)
     admin.add_public_routes(app)
     if config.admin_port is None:
@@ -170,6 +190,9 @@ class OrchestratorServer:
 
     async def close(self) -> None:
         """Stop serving, wait for in-flight requests (bounded), release every socket and task."""
+        hub = self.app.get(WORKERS_KEY)
+        if hub is not None:  # first: they finish their requests, proxying to this process meanwhile
+            await hub.close()
         for runner in reversed(self._runners):  # the admin listener first, the gateway's last
             await runner.cleanup()
 
@@ -192,7 +215,13 @@ async def start_orchestrator(
         await runner.setup()
         assert runner.server is not None
         app[GATEWAY_KEY].route_directly(runner.server, app)
-        url = await _serve(runner, config.host, config.port)
+        hub = app.get(WORKERS_KEY)
+        url = await _serve(runner, config.host, config.port, reuse_port=hub is not None)
+        if hub is not None:
+            # The workers proxy every path but the gateway's to a listener of this process only (on the
+            # shared port the kernel could hand a proxied request back to a worker).
+            primary_url = await _serve_more(runner, "127.0.0.1", 0)
+            await hub.start(primary_url, runner.addresses[0][1])
         admin_url = ""
         if ADMIN_APP_KEY in app:
             admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None, shutdown_timeout=1.0)
@@ -206,10 +235,22 @@ async def start_orchestrator(
     return OrchestratorServer(app, runners, url, admin_url)
 
 
-async def _serve(runner: web.AppRunner, host: str, port: int) -> str:
-    """Start the set-up ``runner`` on ``host:port`` (0: any free port); its base URL."""
-    await web.TCPSite(runner, host, port, reuse_address=True).start()
-    bound_host, bound_port = runner.addresses[0][:2]
+async def _serve(runner: web.AppRunner, host: str, port: int, *, reuse_port: bool = False) -> str:
+    """Start the set-up ``runner`` on ``host:port`` (0: any free port); its base URL. ``reuse_port``:
+    the gateway workers bind the same port (SO_REUSEPORT)."""
+    await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
+    return _url(runner.addresses[0])
+
+
+async def _serve_more(runner: web.AppRunner, host: str, port: int) -> str:
+    """Add a listener to a started ``runner``; its base URL."""
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    return _url(runner.addresses[-1])
+
+
+def _url(address: Any) -> str:
+    bound_host, bound_port = address[:2]
     if ":" in bound_host:
         bound_host = f"[{bound_host}]"
     return f"http://{bound_host}:{bound_port}"

@@ -39,6 +39,12 @@ SHARED_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "prompts that may wait for the tokenize thread (vLLM models); beyond, requests are scheduled "
         "on a length estimate",
     ),
+    (
+        "--gateway-workers",
+        "gateway_workers",
+        int,
+        "gateway processes on the port (SO_REUSEPORT), sharing one scheduler state; 1: this process only",
+    ),
 )
 
 

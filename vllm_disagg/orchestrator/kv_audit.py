@@ -124,11 +124,15 @@ class DecodeAudit:
         """Does the audit judge this instance's legs (it exports the counters and has a baseline)?"""
         return self._base is not None
 
-    def dispatch(self, request_id: str, prefill: str, tokens: int, now: float) -> int | None:
-        """A leg is sent: its key, or None when the audit cannot judge it (no baseline yet)."""
+    def dispatch(
+        self, request_id: str, prefill: str, tokens: int, now: float, key: int | None = None
+    ) -> int | None:
+        """A leg is sent: its key (``key`` when given: a gateway worker's), or None when the audit
+        cannot judge it (no baseline yet)."""
         if self._base is None:
             return None
-        key = next(_KEYS)
+        if key is None:
+            key = next(_KEYS)
         self._in_flight[key] = Handover(request_id, prefill, tokens, now, now)
         return key
 

@@ -7,7 +7,7 @@ registry snapshot at scrape time. Every metric is documented in docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -119,9 +119,15 @@ class OrchestratorMetrics:
     """The orchestrator's metrics and the cheap recording calls the gateway and control plane use."""
 
     def __init__(
-        self, snapshot: Callable[[], RegistrySnapshot], kv_blocks: Callable[[str], int] | None = None
+        self,
+        snapshot: Callable[[], RegistrySnapshot],
+        kv_blocks: Callable[[str], int] | None = None,
+        *,
+        instances: bool = True,
     ) -> None:
-        """``kv_blocks(agent_id)``: the KV index's blocks of an instance, read at scrape time."""
+        """``kv_blocks(agent_id)``: the KV index's blocks of an instance, read at scrape time.
+        ``instances``: export the per-instance gauges (a gateway worker leaves them to the
+        orchestrator, whose registry they describe)."""
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self._requests = Counter(
@@ -281,7 +287,7 @@ class OrchestratorMetrics:
             ["instance"],
             registry=r,
         )
-        r.register(_InstanceCollector(snapshot, kv_blocks))
+        self._instances = _InstanceCollector(snapshot, kv_blocks) if instances else None
         self._request_children = _Bound(self._requests)
         self._duration_children = _Bound(self._duration)
         self._refused_children = _Bound(self._refused)
@@ -398,6 +404,39 @@ class OrchestratorMetrics:
         self._kv_events_children[(agent_id,)].inc(applied)
         self._kv_missed_children[(agent_id,)].inc(missed)
 
-    def render(self) -> bytes:
-        """The text exposition of every metric."""
-        return generate_latest(self.registry)
+    def families(self) -> list[Metric]:
+        """This process's gateway and control metrics (not the per-instance gauges)."""
+        return list(self.registry.collect())
+
+    def render(self, workers: Sequence[tuple[int, list[Metric]]] = ()) -> bytes:
+        """The text exposition of every metric. ``workers``: the gateway workers' ``families()``;
+        then each gateway metric's series carry a ``worker`` label (this process's are worker 0)."""
+        families = merge_families([(0, self.families()), *workers]) if workers else self.families()
+        if self._instances is not None:
+            families.extend(self._instances.collect())
+        return generate_latest(_Families(families))
+
+
+class _Families:
+    """Collected families, in the shape ``generate_latest`` reads."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def merge_families(by_worker: Sequence[tuple[int, list[Metric]]]) -> list[Metric]:
+    """One family per name, holding every worker's series under a ``worker`` label."""
+    merged: dict[str, Metric] = {}
+    for worker, families in by_worker:
+        label = str(worker)
+        for family in families:
+            into = merged.get(family.name)
+            if into is None:
+                into = Metric(family.name, family.documentation, family.type, family.unit)
+                merged[family.name] = into
+            for sample in family.samples:
+                into.samples.append(sample._replace(labels={**sample.labels, "worker": label}))
+    return list(merged.values())

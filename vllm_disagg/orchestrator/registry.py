@@ -24,7 +24,7 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from vllm_disagg.orchestrator import health
 from vllm_disagg.orchestrator.health import (
@@ -46,7 +46,7 @@ PREFILL_ROLES: frozenset[Role] = frozenset(("prefill", "both"))
 DECODE_ROLES: frozenset[Role] = frozenset(("decode", "both"))
 
 _EMPTY_METRICS = MetricsSnapshot()
-_REGISTRY_IDS = itertools.count(1)
+REGISTRY_IDS = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +75,24 @@ class InstanceView:
         if self.state != "suspect":
             return ""
         return health.suspect_reason(engine_state=self.engine_state, late=self.late, breaker=self.breaker)
+
+
+class GatewayRegistry(Protocol):
+    """What the gateway asks of a registry: the ``Registry`` itself, or a gateway worker's replica of it
+    (``orchestrator.workers``), which forwards what changes state to the orchestrator's."""
+
+    def snapshot(self) -> RegistrySnapshot: ...
+    def get(self, agent_id: str) -> InstanceView | None: ...
+    def acquire(self, agent_id: str) -> None: ...
+    def release(self, agent_id: str) -> None: ...
+    def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None: ...
+    def leg_failed(
+        self, agent_id: str, now: float, partner: str | None = None, *, instance_fault: bool = True
+    ) -> None: ...
+    def audit_dispatch(
+        self, decode: str, request_id: str, prefill: str, tokens: int, now: float, key: int | None = None
+    ) -> int | None: ...
+    def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,11 +231,13 @@ class Registry:
         self._policy = breaker or BreakerPolicy()
         self._instances: dict[str, _Instance] = {}
         self._in_flight: dict[str, int] = {}
+        # The gateway workers' in-flight counts (``--gateway-workers``), summed, as last pushed.
+        self._remote_in_flight: dict[str, int] = {}
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
         self._version = 0
         self._membership = 0
-        self._id = next(_REGISTRY_IDS)
+        self._id = next(REGISTRY_IDS)
         # Views are rebuilt per changed instance, not per snapshot: a snapshot of 1,024 instances after
         # one heartbeat costs a few dict/tuple copies, not 1,024 new views.
         self._views: dict[str, InstanceView] = {}
@@ -225,7 +245,7 @@ class Registry:
         # change copies it first (``_own_views``), so a snapshot never sees a later change. The copy then
         # falls in heartbeat handling, not in a request's decision.
         self._views_shared = False
-        self._groups: _Groups | None = None  # agent ids per model / ready role; rebuilt on membership
+        self._groups: IdGroups | None = None  # agent ids per model / ready role; rebuilt on membership
         self._blocked: frozenset[tuple[str, str]] = frozenset()
         self._cached: RegistrySnapshot | None = None
         self._cached_in_flight: dict[str, int] | None = None
@@ -318,14 +338,23 @@ class Registry:
     # --- the KV audit of decode legs (see ``kv_audit``) -------------------------------------------
 
     def audit_dispatch(
-        self, decode: str, request_id: str, prefill: str, tokens: int, now: float
+        self, decode: str, request_id: str, prefill: str, tokens: int, now: float, key: int | None = None
     ) -> int | None:
         """A decode leg carrying ``prefill``'s KV handle is sent: its audit key, or None when its
-        engine's counters cannot judge it (then the gateway judges the link by the leg's outcome)."""
+        engine's counters cannot judge it (then the gateway judges the link by the leg's outcome).
+        ``key``: the one a gateway worker chose for the leg (it cannot wait for an answer)."""
         inst = self._instances.get(decode)
         if inst is None or inst.audit is None or inst.state == "dead":
             return None
-        return inst.audit.dispatch(request_id, prefill, tokens, now)
+        return inst.audit.dispatch(request_id, prefill, tokens, now, key)
+
+    def audited(self) -> frozenset[str]:
+        """Live instances whose decode legs the KV audit judges now (``audit_dispatch`` gives a key)."""
+        return frozenset(
+            i.agent_id
+            for i in self._instances.values()
+            if i.audit is not None and i.audit.active and i.state != "dead"
+        )
 
     def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None:
         """The audited leg ended: ``answered`` (its engine counted its prompt) or failed before that."""
@@ -546,11 +575,16 @@ class Registry:
         self._in_flight[agent_id] = self._in_flight.get(agent_id, 0) + 1
         self._cached_in_flight = None
         self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + 1
+        self.probe_sent(agent_id)
+
+    def probe_sent(self, agent_id: str) -> None:
+        """A request went to ``agent_id``: if its breaker is half-open, this one is the probe (nobody
+        else until it answers)."""
         inst = self._instances.get(agent_id)
         if inst is not None and inst.breaker.state == "half_open":
             probing = health.on_dispatch(inst.breaker)
             if probing is not inst.breaker:
-                inst.breaker = probing  # this request is the probe; nobody else until it answers
+                inst.breaker = probing
                 self._update(inst)
 
     def release(self, agent_id: str) -> None:
@@ -561,12 +595,31 @@ class Registry:
         else:
             self._in_flight[agent_id] = count - 1
         self._cached_in_flight = None
+        self.probe_ended(agent_id)
+
+    def probe_ended(self, agent_id: str) -> None:
+        """A request to ``agent_id`` is over: a probe that ended without a verdict (the client left)
+        lets the next request probe."""
         inst = self._instances.get(agent_id)
         if inst is not None and inst.breaker.probing:
-            # The probe ended without a verdict (the client left): let the next request probe.
             inst.breaker = dataclasses.replace(inst.breaker, probing=False)
             if inst.state != "dead":
                 self._update(inst)
+
+    def own_in_flight(self) -> dict[str, int]:
+        """This process's gateway requests outstanding per instance (a copy)."""
+        return dict(self._in_flight)
+
+    def set_remote_in_flight(self, counts: dict[str, int]) -> None:
+        """The gateway workers' outstanding requests per instance, summed: snapshots add them."""
+        if counts != self._remote_in_flight:
+            self._remote_in_flight = counts
+            self._cached_in_flight = None
+
+    def count_sent(self, counts: Mapping[str, int]) -> None:
+        """Requests the gateway workers sent per instance since they last said (``requests_total``)."""
+        for agent_id, n in counts.items():
+            self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + n
 
     def snapshot(self) -> RegistrySnapshot:
         """An immutable view; the instance part is rebuilt only when something changed."""
@@ -575,8 +628,11 @@ class Registry:
             cached = self._cached = self._build()
             self._cached_in_flight = None
         if self._cached_in_flight is None:
-            self._cached_in_flight = dict(self._in_flight)
-            cached = self._cached = _with_in_flight(cached, self._cached_in_flight)
+            counts = dict(self._in_flight)
+            for agent_id, n in self._remote_in_flight.items():
+                counts[agent_id] = counts.get(agent_id, 0) + n
+            self._cached_in_flight = counts
+            cached = self._cached = with_in_flight(cached, self._cached_in_flight)
         return cached
 
     def _build(self) -> RegistrySnapshot:
@@ -584,7 +640,7 @@ class Registry:
         self._views_shared = True
         groups = self._groups
         if groups is None:
-            groups = self._groups = _Groups.of(views.values())
+            groups = self._groups = IdGroups.of(views.values())
         return RegistrySnapshot(
             version=self._version,
             membership=self._membership,
@@ -600,7 +656,7 @@ class Registry:
 
 
 @dataclass(frozen=True, slots=True)
-class _Groups:
+class IdGroups:
     """Agent ids grouped the ways snapshots index them; valid until membership changes."""
 
     known_models: frozenset[str]
@@ -609,7 +665,7 @@ class _Groups:
     decode: Mapping[str, tuple[str, ...]]  # ready and decode-capable
 
     @staticmethod
-    def of(views: Iterable[InstanceView]) -> _Groups:
+    def of(views: Iterable[InstanceView]) -> IdGroups:
         by_model: dict[str, list[str]] = {}
         prefill: dict[str, list[str]] = {}
         decode: dict[str, list[str]] = {}
@@ -622,7 +678,7 @@ class _Groups:
                 prefill.setdefault(model, []).append(v.agent_id)
             if v.info.role in DECODE_ROLES:
                 decode.setdefault(model, []).append(v.agent_id)
-        return _Groups(
+        return IdGroups(
             known_models=frozenset(by_model),
             by_model=MappingProxyType({m: tuple(sorted(ids)) for m, ids in by_model.items()}),
             prefill=MappingProxyType({m: tuple(ids) for m, ids in prefill.items()}),
@@ -630,7 +686,7 @@ class _Groups:
         )
 
 
-def _with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> RegistrySnapshot:
+def with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> RegistrySnapshot:
     # A new outer object sharing the (immutable) instance indexes: O(1) apart from the count copy.
     return RegistrySnapshot(
         version=snap.version,

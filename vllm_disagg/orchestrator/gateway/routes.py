@@ -46,7 +46,7 @@ from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
-from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
+from vllm_disagg.orchestrator.registry import GatewayRegistry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
     Decision,
@@ -189,7 +189,7 @@ class Gateway:
     def __init__(
         self,
         config: OrchestratorConfig,
-        registry: Registry,
+        registry: GatewayRegistry,
         scheduler: Scheduler,
         metrics: OrchestratorMetrics,
         clock: Clock,

@@ -1,0 +1,187 @@
+"""Gateway workers: two gateway processes on one port, one scheduler state.
+
+A real orchestrator with ``gateway_workers=2`` starts a real worker process; the kernel spreads new
+connections over the two (SO_REUSEPORT). Every request below comes on a connection of its own, so
+with 24 of them both processes serve some (each lands on one of two listeners: all on one has a
+chance of 2**-23). Sim engines, fake agents, real sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+
+from tests.helpers import ADMIN, eventually
+from tests.integration.conftest import EngineFactory
+from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, sample, scrape
+from vllm_disagg.config import SimTiming
+from vllm_disagg.orchestrator.app import GATEWAY_KEY, WORKERS_KEY, OrchestratorServer, start_orchestrator
+from vllm_disagg.protocol.messages import KvEvent, KvEvents, Role
+from vllm_disagg.sim.textgen import expected_text, tokenize
+
+pytestmark = pytest.mark.timeout(300)
+
+PROMPT = "Two gateway processes share one port and one view of the cluster: this prompt is cached. " * 2
+N = 24
+BLOCK = 16  # the sim's block size
+
+
+@pytest.fixture
+async def orch() -> AsyncIterator[OrchestratorServer]:
+    # No tokenizer-library preload: the sim's tokens are bytes, and the worker starts in a second.
+    config = orch_config(gateway_workers=2, preload_tokenizer_libs=False, breaker_failures=1)
+    server = await start_orchestrator(config, shutdown_timeout_s=2.0)
+    try:
+        yield server
+    finally:
+        await server.close()
+
+
+@pytest.fixture
+async def agents(orch: OrchestratorServer) -> AsyncIterator[list[FakeAgent]]:
+    made: list[FakeAgent] = []
+    yield made
+    for agent in made:
+        await agent.close()
+
+
+async def join(
+    orch: OrchestratorServer, agents: list[FakeAgent], agent_id: str, url: str, role: Role
+) -> FakeAgent:
+    agent = FakeAgent(orch.zmq_endpoint, agent_id, url, role)
+    agents.append(agent)
+    await agent.join()
+    return agent
+
+
+async def one(url: str, request_id: str, max_tokens: int = 4, stream: bool = False) -> tuple[int, str, str]:
+    """One request on a connection of its own: (status, the prefill instance, the body)."""
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as http,
+        http.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as resp,
+    ):
+        return resp.status, resp.headers.get("X-Disagg-Prefill", ""), await resp.text()
+
+
+async def per_worker_requests(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    samples = await scrape(http, url)
+    return {w: sample(samples, "vllm_disagg_requests_total", worker=w) for w in ("0", "1")}
+
+
+async def cached_on_p1(orch: OrchestratorServer, agents: list[FakeAgent], engine: EngineFactory) -> None:
+    """2P1D where only p1 caches PROMPT (its agent says so with KV events): the prefix scorer
+    sends PROMPT to p1 in any process that knows the KV index."""
+    p0, p1, d0 = await engine(), await engine(), await engine()
+    await join(orch, agents, "p0", p0.url, "prefill")
+    p1_agent = await join(orch, agents, "p1", p1.url, "prefill")
+    await join(orch, agents, "d0", d0.url, "decode")
+    ids = tokenize(PROMPT)
+    blocks = len(ids) // BLOCK
+    stored = KvEvent("stored", list(range(1, blocks + 1)), None, ids[: blocks * BLOCK], BLOCK)
+    p1_agent.transport.send(KvEvents(seq=1, events=[stored]))
+
+    def ready() -> bool:
+        snap = orch.registry.snapshot()
+        return len(snap.ready_prefill.get(MODEL, ())) == 2 and bool(snap.ready_decode.get(MODEL))
+
+    await eventually(ready, what="2P1D ready")
+    await eventually(lambda: orch.kv_index.blocks_of("p1") == blocks, what="p1's blocks indexed")
+
+
+async def test_two_processes_serve_one_port_with_one_state_and_one_admin_view(
+    orch: OrchestratorServer,
+    agents: list[FakeAgent],
+    sim_engine: EngineFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    await cached_on_p1(orch, agents, sim_engine)
+    answers = await asyncio.gather(*(one(orch.url, f"w-{i}") for i in range(N)))
+    for status, prefill, text in answers:
+        assert status == 200, text
+        assert prefill == "p1", "each process routes by the same KV index"
+        assert expected_text(PROMPT, 4) in text
+    served = await per_worker_requests(http, orch.url)  # /metrics: one view, each process labelled
+    assert served["0"] > 0 and served["1"] > 0 and sum(served.values()) == N, served
+    for i in range(N):  # every record reaches the orchestrator's admin API, from whichever process
+        async with http.get(f"{orch.url}/admin/v1/requests/w-{i}", headers=ADMIN) as resp:
+            assert resp.status == 200, await resp.text()
+            assert (await resp.json())["prefill"] == "p1"
+    async with http.get(f"{orch.url}/health") as resp:
+        assert resp.status == 200
+    async with http.get(f"{orch.url}/admin/v1/instances", headers={"Authorization": "Bearer wrong"}) as resp:
+        assert resp.status == 401, "the admin API's guard holds on every process's connections"
+
+
+async def test_requests_in_flight_in_every_process_reach_the_scheduler_state(
+    orch: OrchestratorServer,
+    agents: list[FakeAgent],
+    sim_engine: EngineFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    # A slow decode engine holds every request for seconds: all N are in flight at once.
+    p, d = await sim_engine(), await sim_engine(timing=SimTiming(decode_step_s=0.05, max_num_seqs=64))
+    await join(orch, agents, "p0", p.url, "prefill")
+    await join(orch, agents, "d0", d.url, "decode")
+    await eventually(lambda: bool(orch.registry.snapshot().ready_decode.get(MODEL)), what="1P1D ready")
+    sent = [asyncio.create_task(one(orch.url, f"slow-{i}", max_tokens=200)) for i in range(N)]
+    try:
+        await eventually(lambda: orch.registry.snapshot().in_flight_of("d0") == N, what=f"{N} in flight")
+        async with http.get(f"{orch.url}/admin/v1/live-requests", headers=ADMIN) as resp:
+            live = (await resp.json())["requests"]
+        assert sorted(r["request_id"] for r in live) == sorted(f"slow-{i}" for i in range(N))
+        assert any(r.get("worker") == 1 for r in live), "the worker's live requests are listed"
+    finally:
+        results = await asyncio.gather(*sent)
+    assert all(status == 200 for status, _, _ in results)
+    await eventually(lambda: orch.registry.snapshot().in_flight_of("d0") == 0, what="all released")
+
+
+async def test_a_killed_worker_is_restarted_with_the_whole_state_and_serves_again(
+    orch: OrchestratorServer,
+    agents: list[FakeAgent],
+    sim_engine: EngineFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    await cached_on_p1(orch, agents, sim_engine)
+    hub = orch.app[WORKERS_KEY]
+    (before,) = hub.describe()
+    os.kill(before["pid"], signal.SIGKILL)
+
+    def restarted() -> bool:
+        (now,) = hub.describe()
+        return bool(now["pid"] != before["pid"] and now["serving"] and now["restarts"] == 1)
+
+    await eventually(restarted, timeout=60, what="the worker restarted and serving")
+    answers = await asyncio.gather(*(one(orch.url, f"again-{i}") for i in range(N)))
+    assert [(status, prefill) for status, prefill, _ in answers] == [(200, "p1")] * N, (
+        "the new worker knows the instances and the KV index it never saw change"
+    )
+    served = await per_worker_requests(http, orch.url)
+    assert served["1"] > 0, served
+    assert any(e.kind == "gateway_worker_restarted" for e in orch.app[GATEWAY_KEY].events.since(0))
+
+
+async def test_a_failing_engine_opens_its_breaker_from_any_process_and_no_request_fails(
+    orch: OrchestratorServer,
+    agents: list[FakeAgent],
+    sim_engine: EngineFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    p, d = await sim_engine(), await sim_engine()
+    await join(orch, agents, "p0", p.url, "prefill")
+    await join(orch, agents, "d0", d.url, "decode")
+    dead = await sim_engine()
+    await join(orch, agents, "d1", dead.url, "decode")
+    await eventually(lambda: len(orch.registry.snapshot().ready_decode.get(MODEL, ())) == 2, what="1P2D")
+    await dead.close()  # d1's agent still says ready: only the legs can tell
+    answers = await asyncio.gather(*(one(orch.url, f"b-{i}") for i in range(N)))
+    assert [status for status, _, _ in answers] == [200] * N
+    view = orch.registry.get("d1")
+    assert view is not None and view.breaker.state != "closed"

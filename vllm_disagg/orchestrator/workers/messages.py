@@ -1,0 +1,135 @@
+"""What the orchestrator and its gateway workers say to each other (pickled; see the package doc)."""
+
+from __future__ import annotations
+
+import copyreg
+import pickle
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.orchestrator.gateway.records import RequestRecord
+from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.registry import InstanceView
+from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
+
+
+# Snapshots, views and explanations hold read-only mappings: they travel as their contents.
+def _read_only(contents: dict[Any, Any]) -> MappingProxyType[Any, Any]:
+    return MappingProxyType(contents)
+
+
+copyreg.pickle(MappingProxyType, lambda m: (_read_only, (dict(m),)))
+
+# ("apply", agent id, events) or ("drop", agent id, ()): the KV index's writes, in order.
+KvChange = tuple[str, str, tuple[KvEvent, ...]]
+
+
+# --- orchestrator -> worker ---
+@dataclass(frozen=True, slots=True)
+class Setup:
+    """The answer to a worker's ``Hello``: how to serve, and where the orchestrator's own listener is."""
+
+    config: OrchestratorConfig
+    primary_url: str  # the orchestrator's loopback listener: non-gateway paths are proxied there
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """The scheduler's state since the last one (``full``: all of it, to a worker that just joined)."""
+
+    full: bool
+    views: dict[str, InstanceView]  # changed views (all of them when full), in join order
+    removed: tuple[str, ...]
+    version: int
+    membership: int
+    blocked: frozenset[tuple[str, str]]
+    audited: frozenset[str]  # decode instances whose legs the KV audit judges
+    in_flight: dict[int, dict[str, int]]  # each gateway process's outstanding requests (0: the orchestrator)
+    kv: tuple[KvChange, ...] = ()
+    kv_index: KvIndex | None = None  # when full
+    weights: dict[str, dict[str, float]] | None = None  # the scheduler's weights, when they changed
+
+
+@dataclass(frozen=True, slots=True)
+class Lost:
+    """An instance is lost: fail its legs now (``Gateway.instance_lost``)."""
+
+    agent_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """An instance said Hello (``Gateway.instance_joined``: load its tokenizer before traffic)."""
+
+    info: InstanceInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """A question for every worker: ``metrics`` (its metric families) or ``live`` (requests in flight)."""
+
+    query: int
+    what: str
+
+
+# --- worker -> orchestrator ---
+@dataclass(frozen=True, slots=True)
+class Hello:
+    index: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Serving:
+    """The worker listens on the shared port."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """The worker's outstanding requests per instance, and how many it sent since the last ``Counts``."""
+
+    index: int
+    in_flight: dict[str, int]
+    sent: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A registry call that changes state (a breaker, the KV audit, a probe), made in the orchestrator."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    record: RequestRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    kind: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    query: int
+    index: int
+    payload: Any
+
+
+def dump(message: object) -> bytes:
+    """One frame."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def load(frame: bytes) -> object:
+    """A frame from the other side of the link (a 0700 ipc socket: only our own user's processes)."""
+    return pickle.loads(frame)

@@ -1,0 +1,174 @@
+"""A gateway worker's registry: the orchestrator's instances as last told, its own exact in-flight counts.
+
+The gateway asks it what it asks the ``Registry`` (``GatewayRegistry``). Reads come from the last
+``State``; what changes state is forwarded (``forward``) to the orchestrator, which owns breakers and
+the KV audit, and comes back in a later ``State`` like any other change.
+
+In-flight counts: the worker's own are exact (``acquire``/``release`` here); the other processes'
+arrive with each ``State`` (they push theirs every few milliseconds), so a decision sees the others'
+load a few milliseconds late. At the loads where balance matters (hundreds of requests in flight)
+that lag is a small share of each count; the scorers read counts through a smooth score, so a few
+requests of lag move a total by little.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from types import MappingProxyType
+
+from vllm_disagg.orchestrator.registry import (
+    REGISTRY_IDS,
+    IdGroups,
+    InstanceView,
+    RegistrySnapshot,
+    with_in_flight,
+)
+from vllm_disagg.orchestrator.workers.messages import Call, State
+
+# Audit keys a worker chooses: above any the orchestrator's own counter reaches, apart per worker.
+_KEY_SPACE = 1 << 48
+
+
+class RegistryReplica:
+    """The ``GatewayRegistry`` of a gateway worker."""
+
+    def __init__(self, index: int, forward: Callable[[Call], None]) -> None:
+        self.index = index
+        self._forward = forward
+        self._id = next(REGISTRY_IDS)
+        self._views: dict[str, InstanceView] = {}
+        self._views_shared = False  # copy-on-write, as the registry's
+        self._version = 0
+        self._membership = 0
+        self._blocked: frozenset[tuple[str, str]] = frozenset()
+        self._audited: frozenset[str] = frozenset()
+        self._groups: IdGroups | None = None
+        self._own: dict[str, int] = {}
+        self._sent: dict[str, int] = {}  # since the last ``take_counts``
+        self._others: dict[str, int] = {}
+        self._probing: set[str] = set()  # instances this worker sent a half-open breaker's probe
+        self._keys = itertools.count(_KEY_SPACE * (index + 1))
+        self._cached: RegistrySnapshot | None = None
+        self._cached_in_flight: dict[str, int] | None = None
+        self.counts_changed = False
+
+    def apply(self, state: State) -> list[InstanceView]:
+        """Take the orchestrator's news; the views of instances that joined or came back."""
+        if state.full:
+            self._views, self._views_shared = dict(state.views), False
+            joined = list(state.views.values())
+        else:
+            joined = []
+            if state.views or state.removed:
+                if self._views_shared:
+                    self._views, self._views_shared = dict(self._views), False
+                for agent_id, view in state.views.items():
+                    old = self._views.get(agent_id)
+                    if old is None or old.session != view.session:
+                        joined.append(view)
+                    self._views[agent_id] = view
+                for agent_id in state.removed:
+                    self._views.pop(agent_id, None)
+        if state.membership != self._membership or state.full:
+            self._groups = None
+        if (
+            state.full
+            or state.views
+            or state.removed
+            or (state.version, state.membership, state.blocked)
+            != (self._version, self._membership, self._blocked)
+        ):
+            self._cached = None
+        self._version, self._membership = state.version, state.membership
+        self._blocked, self._audited = state.blocked, state.audited
+        others: dict[str, int] = {}
+        for index, counts in state.in_flight.items():
+            if index != self.index:
+                for agent_id, n in counts.items():
+                    others[agent_id] = others.get(agent_id, 0) + n
+        if others != self._others:
+            self._others = others
+            self._cached_in_flight = None
+        return joined
+
+    def take_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(own in-flight counts, requests sent since the last call) for the orchestrator."""
+        sent, self._sent = self._sent, {}
+        self.counts_changed = False
+        return dict(self._own), sent
+
+    # --- the GatewayRegistry surface ---
+    def snapshot(self) -> RegistrySnapshot:
+        cached = self._cached
+        if cached is None:
+            views = self._views
+            self._views_shared = True
+            groups = self._groups
+            if groups is None:
+                groups = self._groups = IdGroups.of(views.values())
+            cached = self._cached = RegistrySnapshot(
+                version=self._version,
+                membership=self._membership,
+                registry_id=self._id,
+                by_id=MappingProxyType(views),
+                in_flight=MappingProxyType({}),
+                known_models=groups.known_models,
+                model_ids=groups.by_model,
+                prefill_ids=groups.prefill,
+                decode_ids=groups.decode,
+                blocked_links=self._blocked,
+            )
+            self._cached_in_flight = None
+        if self._cached_in_flight is None:
+            counts = dict(self._others)
+            for agent_id, n in self._own.items():
+                counts[agent_id] = counts.get(agent_id, 0) + n
+            self._cached_in_flight = counts
+            cached = self._cached = with_in_flight(cached, counts)
+        return cached
+
+    def get(self, agent_id: str) -> InstanceView | None:
+        return self._views.get(agent_id)
+
+    def acquire(self, agent_id: str) -> None:
+        self._own[agent_id] = self._own.get(agent_id, 0) + 1
+        self._sent[agent_id] = self._sent.get(agent_id, 0) + 1
+        self._cached_in_flight = None
+        self.counts_changed = True
+        view = self._views.get(agent_id)
+        if view is not None and view.breaker.state == "half_open" and not view.breaker.probing:
+            self._probing.add(agent_id)
+            self._forward(Call("probe_sent", (agent_id,)))
+
+    def release(self, agent_id: str) -> None:
+        count = self._own.get(agent_id, 0)
+        if count <= 1:
+            self._own.pop(agent_id, None)
+        else:
+            self._own[agent_id] = count - 1
+        self._cached_in_flight = None
+        self.counts_changed = True
+        if agent_id in self._probing:
+            self._probing.discard(agent_id)
+            self._forward(Call("probe_ended", (agent_id,)))
+
+    def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None:
+        self._forward(Call("leg_succeeded", (agent_id, partner)))
+
+    def leg_failed(
+        self, agent_id: str, now: float, partner: str | None = None, *, instance_fault: bool = True
+    ) -> None:
+        self._forward(Call("leg_failed", (agent_id, now, partner), {"instance_fault": instance_fault}))
+
+    def audit_dispatch(
+        self, decode: str, request_id: str, prefill: str, tokens: int, now: float, key: int | None = None
+    ) -> int | None:
+        if decode not in self._audited:
+            return None
+        key = next(self._keys) if key is None else key
+        self._forward(Call("audit_dispatch", (decode, request_id, prefill, tokens, now, key)))
+        return key
+
+    def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None:
+        self._forward(Call("audit_done", (decode, key, now), {"answered": answered}))

@@ -1,0 +1,256 @@
+"""One gateway worker process: ``python -m vllm_disagg.orchestrator.workers.worker LINK INDEX``.
+
+Started by the orchestrator's ``WorkerHub``, never by hand. It says Hello on the link, gets the config
+and the whole state, then serves ``POST /v1/completions``, ``/v1/chat/completions`` and
+``GET /v1/models`` on the orchestrator's port (``SO_REUSEPORT``) with the same ``Gateway`` as the
+orchestrator, and proxies every other path there. It exits when told to stop, on SIGTERM, and when
+the orchestrator process dies (the kernel sends it SIGTERM then: ``die_with_parent``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+from vllm_disagg import runtime
+from vllm_disagg.clock import SystemClock
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.errors import error_body
+from vllm_disagg.orchestrator.events import EventLog
+from vllm_disagg.orchestrator.gateway.handoff import new_session
+from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
+from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.workers.messages import (
+    Answer,
+    Ask,
+    Counts,
+    Event,
+    Hello,
+    Joined,
+    Lost,
+    Record,
+    Serving,
+    Setup,
+    State,
+    dump,
+    load,
+)
+from vllm_disagg.orchestrator.workers.replica import RegistryReplica
+
+log = logging.getLogger(__name__)
+
+PUSH_S = 0.005  # how often the worker's in-flight counts go to the orchestrator (when they changed)
+# Headers that describe one hop, not the request (RFC 9110 7.6.1), and the framing aiohttp redoes.
+_HOP = frozenset(
+    {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+     "content-length", "host"}
+)  # fmt: skip
+
+
+class _ForwardedLog(RequestLog):
+    """Request records go to the orchestrator's log (the admin API reads them there)."""
+
+    def __init__(self, send: Any) -> None:
+        super().__init__(1)
+        self._send_to_primary = send
+
+    def add(self, record: RequestRecord) -> None:
+        self._send_to_primary(Record(record))
+
+
+class _ForwardedEvents(EventLog):
+    """Events go to the orchestrator's event log (admin SSE, dashboard)."""
+
+    def __init__(self, send: Any) -> None:
+        super().__init__(lambda: 0.0, capacity=1)
+        self._send_to_primary = send
+
+    def publish_fields(self, kind: str, fields: dict[str, Any]) -> None:
+        self._send_to_primary(Event(kind, dict(fields)))
+
+    def publish(self, kind: str, **fields: Any) -> Any:
+        self._send_to_primary(Event(kind, fields))
+
+
+class Worker:
+    """The worker's state: its link, replica, KV index and gateway."""
+
+    def __init__(self, link: str, index: int) -> None:
+        self.index = index
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(link)
+        self.replica = RegistryReplica(index, self.send)
+        self.kv_index = KvIndex()
+        self.gateway: Gateway | None = None
+        self.primary_url = ""
+        self.stopped = asyncio.Event()
+
+    def send(self, message: object) -> None:
+        """To the orchestrator; never raises (a record or event lost is logged, the request goes on)."""
+        try:
+            self.sock.send(dump(message), flags=zmq.NOBLOCK)
+        except Exception:
+            log.exception("worker %d: %s not sent to the orchestrator", self.index, type(message).__name__)
+
+    def build(self, setup: Setup) -> web.Application:
+        config = setup.config
+        self.primary_url = setup.primary_url
+        metrics = OrchestratorMetrics(self.replica.snapshot, instances=False)
+        scheduler = PluginScheduler(load_scheduler_config(config))
+        gateway = Gateway(
+            config, self.replica, scheduler, metrics, SystemClock(), _ForwardedLog(self.send), self.kv_index
+        )
+        gateway.events = _ForwardedEvents(self.send)
+        self.gateway = gateway
+        app = web.Application(client_max_size=config.max_body_bytes)
+        gateway.add_routes(app)
+        app.router.add_route("*", "/{tail:.*}", self.proxy)
+        app.cleanup_ctx.append(self._session_ctx)
+        return app
+
+    async def _session_ctx(self, app: web.Application) -> Any:
+        assert self.gateway is not None
+        gateway = self.gateway
+        gateway.session = new_session(gateway.config)
+        # No total timeout: the admin event stream (SSE) lasts as long as its reader.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
+        self.http = aiohttp.ClientSession(auto_decompress=False, timeout=timeout)
+        lag = asyncio.create_task(watch_loop_lag(gateway.metrics.loop_lag), name="worker-loop-lag")
+        try:
+            yield
+        finally:
+            lag.cancel()
+            await self.http.close()
+            await gateway.close()
+            gateway.tokenizers.close()
+
+    async def proxy(self, request: web.Request) -> web.StreamResponse:
+        """Any path but the gateway's: answered by the orchestrator, streamed back as it comes."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+        headers["X-Forwarded-For"] = request.remote or ""
+        body = await request.read() if request.body_exists else None
+        try:
+            upstream = await self.http.request(
+                request.method, self.primary_url + request.raw_path, headers=headers, data=body
+            )
+        except aiohttp.ClientError as exc:
+            why = f"the orchestrator did not answer: {exc}"
+            return web.json_response(error_body(why, "UpstreamError", 502), status=502)
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP:
+                    response.headers.add(key, value)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+
+    def handle(self, msg: object) -> None:
+        gateway = self.gateway
+        assert gateway is not None
+        if isinstance(msg, State):
+            if msg.full and msg.kv_index is not None:
+                self.kv_index = gateway.kv_index = msg.kv_index
+            for kind, agent_id, events in msg.kv:
+                if kind == "apply":
+                    self.kv_index.apply(agent_id, events)
+                else:
+                    self.kv_index.drop(agent_id)
+            for view in self.replica.apply(msg):
+                gateway.instance_joined(view.info)
+            if msg.weights:
+                gateway.scheduler.update_weights(msg.weights)  # type: ignore[attr-defined]
+        elif isinstance(msg, Lost):
+            gateway.instance_lost(msg.agent_id, msg.reason)
+        elif isinstance(msg, Joined):
+            gateway.instance_joined(msg.info)
+        elif isinstance(msg, Ask):
+            if msg.what == "metrics":
+                payload: Any = gateway.metrics.families()
+            else:
+                payload = gateway.live_requests()
+            self.send(Answer(msg.query, self.index, payload))
+
+    async def read(self) -> None:
+        while True:
+            frame = await self.sock.recv()
+            try:
+                self.handle(load(frame))
+            except Exception:
+                log.exception("worker %d: a message from the orchestrator not handled", self.index)
+
+    async def push_counts(self) -> None:
+        while True:
+            await asyncio.sleep(PUSH_S)
+            if self.replica.counts_changed:
+                in_flight, sent = self.replica.take_counts()
+                self.send(Counts(self.index, in_flight, sent))
+
+
+async def serve(link: str, index: int) -> None:
+    worker = Worker(link, index)
+    worker.send(Hello(index, os.getpid()))
+    setup = load(await worker.sock.recv())
+    assert isinstance(setup, Setup), setup
+    config: OrchestratorConfig = setup.config
+    if config.preload_tokenizer_libs:
+        preload_tokenizer_libs()  # as the orchestrator: never mid-traffic
+    app = worker.build(setup)
+    tasks = [asyncio.create_task(worker.read(), name="worker-link")]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
+    await runner.setup()
+    assert runner.server is not None and worker.gateway is not None
+    worker.gateway.route_directly(runner.server, app)
+    await web.TCPSite(runner, config.host, config.port, reuse_port=True).start()
+    gc.collect()
+    gc.freeze()  # as the orchestrator: full collections never walk the start-up heap
+    tasks += [
+        asyncio.create_task(worker.push_counts(), name="worker-counts"),
+    ]
+    worker.send(Serving(index))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.stopped.set)
+    try:
+        await worker.stopped.wait()
+    finally:
+        await runner.cleanup()  # stops listening first, then waits for requests in flight (bounded)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        worker.sock.close(linger=0)
+        worker.ctx.term()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    link, index = args[0], int(args[1])
+    logging.basicConfig(
+        level=logging.INFO, format=f"%(asctime)s worker-{index} %(levelname)s %(name)s: %(message)s"
+    )
+    runtime.asyncio_run(serve(link, index))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
