@@ -126,3 +126,17 @@ def test_match_equals_a_naive_model_of_cached_prefixes(
             expected[instance] = depth
     assert index.match(prompt_block_hashes(query, BS)) == expected
     assert index.match_prompt(query) == expected, "hashing lazily finds the same prefixes"
+
+
+def test_blocks_with_the_same_holders_share_one_mask_and_dead_masks_are_dropped() -> None:
+    index = PrefixIndex(BS)
+    index.stored("a", [1, 2, 3, 4], None, PROMPT)
+    index.stored("b", [5, 6, 7, 8], None, PROMPT)
+    masks = [index._holders[k] for k in KEYS]
+    assert all(m is masks[0] for m in masks), "one object for the four blocks both instances hold"
+    for i in range(3000):  # churn through many distinct holder sets
+        instance = f"i{i}"
+        index.stored(instance, [10_000 + i], None, PROMPT[:BS])
+        index.drop(instance)
+    assert len(index._masks) <= 2 * len(index) + 1024, "the table is rebuilt from the live masks"
+    assert index.match_prompt(PROMPT) == {"a": 4, "b": 4}

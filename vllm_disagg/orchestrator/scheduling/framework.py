@@ -145,6 +145,38 @@ class Scorer(Plugin, Protocol):
         ...
 
 
+class FusedScorer(Scorer, Protocol):
+    """A scorer that can also state its score of one candidate as an expression.
+
+    When every weighted scorer of a profile is one, the profile compiles their expressions into one
+    loop over the candidates (``fused.py``) instead of one comprehension per scorer plus the sum.
+    """
+
+    def fused_term(self) -> tuple[str, Mapping[str, float]]:
+        """``score`` of candidate ``c`` as a Python expression, and the values of its ``{placeholders}``.
+
+        The expression may read ``FUSED_NAMES`` and must give exactly (bit for bit) what ``score``
+        gives; any temporaries it binds with ``:=`` must not be one of those names. ``score`` itself
+        may read only ``ctx.request`` and ``ctx.snapshot.in_flight``: an explanation recomputes the
+        columns later from those alone.
+        """
+        ...
+
+
+# What a fused term may read, bound once per candidate (or per request) by the fused loop.
+FUSED_NAMES: Mapping[str, str] = MappingProxyType(
+    {
+        "c": "the candidate's InstanceView",
+        "m": "c.metrics",
+        "a": "c.agent_id",
+        "f": "the gateway's in-flight count on c",
+        "k": "leading prompt tokens c caches (0 when none)",
+        "n": "the request's prompt_len, 0 when not positive",
+        "inv": "1.0 / n (0.0 when n is 0)",
+    }
+)
+
+
 class Picker(Plugin, Protocol):
     """Chooses one candidate from the weighted totals."""
 

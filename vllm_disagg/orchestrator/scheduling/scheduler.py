@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
@@ -37,6 +38,7 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     SchedulingRequest,
     Scorer,
 )
+from vllm_disagg.orchestrator.scheduling.fused import fused_totals
 
 NAME = "plugins"
 _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation
@@ -68,10 +70,27 @@ class ProfileTrace:
     sampled: bool
     candidates: Sequence[InstanceView]
     scorers: tuple[tuple[str, float], ...]
-    scores: tuple[Sequence[float], ...]
     totals: Sequence[float]
     picker: str
     picked: int  # index into candidates; -1 when none
+    # Each scorer's column; None after a fused pass, which gives only the totals: ``scores`` then
+    # computes them as the generic pass would have, from what a fused scorer may read (the request
+    # and the in-flight counts: ``framework.FusedScorer``). Not the whole context: records keep their
+    # explanation, and a snapshot per record would hold every instance's view alive.
+    columns: tuple[Sequence[float], ...] | None = ()
+    basis: tuple[SchedulingRequest, float, Any, Mapping[str, int]] | None = None  # request, now, profile
+    plugins: tuple[Scorer, ...] = ()
+
+    @property
+    def scores(self) -> tuple[Sequence[float], ...]:
+        """Each scorer's scores of the candidates, in the scorers' order."""
+        if self.columns is None:
+            assert self.basis is not None
+            request, now, profile, in_flight = self.basis
+            ctx = ProfileContext(request, _in_flight_only(in_flight), now, profile)
+            self.columns = tuple([s.score(ctx, self.candidates) for s in self.plugins])
+            self.basis = None
+        return self.columns
 
     def to_json(self) -> dict[str, object]:
         """Candidates with each scorer's score and the total (best first), the filtered, the pick."""
@@ -162,11 +181,14 @@ class _Profile:
 
     def set_weights(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
         """Replace the scorers' weights (one assignment: a decision sees all old or all new ones)."""
-        self.scorers, self.weights, self._scorer_list, self._combine = (
+        self.scorers, self.weights, self._scoring = (
             tuple(scorers),
             tuple((s.name, w) for s, w in scorers),
-            [s for s, _ in scorers],
-            weighted_sum([float(w) for _, w in scorers]),
+            (
+                tuple(s for s, _ in scorers),
+                weighted_sum([float(w) for _, w in scorers]),
+                fused_totals(scorers),
+            ),
         )
 
     def _eligible(
@@ -240,12 +262,16 @@ class _Profile:
                 (),
                 self.weights,
                 (),
-                (),
                 self.picker.name,
                 -1,
             )
-        scores = tuple([s.score(ctx, candidates) for s in self._scorer_list])
-        totals = self._combine(scores, len(candidates))
+        plugins, combine, fused = self._scoring
+        scores: tuple[Sequence[float], ...] | None
+        if fused is not None:
+            scores, totals = None, fused(ctx, candidates)
+        else:
+            scores = tuple([s.score(ctx, candidates) for s in plugins])
+            totals = combine(scores, len(candidates))
         picked = self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
         return ProfileTrace(
             self.name,
@@ -255,10 +281,12 @@ class _Profile:
             sampled,
             candidates,
             self.weights,
-            scores,
             totals,
             self.picker.name,
             picked,
+            scores,
+            None if scores is not None else (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight),
+            plugins,
         )
 
     def _dynamic(
@@ -271,6 +299,14 @@ class _Profile:
             stages.append(_Stage(f.name, current, kept))
             current = kept
         return current, tuple(stages)
+
+
+def _in_flight_only(in_flight: Mapping[str, int]) -> RegistrySnapshot:
+    """A snapshot holding only in-flight counts: what a fused scorer's ``score`` may read of one."""
+    return RegistrySnapshot(0, 0, 0, MappingProxyType({}), in_flight, frozenset(), _NONE, _NONE, _NONE)
+
+
+_NONE: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
 
 def weighted_sum(weights: Sequence[float]) -> Callable[[Sequence[Sequence[float]], int], list[float]]:

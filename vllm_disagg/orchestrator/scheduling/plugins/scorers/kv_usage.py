@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,6 +34,13 @@ class KvUsageScorer:
             1.0 - u if 0.0 < (u := c.metrics.kv_cache_usage) < 1.0 else (0.0 if u >= 1.0 else 1.0)
             for c in candidates
         ]
+
+    def fused_term(self) -> tuple[str, Mapping[str, float]]:
+        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
+        return (
+            "1.0 - u if 0.0 < (u := m.kv_cache_usage) < 1.0 else (0.0 if u >= 1.0 else 1.0)",
+            {},
+        )
 
 
 PLUGIN = PluginSpec(TYPE, Params, KvUsageScorer, "scorer")

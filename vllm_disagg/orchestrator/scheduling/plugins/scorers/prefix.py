@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -41,6 +41,13 @@ class PrefixScorer:
             (1.0 if (n := get(c.agent_id, 0)) >= prompt_len else n * inv if n > 0 else 0.0)
             for c in candidates
         ]
+
+    def fused_term(self) -> tuple[str, Mapping[str, float]]:
+        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
+        return (
+            "(1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0",
+            {},
+        )
 
 
 PLUGIN = PluginSpec(TYPE, Params, PrefixScorer, "scorer")

@@ -7,7 +7,7 @@ cannot show yet.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -52,6 +52,14 @@ class QueueScorer:
             )
             for c in candidates
         ]
+
+    def fused_term(self) -> tuple[str, Mapping[str, float]]:
+        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
+        return (
+            "0.0 if (load := m.num_running + m.num_waiting + f) >= {max_queue}"
+            " else (1.0 - load / {max_queue} if load > 0 else 1.0)",
+            {"max_queue": self.params.max_queue},
+        )
 
 
 PLUGIN = PluginSpec(TYPE, Params, QueueScorer, "scorer")

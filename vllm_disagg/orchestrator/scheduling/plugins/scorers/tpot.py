@@ -8,7 +8,7 @@ has sent and this one join it ("else" when ``tpot_s`` is unmeasured or zero).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -57,6 +57,14 @@ class TpotScorer:
             )
             for c in candidates
         ]
+
+    def fused_term(self) -> tuple[str, Mapping[str, float]]:
+        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
+        return (
+            "{slo} / ({slo} + (m.tpot_s or {default})"
+            " * ((running := m.num_running) + f + 1) / (running if running > 1 else 1))",
+            {"slo": self.params.slo_s, "default": self.params.default_tpot_s},
+        )
 
 
 PLUGIN = PluginSpec(TYPE, Params, TpotScorer, "scorer")

@@ -15,7 +15,7 @@ Running requests add nothing: they are past prefill, and chunked prefill interle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,6 +85,15 @@ class TtftScorer:
             )
             for c in candidates
         ]
+
+    def fused_term(self) -> tuple[str, Mapping[str, float]]:
+        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
+        return (
+            "{slo} / ({slo} + (m.queue_s or 0.0)"
+            " + ((m.num_waiting + f) * (m.mean_prompt_tokens or n) + (u if (u := n - k) > 0 else 0))"
+            " / (t if (t := m.prefill_tokens_per_s) and t > 0.0 else {default}))",
+            {"slo": self.params.slo_s, "default": self.params.default_prefill_tokens_per_s},
+        )
 
 
 PLUGIN = PluginSpec(TYPE, Params, TtftScorer, "scorer")
