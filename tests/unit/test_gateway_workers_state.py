@@ -66,7 +66,7 @@ def test_a_replica_fed_the_hubs_states_sees_what_the_registry_sees() -> None:
 
 def test_a_replica_counts_its_own_requests_exactly_and_the_others_as_last_told() -> None:
     replica = RegistryReplica(2, lambda call: None)
-    base = State(True, {}, (), 1, 1, frozenset(), frozenset(), {})
+    base = State(True, 0, {}, (), 1, 1, frozenset(), frozenset(), {})
     replica.apply(dataclasses.replace(base, in_flight={0: {"d0": 3}, 1: {"d0": 1, "d1": 2}, 2: {"d0": 99}}))
     replica.acquire("d0")
     replica.acquire("d0")
@@ -210,3 +210,16 @@ def test_read_only_mappings_in_records_and_views_cross_the_link_as_read_only_map
     got = load(dump(sent))
     assert got == {"timeline": {"scheduled": 0.001}, "nested": [{}]}
     assert isinstance(got, dict) and isinstance(got["timeline"], MappingProxyType)
+
+
+def test_a_lost_state_message_makes_the_worker_ask_once_for_the_whole_state() -> None:
+    replica = RegistryReplica(1, lambda call: None)
+    delta = State(False, 0, {}, (), 1, 1, frozenset(), frozenset(), {})
+    full = dataclasses.replace(delta, full=True, seq=5)
+    assert replica.in_order(dataclasses.replace(delta, seq=1)) == "skip", "nothing before the whole state"
+    assert replica.in_order(full) == "apply"
+    assert [replica.in_order(dataclasses.replace(delta, seq=n)) for n in (6, 7, 9, 10, 11)] == [
+        "apply", "apply", "gap", "skip", "skip",
+    ]  # fmt: skip
+    assert replica.in_order(dataclasses.replace(full, seq=11)) == "apply"
+    assert replica.in_order(dataclasses.replace(delta, seq=12)) == "apply"

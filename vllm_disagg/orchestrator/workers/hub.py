@@ -41,6 +41,7 @@ from vllm_disagg.orchestrator.workers.messages import (
     KvChange,
     Lost,
     Record,
+    Resync,
     Serving,
     Setup,
     State,
@@ -119,6 +120,7 @@ class WorkerHub:
         self._sent_views: dict[str, InstanceView] = {}
         self._sent_key: tuple[Any, ...] = ()
         self._sent_weights: dict[str, dict[str, float]] | None = None
+        self._seq = 0  # flushes sent; a full state carries the current one
         self._queries = itertools.count(1)
         self._answers: dict[int, tuple[asyncio.Future[None], list[Answer], int]] = {}
         self._closing = False
@@ -137,6 +139,9 @@ class WorkerHub:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: a ROUTER drops what it cannot queue, and a worker busy for a moment must
+        # get every delta (a lost one is caught by ``State.seq`` and costs a whole resync).
+        self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.bind(self.endpoint)
         for index in range(1, self._config.gateway_workers):
             self._workers[index] = _Worker(index, self._spawn(index))
@@ -153,6 +158,8 @@ class WorkerHub:
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
         argv = [sys.executable, "-m", "vllm_disagg.orchestrator.workers.worker", self.endpoint, str(index)]
+        if self._config.preload_tokenizer_libs:
+            argv.append("--preload-tokenizer-libs")  # before it says Hello: the imports take seconds
         return subprocess.Popen(argv, preexec_fn=die_with_parent)
 
     def _send(self, worker: _Worker, message: object) -> None:
@@ -209,6 +216,12 @@ class WorkerHub:
                     done.set_result(None)
         elif isinstance(msg, Hello):
             self._hello(identity, msg)
+        elif isinstance(msg, Resync):
+            worker = self._workers.get(msg.index)
+            if worker is not None and worker.identity == identity:
+                log.warning("gateway worker %d missed a state message: sending it the whole state", msg.index)
+                self._flush()
+                self._send(worker, self._state(full=True))
         elif isinstance(msg, Serving):
             worker = self._workers.get(msg.index)
             if worker is not None:
@@ -251,14 +264,15 @@ class WorkerHub:
         new_weights = weights if (full or weights != self._sent_weights) else None
         if full:
             return State(
-                True, changed, removed, snap.version, snap.membership, snap.blocked_links,
+                True, self._seq, changed, removed, snap.version, snap.membership, snap.blocked_links,
                 self._registry.audited(), in_flight, kv_index=self._kv_index.plain(), weights=weights,
             )  # fmt: skip
         self._sent_views = views
         self._sent_weights = weights
         kv, self._kv_index.journal = tuple(self._kv_index.journal), []
+        self._seq += 1
         return State(
-            False, changed, removed, snap.version, snap.membership, snap.blocked_links,
+            False, self._seq, changed, removed, snap.version, snap.membership, snap.blocked_links,
             self._registry.audited(), in_flight, kv=kv, weights=new_weights,
         )  # fmt: skip
 

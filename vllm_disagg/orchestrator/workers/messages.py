@@ -40,6 +40,7 @@ class State:
     """The scheduler's state since the last one (``full``: all of it, to a worker that just joined)."""
 
     full: bool
+    seq: int  # the hub's flush count: a worker that sees a gap asks for the whole state (``Resync``)
     views: dict[str, InstanceView]  # changed views (all of them when full), in join order
     removed: tuple[str, ...]
     version: int
@@ -80,6 +81,13 @@ class Ask:
 class Hello:
     index: int
     pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """The worker missed a ``State``: it wants the whole state again."""
+
+    index: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,6 +52,18 @@ class RegistryReplica:
         self._cached: RegistrySnapshot | None = None
         self._cached_in_flight: dict[str, int] | None = None
         self.counts_changed = False
+        self._seq = -1  # the last State taken; -1 while waiting for a whole one
+
+    def in_order(self, state: State) -> str:
+        """``apply`` the state; ``gap``: one was lost (ask for the whole state, once), and later deltas
+        are ``skip``ped until the whole state comes."""
+        if state.full or (self._seq >= 0 and state.seq == self._seq + 1):
+            self._seq = state.seq
+            return "apply"
+        if self._seq < 0:
+            return "skip"
+        self._seq = -1
+        return "gap"
 
     def apply(self, state: State) -> list[InstanceView]:
         """Take the orchestrator's news; the views of instances that joined or came back."""

@@ -45,6 +45,7 @@ from vllm_disagg.orchestrator.workers.messages import (
     Joined,
     Lost,
     Record,
+    Resync,
     Serving,
     Setup,
     State,
@@ -96,6 +97,7 @@ class Worker:
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)  # never drop a state message (see the hub)
         self.sock.connect(link)
         self.replica = RegistryReplica(index, self.send)
         self.kv_index = KvIndex()
@@ -169,6 +171,12 @@ class Worker:
         gateway = self.gateway
         assert gateway is not None
         if isinstance(msg, State):
+            verdict = self.replica.in_order(msg)
+            if verdict != "apply":
+                if verdict == "gap":
+                    log.warning("worker %d: a state message was lost; asking for the whole state", self.index)
+                    self.send(Resync(self.index))
+                return
             if msg.full and msg.kv_index is not None:
                 self.kv_index = gateway.kv_index = msg.kv_index
             for kind, agent_id, events in msg.kv:
@@ -213,9 +221,8 @@ async def serve(link: str, index: int) -> None:
     setup = load(await worker.sock.recv())
     assert isinstance(setup, Setup), setup
     config: OrchestratorConfig = setup.config
-    if config.preload_tokenizer_libs:
-        preload_tokenizer_libs()  # as the orchestrator: never mid-traffic
     app = worker.build(setup)
+    worker.handle(load(await worker.sock.recv()))  # the whole state, before a request can come
     tasks = [asyncio.create_task(worker.read(), name="worker-link")]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
@@ -245,6 +252,8 @@ async def serve(link: str, index: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     link, index = args[0], int(args[1])
+    if "--preload-tokenizer-libs" in args[2:]:
+        preload_tokenizer_libs()  # as the orchestrator: never mid-traffic
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s worker-{index} %(levelname)s %(name)s: %(message)s"
     )
