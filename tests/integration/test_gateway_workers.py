@@ -109,10 +109,13 @@ async def test_two_processes_serve_one_port_with_one_state_and_one_admin_view(
         assert expected_text(PROMPT, 4) in text
     served = await per_worker_requests(http, orch.url)  # /metrics: one view, each process labelled
     assert served["0"] > 0 and served["1"] > 0 and sum(served.values()) == N, served
-    for i in range(N):  # every record reaches the orchestrator's admin API, from whichever process
+    for i in range(N):  # each process keeps its records; the admin API finds each, whoever asks
         async with http.get(f"{orch.url}/admin/v1/requests/w-{i}", headers=ADMIN) as resp:
             assert resp.status == 200, await resp.text()
             assert (await resp.json())["prefill"] == "p1"
+    async with http.get(f"{orch.url}/admin/v1/requests?limit={N}", headers=ADMIN) as resp:
+        listed = (await resp.json())["requests"]
+    assert sorted(r["request_id"] for r in listed) == sorted(f"w-{i}" for i in range(N)), "newest of all"
     async with http.get(f"{orch.url}/health") as resp:
         assert resp.status == 200
     async with http.get(f"{orch.url}/admin/v1/instances", headers={"Authorization": "Bearer wrong"}) as resp:

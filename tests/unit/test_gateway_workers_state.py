@@ -35,7 +35,7 @@ def registry_with(*instances: tuple[str, Role]) -> Registry:
 
 def hub_for(reg: Registry, kv: JournaledKvIndex | None = None) -> WorkerHub:
     config = OrchestratorConfig(port=0, gateway_workers=2)
-    return WorkerHub(config, reg, kv or JournaledKvIndex(), RequestLog(10), EventLog(lambda: 0.0))
+    return WorkerHub(config, reg, kv or JournaledKvIndex(), EventLog(lambda: 0.0))
 
 
 def test_a_replica_fed_the_hubs_states_sees_what_the_registry_sees() -> None:
@@ -197,7 +197,7 @@ def test_weights_changed_through_the_admin_api_travel_with_the_next_state_once()
     reg = registry_with(("d0", "decode"))
     weights = {"decode": {"queue-scorer": 1.0}}
     config = OrchestratorConfig(port=0, gateway_workers=2)
-    hub = WorkerHub(config, reg, JournaledKvIndex(), RequestLog(10), EventLog(lambda: 0.0), lambda: weights)
+    hub = WorkerHub(config, reg, JournaledKvIndex(), EventLog(lambda: 0.0), lambda: weights)
     assert hub._state(full=True).weights == weights, "a joining worker gets them"
     assert hub._state(full=False).weights == weights
     assert hub._state(full=False).weights is None, "unchanged: not sent again"
@@ -223,3 +223,11 @@ def test_a_lost_state_message_makes_the_worker_ask_once_for_the_whole_state() ->
     ]  # fmt: skip
     assert replica.in_order(dataclasses.replace(full, seq=11)) == "apply"
     assert replica.in_order(dataclasses.replace(delta, seq=12)) == "apply"
+
+
+def test_a_kv_audit_note_for_a_record_kept_elsewhere_is_passed_on() -> None:
+    log = RequestLog(10)
+    passed: list[tuple[str, str]] = []
+    log.note_elsewhere = lambda request_id, note: passed.append((request_id, note))
+    log.note_kv_check("served-by-a-worker", "decode instance 'd0' computed 128 tokens it was handed")
+    assert passed == [("served-by-a-worker", "decode instance 'd0' computed 128 tokens it was handed")]

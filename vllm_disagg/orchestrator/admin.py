@@ -318,7 +318,14 @@ class Admin:
             limit = int(request.query.get("limit", _DEFAULT_REQUESTS_LIMIT))
         except ValueError:
             return _error(400, "'limit' must be an integer", "BadRequestError")
-        return _json({"requests": [record_json(r) for r in self._request_log.recent(max(0, limit))]})
+        limit = max(0, limit)
+        records = self._request_log.recent(limit)
+        if self._workers is not None:  # each gateway process keeps the records of what it served
+            for answer in await self._workers.ask("recent", limit):
+                records += answer.payload
+            records.sort(key=lambda r: -r.started_wall)
+            del records[limit:]
+        return _json({"requests": [record_json(r) for r in records]})
 
     async def weights(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""
@@ -392,7 +399,13 @@ class Admin:
 
     async def request_record(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/requests/{request_id}``."""
-        record = self._request_log.get(request.match_info["request_id"])
+        request_id = request.match_info["request_id"]
+        record = self._request_log.get(request_id)
+        if record is None and self._workers is not None:
+            found = [
+                a.payload for a in await self._workers.ask("record", request_id) if a.payload is not None
+            ]
+            record = found[0] if found else None
         if record is None:
             return _error(
                 404, "no record of this request (unknown, or older than the log keeps)", "NotFoundError"

@@ -20,7 +20,7 @@ from vllm_disagg.orchestrator.admin import Admin
 from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
 from vllm_disagg.orchestrator.dashboard import add_dashboard_routes
 from vllm_disagg.orchestrator.gateway.handoff import new_session
-from vllm_disagg.orchestrator.gateway.records import RequestLog
+from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_index import KvIndex
@@ -35,7 +35,6 @@ from vllm_disagg.orchestrator.workers.hub import JournaledKvIndex, WorkerHub
 
 log = logging.getLogger(__name__)
 
-REQUEST_LOG_CAPACITY = 1000
 
 CONFIG_KEY = web.AppKey("config", OrchestratorConfig)
 CLOCK_KEY = web.AppKey("clock", Clock)
@@ -112,7 +111,8 @@ def build_app(
     registry.on_kv_audit = gateway.kv_audited
     hub = None
     if isinstance(kv_index, JournaledKvIndex):
-        hub = WorkerHub(config, registry, kv_index, request_log, events, getattr(scheduler, "weights", None))
+        hub = WorkerHub(config, registry, kv_index, events, getattr(scheduler, "weights", None))
+        request_log.note_elsewhere = hub.note
     registry.on_lost = (
         gateway.instance_lost if hub is None else _both(gateway.instance_lost, hub.instance_lost)
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -64,12 +64,17 @@ class RequestRecord:
     kv_check: str = ""
 
 
+REQUEST_LOG_CAPACITY = 1000  # records each gateway process keeps
+
+
 class RequestLog:
     """The last ``capacity`` records, addressable by request id."""
 
     def __init__(self, capacity: int = 1000) -> None:
         self._capacity = capacity
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()
+        # Told a note for a record this log does not keep (with gateway workers: another process may).
+        self.note_elsewhere: Callable[[str, str], None] | None = None
 
     def add(self, record: RequestRecord) -> None:
         """Keep a record, forgetting the oldest beyond capacity."""
@@ -84,6 +89,8 @@ class RequestLog:
         record = self._records.get(request_id)
         if record is not None:
             self._records[request_id] = dataclasses.replace(record, kv_check=note)
+        elif self.note_elsewhere is not None:
+            self.note_elsewhere(request_id, note)
 
     def get(self, request_id: str) -> RequestRecord | None:
         """The record of a request, if still kept."""

@@ -27,7 +27,6 @@ import zmq.asyncio
 
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.events import EventLog
-from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.registry import InstanceView, Registry
 from vllm_disagg.orchestrator.workers.messages import (
@@ -40,7 +39,7 @@ from vllm_disagg.orchestrator.workers.messages import (
     Joined,
     KvChange,
     Lost,
-    Record,
+    Note,
     Resync,
     Serving,
     Setup,
@@ -102,14 +101,12 @@ class WorkerHub:
         config: OrchestratorConfig,
         registry: Registry,
         kv_index: JournaledKvIndex,
-        request_log: RequestLog,
         events: EventLog,
         weights: Callable[[], dict[str, dict[str, float]]] | None = None,
     ) -> None:
         self._config = config
         self._registry = registry
         self._kv_index = kv_index
-        self._request_log = request_log
         self._events = events
         self._weights = weights
         self._workers: dict[int, _Worker] = {}
@@ -182,6 +179,10 @@ class WorkerHub:
     def instance_joined(self, info: InstanceInfo) -> None:
         self.broadcast(Joined(info))
 
+    def note(self, request_id: str, note: str) -> None:
+        """A KV audit note for a request this process did not serve: the workers' records get it."""
+        self.broadcast(Note(request_id, note))
+
     async def _read(self) -> None:
         assert self._sock is not None
         while True:
@@ -203,8 +204,6 @@ class WorkerHub:
                 log.error("a gateway worker asked for %r: refused", msg.name)
                 return
             getattr(self._registry, msg.name)(*msg.args, **msg.kwargs)
-        elif isinstance(msg, Record):
-            self._request_log.add(msg.record)
         elif isinstance(msg, Event):
             self._events.publish_fields(msg.kind, msg.fields)
         elif isinstance(msg, Answer):
@@ -318,8 +317,8 @@ class WorkerHub:
                 )
                 self._registry.set_remote_in_flight(self._remote_in_flight())
 
-    async def ask(self, what: str) -> list[Answer]:
-        """Ask every serving worker ``what`` (``metrics``, ``live``); the answers that came in time."""
+    async def ask(self, what: str, arg: Any = None) -> list[Answer]:
+        """Ask every serving worker ``what`` (see ``Ask``); the answers that came in time."""
         serving = [w for w in self._workers.values() if w.serving]
         if not serving:
             return []
@@ -328,7 +327,7 @@ class WorkerHub:
         answers: list[Answer] = []
         self._answers[query] = (done, answers, len(serving))
         for worker in serving:
-            self._send(worker, Ask(query, what))
+            self._send(worker, Ask(query, what, arg))
         try:
             await asyncio.wait_for(done, ASK_TIMEOUT_S)
         except TimeoutError:

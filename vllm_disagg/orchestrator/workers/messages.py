@@ -9,7 +9,6 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.orchestrator.gateway.records import RequestRecord
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
@@ -70,10 +69,20 @@ class Joined:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """A question for every worker: ``metrics`` (its metric families) or ``live`` (requests in flight)."""
+    """A question for every worker: ``metrics`` (its metric families), ``live`` (requests in flight),
+    ``record`` (the record of request ``arg``, or None) or ``recent`` (its newest ``arg`` records)."""
 
     query: int
     what: str
+    arg: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class Note:
+    """The KV audit's finding about a request: for the record of whichever process served it."""
+
+    request_id: str
+    note: str
 
 
 # --- worker -> orchestrator ---
@@ -113,11 +122,6 @@ class Call:
     name: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    record: RequestRecord
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import error_body
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.handoff import new_session
-from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.kv_index import KvIndex
@@ -44,7 +44,7 @@ from vllm_disagg.orchestrator.workers.messages import (
     Hello,
     Joined,
     Lost,
-    Record,
+    Note,
     Resync,
     Serving,
     Setup,
@@ -62,17 +62,6 @@ _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
      "content-length", "host"}
 )  # fmt: skip
-
-
-class _ForwardedLog(RequestLog):
-    """Request records go to the orchestrator's log (the admin API reads them there)."""
-
-    def __init__(self, send: Any) -> None:
-        super().__init__(1)
-        self._send_to_primary = send
-
-    def add(self, record: RequestRecord) -> None:
-        self._send_to_primary(Record(record))
 
 
 class _ForwardedEvents(EventLog):
@@ -118,7 +107,13 @@ class Worker:
         metrics = OrchestratorMetrics(self.replica.snapshot, instances=False)
         scheduler = PluginScheduler(load_scheduler_config(config))
         gateway = Gateway(
-            config, self.replica, scheduler, metrics, SystemClock(), _ForwardedLog(self.send), self.kv_index
+            config,
+            self.replica,
+            scheduler,
+            metrics,
+            SystemClock(),
+            RequestLog(REQUEST_LOG_CAPACITY),
+            self.kv_index,
         )
         gateway.events = _ForwardedEvents(self.send)
         self.gateway = gateway
@@ -192,11 +187,18 @@ class Worker:
             gateway.instance_lost(msg.agent_id, msg.reason)
         elif isinstance(msg, Joined):
             gateway.instance_joined(msg.info)
+        elif isinstance(msg, Note):
+            gateway.request_log.note_kv_check(msg.request_id, msg.note)
         elif isinstance(msg, Ask):
+            payload: Any
             if msg.what == "metrics":
-                payload: Any = gateway.metrics.families()
-            else:
+                payload = gateway.metrics.families()
+            elif msg.what == "live":
                 payload = gateway.live_requests()
+            elif msg.what == "record":
+                payload = gateway.request_log.get(msg.arg)
+            else:
+                payload = gateway.request_log.recent(msg.arg)
             self.send(Answer(msg.query, self.index, payload))
 
     async def read(self) -> None:
