@@ -32,6 +32,7 @@ from vllm_disagg.orchestrator.registry import InstanceView, Registry
 from vllm_disagg.orchestrator.workers.messages import (
     Answer,
     Ask,
+    Batch,
     Call,
     Counts,
     Event,
@@ -52,7 +53,7 @@ from vllm_disagg.runtime import die_with_parent
 
 log = logging.getLogger(__name__)
 
-FLUSH_S = 0.005  # how stale a worker's view of the others' load and of the instances may be
+FLUSH_S = 0.02  # how stale a worker's view of the others' load and of the instances may be
 START_TIMEOUT_S = 120.0  # a worker imports the gateway (and tokenizers' libraries) before it serves
 ASK_TIMEOUT_S = 2.0
 # Registry calls a worker may make: those that change breakers, probes and the KV audit.
@@ -193,7 +194,10 @@ class WorkerHub:
                 log.exception("gateway worker message not handled")
 
     def _handle(self, identity: bytes, msg: object) -> None:
-        if isinstance(msg, Counts):
+        if isinstance(msg, Batch):
+            for one in msg.messages:
+                self._handle(identity, one)
+        elif isinstance(msg, Counts):
             worker = self._workers.get(msg.index)
             if worker is not None:
                 worker.in_flight = msg.in_flight

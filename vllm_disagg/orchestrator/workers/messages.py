@@ -131,6 +131,13 @@ class Event:
 
 
 @dataclass(frozen=True, slots=True)
+class Batch:
+    """What a worker has to say since its last push, in order (calls, events, then its counts)."""
+
+    messages: tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Answer:
     query: int
     index: int

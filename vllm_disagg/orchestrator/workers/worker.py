@@ -39,6 +39,7 @@ from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.workers.messages import (
     Answer,
     Ask,
+    Batch,
     Counts,
     Event,
     Hello,
@@ -56,7 +57,7 @@ from vllm_disagg.orchestrator.workers.replica import RegistryReplica
 
 log = logging.getLogger(__name__)
 
-PUSH_S = 0.005  # how often the worker's in-flight counts go to the orchestrator (when they changed)
+PUSH_S = 0.02  # how often the worker's calls, events and in-flight counts go to the orchestrator
 # Headers that describe one hop, not the request (RFC 9110 7.6.1), and the framing aiohttp redoes.
 _HOP = frozenset(
     {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
@@ -88,7 +89,10 @@ class Worker:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)  # never drop a state message (see the hub)
         self.sock.connect(link)
-        self.replica = RegistryReplica(index, self.send)
+        # Registry calls and events wait for the next push (a request makes about four: one message
+        # each cost the orchestrator more CPU than the request itself).
+        self.outbox: list[object] = []
+        self.replica = RegistryReplica(index, self.outbox.append)
         self.kv_index = KvIndex()
         self.gateway: Gateway | None = None
         self.primary_url = ""
@@ -115,7 +119,7 @@ class Worker:
             RequestLog(REQUEST_LOG_CAPACITY),
             self.kv_index,
         )
-        gateway.events = _ForwardedEvents(self.send)
+        gateway.events = _ForwardedEvents(self.outbox.append)
         self.gateway = gateway
         app = web.Application(client_max_size=config.max_body_bytes)
         gateway.add_routes(app)
@@ -209,12 +213,17 @@ class Worker:
             except Exception:
                 log.exception("worker %d: a message from the orchestrator not handled", self.index)
 
-    async def push_counts(self) -> None:
+    async def push(self) -> None:
+        """Every ``PUSH_S``: the calls and events made since, then the in-flight counts, in one message."""
         while True:
             await asyncio.sleep(PUSH_S)
+            batch = self.outbox[:]
+            self.outbox.clear()
             if self.replica.counts_changed:
                 in_flight, sent = self.replica.take_counts()
-                self.send(Counts(self.index, in_flight, sent))
+                batch.append(Counts(self.index, in_flight, sent))
+            if batch:
+                self.send(Batch(tuple(batch)))
 
 
 async def serve(link: str, index: int) -> None:
@@ -234,7 +243,7 @@ async def serve(link: str, index: int) -> None:
     gc.collect()
     gc.freeze()  # as the orchestrator: full collections never walk the start-up heap
     tasks += [
-        asyncio.create_task(worker.push_counts(), name="worker-counts"),
+        asyncio.create_task(worker.push(), name="worker-push"),
     ]
     worker.send(Serving(index))
     loop = asyncio.get_running_loop()
