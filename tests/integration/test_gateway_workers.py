@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -70,9 +71,29 @@ async def one(url: str, request_id: str, max_tokens: int = 4, stream: bool = Fal
         return resp.status, resp.headers.get("X-Disagg-Prefill", ""), await resp.text()
 
 
-async def per_worker_requests(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    samples = await scrape(http, url)
-    return {w: sample(samples, "vllm_disagg_requests_total", worker=w) for w in ("0", "1")}
+async def per_worker_requests(http: aiohttp.ClientSession, url: str, total: int) -> dict[str, float]:
+    """Requests counted by each process, once ``/metrics`` has every process's (a worker that does not
+    answer in 2 s, as on a machine that froze, is left out of one scrape: the next one is asked)."""
+
+    async def counted() -> dict[str, float] | None:
+        samples = await scrape(http, url)
+        served = {w: sample(samples, "vllm_disagg_requests_total", worker=w) for w in ("0", "1")}
+        return served if sum(served.values()) == total else None
+
+    return await eventually(counted, interval=0.2, what=f"{total} requests in /metrics")
+
+
+async def admin_json(http: aiohttp.ClientSession, url: str) -> Any:
+    """An admin answer, asked again while it is a 404 (a worker's answer may miss one ask, as above)."""
+
+    async def answered() -> Any:
+        async with http.get(url, headers=ADMIN) as resp:
+            if resp.status == 404:
+                return None
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    return await eventually(answered, interval=0.2, what=url)
 
 
 async def cached_on_p1(orch: OrchestratorServer, agents: list[FakeAgent], engine: EngineFactory) -> None:
@@ -107,15 +128,18 @@ async def test_two_processes_serve_one_port_with_one_state_and_one_admin_view(
         assert status == 200, text
         assert prefill == "p1", "each process routes by the same KV index"
         assert expected_text(PROMPT, 4) in text
-    served = await per_worker_requests(http, orch.url)  # /metrics: one view, each process labelled
-    assert served["0"] > 0 and served["1"] > 0 and sum(served.values()) == N, served
+    served = await per_worker_requests(http, orch.url, N)  # /metrics: one view, each process labelled
+    assert served["0"] > 0 and served["1"] > 0, served
     for i in range(N):  # each process keeps its records; the admin API finds each, whoever asks
-        async with http.get(f"{orch.url}/admin/v1/requests/w-{i}", headers=ADMIN) as resp:
-            assert resp.status == 200, await resp.text()
-            assert (await resp.json())["prefill"] == "p1"
-    async with http.get(f"{orch.url}/admin/v1/requests?limit={N}", headers=ADMIN) as resp:
-        listed = (await resp.json())["requests"]
-    assert sorted(r["request_id"] for r in listed) == sorted(f"w-{i}" for i in range(N)), "newest of all"
+        assert (await admin_json(http, f"{orch.url}/admin/v1/requests/w-{i}"))["prefill"] == "p1"
+
+    async def all_listed() -> list[str] | None:
+        async with http.get(f"{orch.url}/admin/v1/requests?limit={N}", headers=ADMIN) as resp:
+            ids = sorted(r["request_id"] for r in (await resp.json())["requests"])
+        return ids if len(ids) == N else None
+
+    listed = await eventually(all_listed, interval=0.2, what="every process's records listed")
+    assert listed == sorted(f"w-{i}" for i in range(N)), "the newest of every process"
     async with http.get(f"{orch.url}/health") as resp:
         assert resp.status == 200
     async with http.get(f"{orch.url}/admin/v1/instances", headers={"Authorization": "Bearer wrong"}) as resp:
@@ -129,15 +153,20 @@ async def test_requests_in_flight_in_every_process_reach_the_scheduler_state(
     http: aiohttp.ClientSession,
 ) -> None:
     # A slow decode engine holds every request for seconds: all N are in flight at once.
-    p, d = await sim_engine(), await sim_engine(timing=SimTiming(decode_step_s=0.05, max_num_seqs=64))
+    p, d = await sim_engine(), await sim_engine(timing=SimTiming(decode_step_s=0.1, max_num_seqs=64))
     await join(orch, agents, "p0", p.url, "prefill")
     await join(orch, agents, "d0", d.url, "decode")
     await eventually(lambda: bool(orch.registry.snapshot().ready_decode.get(MODEL)), what="1P1D ready")
     sent = [asyncio.create_task(one(orch.url, f"slow-{i}", max_tokens=200)) for i in range(N)]
     try:
         await eventually(lambda: orch.registry.snapshot().in_flight_of("d0") == N, what=f"{N} in flight")
-        async with http.get(f"{orch.url}/admin/v1/live-requests", headers=ADMIN) as resp:
-            live = (await resp.json())["requests"]
+
+        async def all_live() -> list[dict[str, Any]] | None:
+            async with http.get(f"{orch.url}/admin/v1/live-requests", headers=ADMIN) as resp:
+                live: list[dict[str, Any]] = (await resp.json())["requests"]
+            return live if len(live) == N else None
+
+        live = await eventually(all_live, interval=0.2, what=f"{N} live requests listed")
         assert sorted(r["request_id"] for r in live) == sorted(f"slow-{i}" for i in range(N))
         assert any(r.get("worker") == 1 for r in live), "the worker's live requests are listed"
     finally:
@@ -166,8 +195,12 @@ async def test_a_killed_worker_is_restarted_with_the_whole_state_and_serves_agai
     assert [(status, prefill) for status, prefill, _ in answers] == [(200, "p1")] * N, (
         "the new worker knows the instances and the KV index it never saw change"
     )
-    served = await per_worker_requests(http, orch.url)
-    assert served["1"] > 0, served
+
+    async def counted_by_new_worker() -> bool:
+        samples = await scrape(http, orch.url)
+        return sample(samples, "vllm_disagg_requests_total", worker="1") > 0
+
+    await eventually(counted_by_new_worker, interval=0.2, what="the new worker's requests in /metrics")
     assert any(e.kind == "gateway_worker_restarted" for e in orch.app[GATEWAY_KEY].events.since(0))
 
 
