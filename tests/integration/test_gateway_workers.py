@@ -221,3 +221,28 @@ async def test_a_failing_engine_opens_its_breaker_from_any_process_and_no_reques
     assert [status for status, _, _ in answers] == [200] * N
     view = orch.registry.get("d1")
     assert view is not None and view.breaker.state != "closed"
+
+
+async def test_every_other_path_answers_alike_on_any_process_streams_included(
+    orch: OrchestratorServer, agents: list[FakeAgent], sim_engine: EngineFactory
+) -> None:
+    """Each ask on a connection of its own: about half land on the worker, which proxies them (an SSE
+    stream as it comes). A proxy that broke any of them would fail some of the 12 tries."""
+    p, d = await sim_engine(), await sim_engine()
+    await join(orch, agents, "p0", p.url, "prefill")
+    await join(orch, agents, "d0", d.url, "decode")
+    await eventually(lambda: bool(orch.registry.snapshot().ready_decode.get(MODEL)), what="1P1D ready")
+    for _ in range(12):
+        connector = aiohttp.TCPConnector(force_close=True)
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            async with http.get(f"{orch.url}/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == [MODEL]
+            async with http.get(f"{orch.url}/dashboard") as resp:
+                assert resp.status == 200 and "text/html" in resp.headers["Content-Type"]
+            async with http.post(f"{orch.url}/v1/completions", data=b"{not json") as resp:
+                assert resp.status == 400 and "not valid JSON" in (await resp.json())["error"]["message"]
+            async with http.get(f"{orch.url}/admin/v1/events?since=0", headers=ADMIN) as resp:
+                assert resp.headers["Content-Type"].startswith("text/event-stream")
+                first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
+                assert first.startswith(b"id: 1\nevent: joined\n"), first
