@@ -213,28 +213,11 @@ class _Instance:
         )
 
 
-class Registry:
-    """Instances by agent id, their state machine, breakers, and the gateway's in-flight counts."""
+class SnapshotSource:
+    """Views kept copy-on-write and the snapshots built from them, cached until something changes: the
+    ``Registry``'s, and a gateway worker's replica of it. A subclass says the in-flight counts."""
 
-    def __init__(
-        self,
-        heartbeat_timeout_s: float,
-        *,
-        suspect_after_s: float | None = None,
-        breaker: BreakerPolicy | None = None,
-    ) -> None:
-        self._timeout = heartbeat_timeout_s
-        # Silence for this long stops routing at once; death (and a new session) waits for the timeout.
-        # None: only death counts. On a host whose agents are starved of CPU now and then, heartbeats
-        # half a timeout late are common, and routing around them misplaces requests for nothing.
-        self._suspect_after = suspect_after_s if suspect_after_s is not None else float("inf")
-        self._policy = breaker or BreakerPolicy()
-        self._instances: dict[str, _Instance] = {}
-        self._in_flight: dict[str, int] = {}
-        # The gateway workers' in-flight counts (``--gateway-workers``), summed, as last pushed.
-        self._remote_in_flight: dict[str, int] = {}
-        self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
-        self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
+    def __init__(self) -> None:
         self._version = 0
         self._membership = 0
         self._id = next(REGISTRY_IDS)
@@ -249,6 +232,80 @@ class Registry:
         self._blocked: frozenset[tuple[str, str]] = frozenset()
         self._cached: RegistrySnapshot | None = None
         self._cached_in_flight: dict[str, int] | None = None
+
+    def _own_views(self) -> dict[str, InstanceView]:
+        """``_views``, copied first if a snapshot shares it."""
+        if self._views_shared:
+            self._views = dict(self._views)
+            self._views_shared = False
+        return self._views
+
+    def _in_flight_counts(self) -> dict[str, int]:
+        """Outstanding gateway requests per instance, a new dict (only ever read by snapshots)."""
+        raise NotImplementedError
+
+    def snapshot(self) -> RegistrySnapshot:
+        """An immutable view; the instance part is rebuilt only when something changed."""
+        cached = self._cached
+        if cached is None:
+            cached = self._cached = self._build()
+            self._cached_in_flight = None
+        if self._cached_in_flight is None:
+            self._cached_in_flight = self._in_flight_counts()
+            cached = self._cached = with_in_flight(cached, self._cached_in_flight)
+        return cached
+
+    def _build(self) -> RegistrySnapshot:
+        views = self._views
+        self._views_shared = True
+        groups = self._groups
+        if groups is None:
+            groups = self._groups = IdGroups.of(views.values())
+        return RegistrySnapshot(
+            version=self._version,
+            membership=self._membership,
+            registry_id=self._id,
+            by_id=MappingProxyType(views),
+            in_flight=MappingProxyType({}),
+            known_models=groups.known_models,
+            model_ids=groups.by_model,
+            prefill_ids=groups.prefill,
+            decode_ids=groups.decode,
+            blocked_links=self._blocked,
+        )
+
+
+def sum_counts(first: Mapping[str, int], second: Mapping[str, int]) -> dict[str, int]:
+    """Two in-flight count maps added up."""
+    counts = dict(first)
+    for agent_id, n in second.items():
+        counts[agent_id] = counts.get(agent_id, 0) + n
+    return counts
+
+
+class Registry(SnapshotSource):
+    """Instances by agent id, their state machine, breakers, and the gateway's in-flight counts."""
+
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        *,
+        suspect_after_s: float | None = None,
+        breaker: BreakerPolicy | None = None,
+    ) -> None:
+        super().__init__()
+        self._timeout = heartbeat_timeout_s
+        # Silence for this long stops routing at once; death (and a new session) waits for the timeout.
+        # None: only death counts. On a host whose agents are starved of CPU now and then, heartbeats
+        # half a timeout late are common, and routing around them misplaces requests for nothing.
+        self._suspect_after = suspect_after_s if suspect_after_s is not None else float("inf")
+        self._policy = breaker or BreakerPolicy()
+        self._instances: dict[str, _Instance] = {}
+        self._in_flight: dict[str, int] = {}
+        # The gateway workers' in-flight counts (``--gateway-workers``), summed, as last pushed.
+        self._remote_in_flight: dict[str, int] = {}
+        self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
+        self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
         # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
         self.on_lost: Callable[[str, str], None] | None = None
         # Called with what each heartbeat's KV audit settled (``kv_audit``): legs loaded, a verdict.
@@ -277,13 +334,6 @@ class Registry:
         if membership:
             self._membership += 1
             self._groups = None
-
-    def _own_views(self) -> dict[str, InstanceView]:
-        """``_views``, copied first if a snapshot shares it."""
-        if self._views_shared:
-            self._views = dict(self._views)
-            self._views_shared = False
-        return self._views
 
     def _update(self, inst: _Instance, lost_reason: str = "") -> None:
         """Re-derive a live instance's state after a signal changed; tell ``on_lost`` when it is lost."""
@@ -621,38 +671,8 @@ class Registry:
         for agent_id, n in counts.items():
             self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + n
 
-    def snapshot(self) -> RegistrySnapshot:
-        """An immutable view; the instance part is rebuilt only when something changed."""
-        cached = self._cached
-        if cached is None:
-            cached = self._cached = self._build()
-            self._cached_in_flight = None
-        if self._cached_in_flight is None:
-            counts = dict(self._in_flight)
-            for agent_id, n in self._remote_in_flight.items():
-                counts[agent_id] = counts.get(agent_id, 0) + n
-            self._cached_in_flight = counts
-            cached = self._cached = with_in_flight(cached, self._cached_in_flight)
-        return cached
-
-    def _build(self) -> RegistrySnapshot:
-        views = self._views
-        self._views_shared = True
-        groups = self._groups
-        if groups is None:
-            groups = self._groups = IdGroups.of(views.values())
-        return RegistrySnapshot(
-            version=self._version,
-            membership=self._membership,
-            registry_id=self._id,
-            by_id=MappingProxyType(views),
-            in_flight=MappingProxyType({}),
-            known_models=groups.known_models,
-            model_ids=groups.by_model,
-            prefill_ids=groups.prefill,
-            decode_ids=groups.decode,
-            blocked_links=self._blocked,
-        )
+    def _in_flight_counts(self) -> dict[str, int]:
+        return sum_counts(self._in_flight, self._remote_in_flight)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,42 +15,27 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from types import MappingProxyType
 
-from vllm_disagg.orchestrator.registry import (
-    REGISTRY_IDS,
-    IdGroups,
-    InstanceView,
-    RegistrySnapshot,
-    with_in_flight,
-)
+from vllm_disagg.orchestrator.registry import InstanceView, SnapshotSource, sum_counts
 from vllm_disagg.orchestrator.workers.messages import Call, State
 
 # Audit keys a worker chooses: above any the orchestrator's own counter reaches, apart per worker.
 _KEY_SPACE = 1 << 48
 
 
-class RegistryReplica:
+class RegistryReplica(SnapshotSource):
     """The ``GatewayRegistry`` of a gateway worker."""
 
     def __init__(self, index: int, forward: Callable[[Call], None]) -> None:
+        super().__init__()
         self.index = index
         self._forward = forward
-        self._id = next(REGISTRY_IDS)
-        self._views: dict[str, InstanceView] = {}
-        self._views_shared = False  # copy-on-write, as the registry's
-        self._version = 0
-        self._membership = 0
-        self._blocked: frozenset[tuple[str, str]] = frozenset()
         self._audited: frozenset[str] = frozenset()
-        self._groups: IdGroups | None = None
         self._own: dict[str, int] = {}
         self._sent: dict[str, int] = {}  # since the last ``take_counts``
         self._others: dict[str, int] = {}
         self._probing: set[str] = set()  # instances this worker sent a half-open breaker's probe
         self._keys = itertools.count(_KEY_SPACE * (index + 1))
-        self._cached: RegistrySnapshot | None = None
-        self._cached_in_flight: dict[str, int] | None = None
         self.counts_changed = False
         self._seq = -1  # the last State taken; -1 while waiting for a whole one
 
@@ -73,15 +58,14 @@ class RegistryReplica:
         else:
             joined = []
             if state.views or state.removed:
-                if self._views_shared:
-                    self._views, self._views_shared = dict(self._views), False
+                views = self._own_views()
                 for agent_id, view in state.views.items():
-                    old = self._views.get(agent_id)
+                    old = views.get(agent_id)
                     if old is None or old.session != view.session:
                         joined.append(view)
-                    self._views[agent_id] = view
+                    views[agent_id] = view
                 for agent_id in state.removed:
-                    self._views.pop(agent_id, None)
+                    views.pop(agent_id, None)
         if state.membership != self._membership or state.full:
             self._groups = None
         if (
@@ -97,8 +81,7 @@ class RegistryReplica:
         others: dict[str, int] = {}
         for index, counts in state.in_flight.items():
             if index != self.index:
-                for agent_id, n in counts.items():
-                    others[agent_id] = others.get(agent_id, 0) + n
+                others = sum_counts(others, counts)
         if others != self._others:
             self._others = others
             self._cached_in_flight = None
@@ -110,36 +93,10 @@ class RegistryReplica:
         self.counts_changed = False
         return dict(self._own), sent
 
-    # --- the GatewayRegistry surface ---
-    def snapshot(self) -> RegistrySnapshot:
-        cached = self._cached
-        if cached is None:
-            views = self._views
-            self._views_shared = True
-            groups = self._groups
-            if groups is None:
-                groups = self._groups = IdGroups.of(views.values())
-            cached = self._cached = RegistrySnapshot(
-                version=self._version,
-                membership=self._membership,
-                registry_id=self._id,
-                by_id=MappingProxyType(views),
-                in_flight=MappingProxyType({}),
-                known_models=groups.known_models,
-                model_ids=groups.by_model,
-                prefill_ids=groups.prefill,
-                decode_ids=groups.decode,
-                blocked_links=self._blocked,
-            )
-            self._cached_in_flight = None
-        if self._cached_in_flight is None:
-            counts = dict(self._others)
-            for agent_id, n in self._own.items():
-                counts[agent_id] = counts.get(agent_id, 0) + n
-            self._cached_in_flight = counts
-            cached = self._cached = with_in_flight(cached, counts)
-        return cached
+    def _in_flight_counts(self) -> dict[str, int]:
+        return sum_counts(self._others, self._own)
 
+    # --- the GatewayRegistry surface (``snapshot`` is the base class's) ---
     def get(self, agent_id: str) -> InstanceView | None:
         return self._views.get(agent_id)
 
