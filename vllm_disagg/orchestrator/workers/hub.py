@@ -28,7 +28,7 @@ import zmq.asyncio
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.registry import InstanceView, Registry
+from vllm_disagg.orchestrator.registry import InstanceView, Registry, sum_counts
 from vllm_disagg.orchestrator.workers.messages import (
     Answer,
     Ask,
@@ -160,19 +160,19 @@ class WorkerHub:
             argv.append("--preload-tokenizer-libs")  # before it says Hello: the imports take seconds
         return subprocess.Popen(argv, preexec_fn=die_with_parent)
 
-    def _send(self, worker: _Worker, message: object) -> None:
+    def _send(self, worker: _Worker, message: object, frame: bytes | None = None) -> None:
+        """``message`` (or its ``frame``, dumped once for many workers) to one worker that said Hello."""
         if self._sock is None or worker.identity is None:
             return
         with contextlib.suppress(zmq.ZMQError):  # a worker that just died: the supervisor restarts it
-            self._sock.send_multipart([worker.identity, dump(message)], flags=zmq.NOBLOCK)
+            self._sock.send_multipart([worker.identity, frame or dump(message)], flags=zmq.NOBLOCK)
 
     def broadcast(self, message: object) -> None:
         """Send ``message`` to every serving worker."""
         frame = dump(message)
         for worker in self._workers.values():
-            if worker.serving and worker.identity is not None and self._sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.send_multipart([worker.identity, frame], flags=zmq.NOBLOCK)
+            if worker.serving:
+                self._send(worker, message, frame)
 
     def instance_lost(self, agent_id: str, reason: str) -> None:
         self.broadcast(Lost(agent_id, reason))
@@ -247,8 +247,7 @@ class WorkerHub:
     def _remote_in_flight(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for worker in self._workers.values():
-            for agent_id, n in worker.in_flight.items():
-                total[agent_id] = total.get(agent_id, 0) + n
+            total = sum_counts(total, worker.in_flight)
         return total
 
     def _state(self, full: bool) -> State:
@@ -293,10 +292,8 @@ class WorkerHub:
         self._sent_key = key
         state = self._state(full=False)
         frame = dump(state)
-        for worker in self._workers.values():
-            if worker.identity is not None and self._sock is not None:
-                with contextlib.suppress(zmq.ZMQError):
-                    self._sock.send_multipart([worker.identity, frame], flags=zmq.NOBLOCK)
+        for worker in self._workers.values():  # serving or not: a starting worker counts on every delta
+            self._send(worker, state, frame)
 
     async def _flush_loop(self) -> None:
         while True:

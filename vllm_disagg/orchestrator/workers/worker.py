@@ -93,7 +93,6 @@ class Worker:
         # each cost the orchestrator more CPU than the request itself).
         self.outbox: list[object] = []
         self.replica = RegistryReplica(index, self.outbox.append)
-        self.kv_index = KvIndex()
         self.gateway: Gateway | None = None
         self.primary_url = ""
         self.stopped = asyncio.Event()
@@ -117,7 +116,7 @@ class Worker:
             metrics,
             SystemClock(),
             RequestLog(REQUEST_LOG_CAPACITY),
-            self.kv_index,
+            KvIndex(),  # replaced by the orchestrator's whole index before the first request
         )
         gateway.events = _ForwardedEvents(self.outbox.append)
         self.gateway = gateway
@@ -177,12 +176,12 @@ class Worker:
                     self.send(Resync(self.index))
                 return
             if msg.full and msg.kv_index is not None:
-                self.kv_index = gateway.kv_index = msg.kv_index
+                gateway.kv_index = msg.kv_index
             for kind, agent_id, events in msg.kv:
                 if kind == "apply":
-                    self.kv_index.apply(agent_id, events)
+                    gateway.kv_index.apply(agent_id, events)
                 else:
-                    self.kv_index.drop(agent_id)
+                    gateway.kv_index.drop(agent_id)
             for view in self.replica.apply(msg):
                 gateway.instance_joined(view.info)
             if msg.weights:
