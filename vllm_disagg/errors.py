@@ -16,6 +16,7 @@ Hierarchy::
         ├── BadRequest          400 malformed JSON, missing prompt/messages, bad field
         ├── ModelNotFound       404 no instance serves the model
         ├── PayloadTooLarge     413 body over the gateway limit
+        ├── HeadersTooLarge     431 request line and headers over the gateway limit
         ├── NoCapacity          503 no ready instance can take the request
         ├── UpstreamError       502 an engine failed or answered garbage (``cause`` says how)
         │   └── UpstreamTimeout 504 an engine did not answer in time
@@ -123,6 +124,13 @@ class PayloadTooLarge(RequestError):
 
     status = 413
     type = "PayloadTooLargeError"
+
+
+class HeadersTooLarge(RequestError):
+    """A request line and headers over the gateway's limit."""
+
+    status = 431
+    type = "RequestHeaderFieldsTooLargeError"
 
 
 class NoCapacity(RequestError):

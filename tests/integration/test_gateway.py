@@ -138,8 +138,9 @@ async def test_the_openai_routes_answer_alike_past_the_router_and_through_it(
     route: str,
     stream: bool,
 ) -> None:
-    """A plain POST skips the application's router; a query string or ``Expect: 100-continue`` goes
-    through it. Both give the same bytes and headers; other methods are still a 405."""
+    """A plain POST, with or without ``Expect: 100-continue``, is served by the gateway's own HTTP
+    server; a query string hands the connection to aiohttp's application. All give the same bytes and
+    headers; other methods are still a 405."""
     answers = []
     for n, (suffix, extra) in enumerate([("", {}), ("?via=router", {}), ("", {"Expect": "100-continue"})]):
         headers = {"X-Request-Id": f"alike-{n}", "Content-Type": "application/json", **extra}

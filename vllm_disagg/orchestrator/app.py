@@ -22,6 +22,7 @@ from vllm_disagg.orchestrator.dashboard import add_dashboard_routes
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
@@ -166,12 +167,20 @@ class OrchestratorServer:
     listener), its actual ZeroMQ endpoint, and ``close()``."""
 
     def __init__(
-        self, app: web.Application, runners: list[web.AppRunner], url: str, admin_url: str = ""
+        self,
+        app: web.Application,
+        listener: GatewayServer,
+        runners: list[web.AppRunner],
+        url: str,
+        admin_url: str = "",
+        shutdown_timeout_s: float = 10.0,
     ) -> None:
         self.app = app
         self.url = url
         self.admin_url = admin_url or url
+        self._listener = listener
         self._runners = runners
+        self._shutdown_timeout_s = shutdown_timeout_s
 
     @property
     def zmq_endpoint(self) -> str:
@@ -193,6 +202,7 @@ class OrchestratorServer:
         hub = self.app.get(WORKERS_KEY)
         if hub is not None:  # first: they finish their requests, proxying to this process meanwhile
             await hub.close()
+        await self._listener.close(self._shutdown_timeout_s)
         for runner in reversed(self._runners):  # the admin listener first, the gateway's last
             await runner.cleanup()
 
@@ -211,17 +221,22 @@ async def start_orchestrator(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
     runners = [runner]
+    gateway = app[GATEWAY_KEY]
+    listener: GatewayServer | None = None
     try:
         await runner.setup()
         assert runner.server is not None
-        app[GATEWAY_KEY].route_directly(runner.server, app)
+        gateway.route_directly(runner.server, app)
+        # The gateway's port: its own server for the OpenAI routes, aiohttp's for the rest.
+        listener = GatewayServer(gateway.fast_routes(), runner.server, config.max_body_bytes)
         hub = app.get(WORKERS_KEY)
-        url = await _serve(runner, config.host, config.port, reuse_port=hub is not None)
+        bound = await listener.start(config.host, config.port, reuse_port=hub is not None)
+        url = _url(bound)
         if hub is not None:
             # The workers proxy every path but the gateway's to a listener of this process only (on the
             # shared port the kernel could hand a proxied request back to a worker).
             primary_url = await _serve_more(runner, "127.0.0.1", 0)
-            await hub.start(primary_url, runner.addresses[0][1])
+            await hub.start(primary_url, bound[1])
         admin_url = ""
         if ADMIN_APP_KEY in app:
             admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None, shutdown_timeout=1.0)
@@ -229,16 +244,17 @@ async def start_orchestrator(
             await admin_runner.setup()
             admin_url = await _serve(admin_runner, config.admin_host, config.admin_port or 0)
     except BaseException:
+        if listener is not None:
+            await listener.close(0.0)
         for r in reversed(runners):
             await r.cleanup()
         raise
-    return OrchestratorServer(app, runners, url, admin_url)
+    return OrchestratorServer(app, listener, runners, url, admin_url, shutdown_timeout_s)
 
 
-async def _serve(runner: web.AppRunner, host: str, port: int, *, reuse_port: bool = False) -> str:
-    """Start the set-up ``runner`` on ``host:port`` (0: any free port); its base URL. ``reuse_port``:
-    the gateway workers bind the same port (SO_REUSEPORT)."""
-    await web.TCPSite(runner, host, port, reuse_address=True, reuse_port=reuse_port or None).start()
+async def _serve(runner: web.AppRunner, host: str, port: int) -> str:
+    """Start the set-up ``runner`` on ``host:port`` (0: any free port); its base URL."""
+    await web.TCPSite(runner, host, port, reuse_address=True).start()
     return _url(runner.addresses[0])
 
 

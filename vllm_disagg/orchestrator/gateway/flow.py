@@ -20,8 +20,6 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from aiohttp import web
-
 from vllm_disagg.errors import EngineRejected, UpstreamError
 from vllm_disagg.orchestrator.gateway.handoff import (
     Prefilled,
@@ -33,6 +31,7 @@ from vllm_disagg.orchestrator.gateway.handoff import (
 )
 from vllm_disagg.orchestrator.gateway.records import Attempt
 from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
+from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming, continue_stream, end_with_error, run_decode
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 
@@ -46,7 +45,7 @@ class Flow:
     def __init__(
         self,
         gateway: Gateway,
-        request: web.Request,
+        request: ClientRequest,
         route: Route,
         parsed: ParsedRequest,
         raw: bytes,
@@ -106,7 +105,7 @@ class Flow:
     def _excluding(self) -> SchedulingRequest:
         return dataclasses.replace(self.scheduling, exclude=frozenset(self.failed))
 
-    async def run(self) -> web.StreamResponse:
+    async def run(self) -> Answer:
         """Prefill (with retries and fallback), then decode (with retries); the client's response."""
         kv = await self._prefill() if self.prefill_id is not None else None
         return await self._decode(kv)
@@ -191,7 +190,7 @@ class Flow:
 
     # --- decode -------------------------------------------------------------------------------------
 
-    async def _decode(self, kv: Any | None) -> web.StreamResponse:
+    async def _decode(self, kv: Any | None) -> Answer:
         gw = self.gw
         tries = 0
         while True:
@@ -243,7 +242,7 @@ class Flow:
             d, self.scheduling.request_id, p, prefilled.prompt_tokens, gw.clock.monotonic()
         )
 
-    def _recomputed(self, d: str, response: web.StreamResponse) -> bool:
+    def _recomputed(self, d: str, response: Answer) -> bool:
         """Did the decode engine compute the prompt itself instead of loading the prefill's KV?
 
         vLLM counts KV pulled from a prefill engine as cached prompt tokens (with
@@ -293,7 +292,7 @@ class Flow:
             body["stream_options"] = {"include_usage": True}
         return decode_body(body, kv) if kv is not None else dumps_leg(body)
 
-    async def _resume(self, out: web.StreamResponse) -> bool:
+    async def _resume(self, out: ClientStream) -> bool:
         """Go on with a cut stream on other instances (``max_resumes`` in all); True once complete."""
         gw, state, timing = self.gw, self.state, self.timing
         while state is not None and state.can_resume() and state.resumes < gw.config.max_resumes:
@@ -367,7 +366,7 @@ class Flow:
         self._set_headers()
         return True
 
-    async def _decode_once(self, d: str, body: bytes) -> web.StreamResponse:
+    async def _decode_once(self, d: str, body: bytes) -> Answer:
         gw = self.gw
         target = gw.target("decode", d, self.route)
         timing = self.timing

@@ -25,7 +25,7 @@ _MAX_QUOTE = 300
 _CACHED = re.compile(rb'"cached_tokens":(\d+)')
 
 
-def cached_tokens(response: web.StreamResponse) -> int | None:
+def cached_tokens(response: web.StreamResponse | object) -> int | None:
     """A whole (non-streamed) answer's ``usage.prompt_tokens_details.cached_tokens``, if it has one."""
     body = response.body if isinstance(response, web.Response) else None
     if not isinstance(body, bytes):

@@ -23,9 +23,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiohttp import web
-
 from vllm_disagg.errors import UpstreamError
+from vllm_disagg.orchestrator.gateway.server import ClientStream
 
 _DONE = b"data: [DONE]"
 _ERROR = b'data: {"error"'
@@ -153,7 +152,7 @@ class StreamState:
         self.leg_head, self.leg_first, self._buffer, self.held = b"", True, b"", b""
         self.forced_usage = False  # a resumed leg is the client's own request
 
-    async def relay(self, out: web.StreamResponse, first: bytes, chunks: AsyncIterator[bytes]) -> bool:
+    async def relay(self, out: ClientStream, first: bytes, chunks: AsyncIterator[bytes]) -> bool:
         """Relay one leg; True when the client's stream is complete. Raises ``UpstreamError`` when the
         engine breaks off or reports an error mid-stream (the caller resumes or ends the stream).
 

@@ -19,7 +19,7 @@ import logging
 import reprlib
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from aiohttp import web
 from yarl import URL
@@ -29,7 +29,6 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import (
     BadRequest,
-    EngineRejected,
     NoCapacity,
     PayloadTooLarge,
     RequestError,
@@ -39,6 +38,13 @@ from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body, one_token_body
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.server import (
+    Answer,
+    ClientRequest,
+    FastRequest,
+    Handler,
+    error_response,
+)
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError
@@ -167,20 +173,6 @@ def last_resort(request: SchedulingRequest, snapshot: RegistrySnapshot, no_decod
         raise no_decode
     pick = min(spare, key=lambda v: (snapshot.in_flight_of(v.agent_id), v.agent_id)).agent_id
     return Decision("colocated", None, pick, _LastResort(no_decode.message, pick))
-
-
-def error_response(error: RequestError, headers: dict[str, str]) -> web.Response:
-    """An OpenAI-style JSON error; an engine's own refusal goes back as the engine sent it."""
-    if isinstance(error, EngineRejected) and error.body:
-        return web.Response(
-            status=error.status, body=error.body, content_type="application/json", headers=headers
-        )
-    return web.Response(
-        status=error.status,
-        body=jsonutil.dumps(error.to_json()),
-        content_type="application/json",
-        headers=headers,
-    )
 
 
 class Gateway:
@@ -354,7 +346,7 @@ class Gateway:
             self.request_log.note_kv_check(leg.request_id, note)
         log.warning("%s", note)
 
-    async def _read_body(self, request: web.Request) -> bytes:
+    async def _read_body(self, request: ClientRequest) -> bytes:
         limit = self.config.max_body_bytes
         length = request.content_length
         if length is not None and length > limit:
@@ -397,7 +389,7 @@ class Gateway:
             parsed.max_tokens,
         )
 
-    async def serve(self, request: web.Request, route: Route) -> web.StreamResponse:
+    async def serve(self, request: ClientRequest, route: Route) -> Answer:
         """One completions or chat request, end to end."""
         clock = self.clock
         t0 = clock.monotonic()
@@ -456,7 +448,7 @@ class Gateway:
         except NoCapacity as exc:
             return scheduling, last_resort(scheduling, snapshot, exc)
 
-    def _upstream_headers(self, request: web.Request, request_id: str) -> dict[str, str]:
+    def _upstream_headers(self, request: ClientRequest, request_id: str) -> dict[str, str]:
         """The engine legs' headers: the request id, and the engines' key (or, when configured, the
         client's own ``Authorization``; otherwise engines never see it)."""
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
@@ -556,12 +548,23 @@ class Gateway:
         }
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/completions``."""
-        return await self.serve(request, "completions")
+        """``POST /v1/completions`` (through aiohttp)."""
+        return cast(web.StreamResponse, await self.serve(request, "completions"))  # not a FastStream
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """``POST /v1/chat/completions``."""
-        return await self.serve(request, "chat_completions")
+        """``POST /v1/chat/completions`` (through aiohttp)."""
+        return cast(web.StreamResponse, await self.serve(request, "chat_completions"))
+
+    def fast_routes(self) -> dict[str, Handler]:
+        """The routes the gateway's own server (``server.GatewayServer``) serves: POST path -> handler."""
+
+        def handler(route: Route) -> Handler:
+            async def serve(request: FastRequest) -> Answer:
+                return await self.serve(request, route)
+
+            return serve
+
+        return {path: handler(route) for route, path in PATHS.items()}
 
     async def models(self, request: web.Request) -> web.Response:
         """``GET /v1/models``: models served by at least one ready instance."""
@@ -595,7 +598,7 @@ class Gateway:
             if request.method == "POST" and "Expect" not in request.headers:
                 handler = direct.get(request.raw_path)  # a query string makes it another key
                 if handler is not None:
-                    return await handler(request)  # type: ignore[arg-type]
+                    return await handler(cast(web.Request, request))
             return await through_app(request)
 
         server.request_handler = handle
@@ -611,7 +614,7 @@ def _tpot(flow: Flow | None, status: int) -> float | None:
     return (last - first) / (tokens - 1)
 
 
-def _pin(request: web.Request, parsed: ParsedRequest) -> str | None:
+def _pin(request: ClientRequest, parsed: ParsedRequest) -> str | None:
     """The prefill instance the client pinned, by header or body field (``BadRequest`` if they differ)."""
     pin = request.headers.get(PIN_HEADER) or None
     if pin and parsed.pinned_prefill and pin != parsed.pinned_prefill:

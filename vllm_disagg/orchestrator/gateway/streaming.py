@@ -20,6 +20,7 @@ from vllm_disagg import jsonutil
 from vllm_disagg.errors import UpstreamError, error_body
 from vllm_disagg.orchestrator.gateway.handoff import Target, status_failure, upstream_failure
 from vllm_disagg.orchestrator.gateway.resume import StreamBroken, StreamState
+from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream, FastRequest
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError, EngineResponse
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
@@ -48,7 +49,7 @@ class _EventStream(web.StreamResponse):
 
 
 async def run_decode(
-    request: web.Request,
+    request: ClientRequest,
     session: EngineClient,
     target: Target,
     body: bytes,
@@ -60,13 +61,13 @@ async def run_decode(
     timing: LegTiming,
     watch: LegWatch,
     state: StreamState | None = None,
-) -> web.StreamResponse:
+) -> Answer:
     """POST the decode leg and relay its answer; raises ``UpstreamError`` only before the first byte.
 
     After it, a failure returns the prepared response with ``timing.cut`` set (the caller resumes or
     ends it). ``state``: relay event by event, keeping what a resume needs.
     """
-    out: web.StreamResponse | None = None
+    out: Answer | None = None
     try:
         async with (
             watch.leg(target.agent_id, target.describe()),
@@ -89,8 +90,7 @@ async def run_decode(
             timing.first_byte = now()
             response_headers["Content-Type"] = content_type
             response_headers["Cache-Control"] = "no-cache"
-            out = _EventStream(status=status, headers=response_headers)
-            await out.prepare(request)
+            out = await open_stream(request, status, response_headers)
             if state is None:
                 await _relay(resp, out, first, chunks, timing)
             else:
@@ -106,6 +106,15 @@ async def run_decode(
         return out
 
 
+async def open_stream(request: ClientRequest, status: int, headers: dict[str, str]) -> Answer:
+    """The client's streamed answer, on whichever server ``request`` came."""
+    if isinstance(request, FastRequest):
+        return request.stream(status, headers)
+    out = _EventStream(status=status, headers=headers)
+    await out.prepare(request)
+    return out
+
+
 def _leg_error(target: Target, exc: BaseException, metrics: OrchestratorMetrics) -> UpstreamError:
     """Any failure of a decode leg as an ``UpstreamError`` naming the instance, counted once."""
     if isinstance(exc, StreamBroken):
@@ -118,7 +127,7 @@ def _leg_error(target: Target, exc: BaseException, metrics: OrchestratorMetrics)
 
 async def _relay(
     resp: EngineResponse,
-    out: web.StreamResponse,
+    out: ClientStream,
     chunk: bytes,
     chunks: AsyncIterator[bytes],
     timing: LegTiming,
@@ -146,7 +155,7 @@ async def _relay(
 
 async def _relay_events(
     resp: EngineResponse,
-    out: web.StreamResponse,
+    out: ClientStream,
     first: bytes,
     chunks: AsyncIterator[bytes],
     timing: LegTiming,
@@ -161,7 +170,7 @@ async def _relay_events(
 
 
 async def continue_stream(
-    out: web.StreamResponse,
+    out: ClientStream,
     session: EngineClient,
     target: Target,
     body: bytes,
@@ -194,7 +203,7 @@ def error_event(message: str, status: int = 502, type_: str = "BadGatewayError")
     return b"data: " + jsonutil.dumps(error_body(message, type_, status)) + b"\n\n"
 
 
-async def end_with_error(out: web.StreamResponse, message: str, timing: LegTiming) -> None:
+async def end_with_error(out: ClientStream, message: str, timing: LegTiming) -> None:
     """End a cut stream honestly: an error event, then ``[DONE]``, then the end of the response."""
     try:
         await out.write(error_event(message) + _DONE)

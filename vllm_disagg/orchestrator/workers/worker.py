@@ -30,6 +30,7 @@ from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
@@ -238,7 +239,8 @@ async def serve(link: str, index: int) -> None:
     await runner.setup()
     assert runner.server is not None and worker.gateway is not None
     worker.gateway.route_directly(runner.server, app)
-    await web.TCPSite(runner, config.host, config.port, reuse_port=True).start()
+    listener = GatewayServer(worker.gateway.fast_routes(), runner.server, config.max_body_bytes)
+    await listener.start(config.host, config.port, reuse_port=True)
     gc.collect()
     gc.freeze()  # as the orchestrator: full collections never walk the start-up heap
     tasks += [
@@ -251,7 +253,8 @@ async def serve(link: str, index: int) -> None:
     try:
         await worker.stopped.wait()
     finally:
-        await runner.cleanup()  # stops listening first, then waits for requests in flight (bounded)
+        await listener.close(10.0)  # stops listening first, then waits for requests in flight (bounded)
+        await runner.cleanup()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
