@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, prompt_block_hashes
+from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, PromptTokens, prompt_block_hashes
 
 BS = 4
 PROMPT = list(range(100, 116))  # four full blocks of 4 tokens
@@ -126,6 +126,9 @@ def test_match_equals_a_naive_model_of_cached_prefixes(
             expected[instance] = depth
     assert index.match(prompt_block_hashes(query, BS)) == expected
     assert index.match_prompt(query) == expected, "hashing lazily finds the same prefixes"
+    prompt = PromptTokens(query)
+    assert index.match(prompt.block_keys(BS)) == expected, "and so do keys kept with the tokens"
+    assert prompt.block_keys(BS) is prompt.block_keys(BS), "hashed once"
 
 
 def test_blocks_with_the_same_holders_share_one_mask_and_dead_masks_are_dropped() -> None:

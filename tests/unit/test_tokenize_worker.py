@@ -8,7 +8,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +21,8 @@ from vllm_disagg.orchestrator.gateway.tokenize_worker import TokenizeWorker
 from vllm_disagg.orchestrator.main import add_arguments, config_from_args
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.scheduling import prefix_index
+from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens, prompt_block_hashes
 
 MODEL = "tiny"
 DEADLINE = 10.0  # seconds any wait below may take before the test fails
@@ -300,3 +302,37 @@ def test_the_orchestrator_flag_sets_the_queue_bound() -> None:
     add_arguments(parser)
     assert config_from_args(parser.parse_args([])).tokenize_queue == OrchestratorConfig().tokenize_queue
     assert config_from_args(parser.parse_args(["--tokenize-queue", "8"])).tokenize_queue == 8
+
+
+async def test_block_keys_are_hashed_on_the_worker_thread_and_cached_with_the_ids(
+    hf_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For each block size an instance announced, the keys come with the ids: the KV index lookup on
+    the loop hashes nothing; another block size is hashed when first asked, once."""
+    hashed: list[tuple[int, int]] = []  # (block size, thread)
+
+    def recording(ids: Sequence[int], block_size: int) -> list[int]:
+        hashed.append((block_size, threading.get_ident()))
+        return prompt_block_hashes(ids, block_size)
+
+    monkeypatch.setattr(prefix_index, "prompt_block_hashes", recording)
+    tokenizers = Tokenizers(executor=Loaded(hf_tokenizer))
+    tokenizers.register(MODEL, "vllm", "tiny")
+    tokenizers.note_block_size(4)
+    try:
+        body = prompt("a prompt long enough for several blocks of four tokens each, and then some")
+        pending = tokenizers.tokenize_nowait(MODEL, "completions", body)
+        assert isinstance(pending, asyncio.Future)
+        ids = await asyncio.wait_for(pending, DEADLINE)
+        assert isinstance(ids, PromptTokens)
+        assert [size for size, _ in hashed] == [4]
+        assert hashed[0][1] != threading.get_ident(), "hashed on the worker, not on the loop"
+        assert ids.block_keys(4) == prompt_block_hashes(ids, 4)
+        again = tokenizers.tokenize_nowait(MODEL, "completions", body)
+        assert again is ids and again.block_keys(4) is ids.block_keys(4)  # cached with the ids
+        assert [size for size, _ in hashed] == [4]
+        ids.block_keys(16)  # a size no instance announced: hashed when asked, on the caller's thread
+        ids.block_keys(16)
+        assert hashed[1:] == [(16, threading.get_ident())]
+    finally:
+        tokenizers.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex
+from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, PromptTokens
 from vllm_disagg.protocol.messages import KvEvent
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,11 @@ class KvIndex:
     def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Instance id -> how many leading tokens of this prompt it caches (whole blocks; absent: none)."""
         cached: dict[str, int] = {}
+        if isinstance(token_ids, PromptTokens):  # keys hashed with the tokenization
+            for size, index in self._by_size.items():
+                for agent_id, blocks in index.match(token_ids.block_keys(size)).items():
+                    cached[agent_id] = blocks * size
+            return cached
         tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         for size, index in self._by_size.items():
             for agent_id, blocks in index.match_prompt(tokens).items():

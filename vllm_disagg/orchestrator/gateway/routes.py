@@ -358,6 +358,7 @@ class Gateway:
 
     def instance_joined(self, info: InstanceInfo) -> None:
         """An instance said Hello: start loading its model's tokenizer now, before its traffic."""
+        self.tokenizers.note_block_size(info.block_size)
         wanted = (info.engine, info.tokenizer)
         if self._tokenizer_of.get(info.model) == wanted:
             return

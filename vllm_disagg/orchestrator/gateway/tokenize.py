@@ -37,6 +37,7 @@ from vllm_disagg.orchestrator.gateway.tokenize_worker import (
     TokenizeMetrics,
     TokenizeWorker,
 )
+from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
 from vllm_disagg.sim import openai_api, textgen
 
 log = logging.getLogger(__name__)
@@ -353,6 +354,14 @@ class Tokenizers:
         # (model, route, digest of the prompt fields) -> (tokenizer, ids): a hit counts only for
         # the tokenizer that produced it, so a replaced tokenizer never serves old answers.
         self._cache: OrderedDict[tuple[str, str, bytes], tuple[_Tokenizer, list[int] | None]] = OrderedDict()
+        # The KV block sizes of the instances seen: a prompt's block keys for them are hashed with its
+        # tokenization (on the worker thread) and cached with its ids (``PromptTokens``).
+        self.block_sizes: tuple[int, ...] = ()
+
+    def note_block_size(self, block_size: int) -> None:
+        """An instance with this KV block size joined: hash prompts' block keys for it from now on."""
+        if block_size > 0 and block_size not in self.block_sizes:
+            self.block_sizes = (*self.block_sizes, block_size)  # one assignment: the thread sees old or new
 
     def register(self, model: str, engine: str, tokenizer: str) -> None:
         """Say how ``model``'s prompts are tokenized: ``sim`` bytes, or vLLM with a tokenizer directory."""
@@ -420,7 +429,9 @@ class Tokenizers:
         # The body is not copied: its request waits for the answer, and does not change it meanwhile.
         in_flight = (key if key is not None else object(), id(tok))
         future = self._worker.submit(
-            in_flight, partial(_run, tok, model, route, body), partial(self._remember, key, tok)
+            in_flight,
+            partial(_run, tok, model, route, body, self.block_sizes),
+            partial(self._remember, key, tok),
         )
         return future  # None: the queue is full
 
@@ -507,12 +518,21 @@ class Tokenizers:
             log.info("model %s: tokenizer ready (%s content)", model, result.content_format)
 
 
-def _run(tok: _Tokenizer, model: str, route: Route, body: Mapping[str, Any]) -> list[int] | None:
+def _run(
+    tok: _Tokenizer, model: str, route: Route, body: Mapping[str, Any], block_sizes: tuple[int, ...] = ()
+) -> PromptTokens | None:
+    """The prompt's ids, with their block keys for ``block_sizes`` (the others when first looked up)."""
     try:
-        return tok.completions(body) if route == "completions" else tok.chat_completions(body)
+        ids = tok.completions(body) if route == "completions" else tok.chat_completions(body)
     except Exception:  # a template or tokenizer refusing the input: vLLM would answer 400
         log.debug("model %s: cannot tokenize a %s body", model, route, exc_info=True)
         return None
+    if ids is None:
+        return None
+    prompt = PromptTokens(ids)
+    for size in block_sizes:
+        prompt.block_keys(size)
+    return prompt
 
 
 def _cache_key(model: str, route: Route, body: Mapping[str, Any]) -> tuple[str, str, bytes] | None:

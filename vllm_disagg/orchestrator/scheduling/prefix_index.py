@@ -30,6 +30,28 @@ def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return keys
 
 
+class PromptTokens(list[int]):
+    """A prompt's token ids that keep their block keys, computed once per block size.
+
+    The gateway's tokenizer hands these out, computes their keys on its worker thread (a vLLM model)
+    and caches both, so a lookup in the index is a dict get per block instead of a hash of 16 ids
+    and a dict get. Read-only once made: the keys describe the ids at the time.
+    """
+
+    __slots__ = ("_keys",)
+
+    def __init__(self, ids: Sequence[int] = ()) -> None:
+        super().__init__(ids)
+        self._keys: dict[int, list[int]] = {}
+
+    def block_keys(self, block_size: int) -> list[int]:
+        """``prompt_block_hashes`` of these ids, computed on first use."""
+        keys = self._keys.get(block_size)
+        if keys is None:
+            keys = self._keys[block_size] = prompt_block_hashes(self, block_size)
+        return keys
+
+
 class PrefixIndex:
     """Per-instance sets of cached blocks, queried for the longest cached prefix of a prompt."""
 
@@ -145,14 +167,22 @@ class PrefixIndex:
     def match(self, block_keys: Sequence[int]) -> dict[str, int]:
         """For each instance holding the first block: how many leading blocks of the prompt it holds."""
         matched: dict[str, int] = {}
-        alive = self._holders.get(block_keys[0], 0) if block_keys else 0
-        depth = 0
-        while alive:
+        holders = self._holders
+        alive = holders.get(block_keys[0], 0) if block_keys else 0
+        if not alive:
+            return matched
+        depth = 1  # blocks held by every instance in ``alive``
+        for key in block_keys[1:]:
+            nxt = holders.get(key, 0)
+            if nxt is not alive:  # the same shared mask: nobody's prefix ended (no big-int work)
+                nxt &= alive
+                if nxt != alive:
+                    self._ended(alive & ~nxt, depth, matched)
+                    if not nxt:
+                        return matched
+                    alive = nxt
             depth += 1
-            nxt = self._holders.get(block_keys[depth], 0) & alive if depth < len(block_keys) else 0
-            if nxt != alive:  # most blocks of a shared prefix lose no holder: skip the bit work
-                self._ended(alive & ~nxt, depth, matched)
-            alive = nxt
+        self._ended(alive, depth, matched)
         return matched
 
     def match_prompt(self, token_ids: Sequence[int]) -> dict[str, int]:
