@@ -23,6 +23,7 @@ from tests.helpers import cli_argv, eventually, free_port
 from vllm_disagg.agent.session import EXIT_REFUSED
 from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.protocol.messages import (
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     Ack,
     Command,
@@ -208,6 +209,7 @@ async def test_attached_agent_says_hello_with_its_instance_and_heartbeats_follow
             max_model_len=2048,
         ),
         incarnation=hello.incarnation,
+        protocol_minor=PROTOCOL_MINOR,
     ), "the engine's own block size and context length (vllm:cache_config_info, /v1/models), not the flag's"
     assert len(hello.incarnation) == 16
     ready = await orchestrator.next(Heartbeat, lambda h: h.engine_state == "ready")
@@ -295,6 +297,22 @@ async def test_other_refusals_while_registering_keep_the_agent_saying_hello(
     await orchestrator.next(Hello)
     orchestrator.send(Refuse(code="not_ready", reason="orchestrator still loading"))
     await orchestrator.welcome()  # the agent tried again
+    await orchestrator.next(Heartbeat)
+
+
+async def test_an_orchestrator_of_protocol_1_0_is_said_hello_without_the_fields_it_does_not_know(
+    orchestrator: FakeOrchestrator, spawn_agent: Callable[..., AgentProcess]
+) -> None:
+    """An orchestrator of 1.0 refuses unknown fields, the minor among them: refused for it (in 1.0's
+    words), the agent says Hello as 1.0 and registers (the Welcome here has no minor either)."""
+    spawn_agent(orchestrator.endpoint, "--attach", dead_url())
+    first = await orchestrator.next(Hello)
+    assert first.protocol_minor == PROTOCOL_MINOR
+    orchestrator.send(Refuse(code="field_type_error", reason="Hello: unknown field(s) ['protocol_minor']"))
+    await orchestrator.next(Hello, lambda h: h.protocol_minor == 0)
+    orchestrator.send(
+        Welcome(PROTOCOL_VERSION, AGENT_ID, heartbeat_interval_s=HEARTBEAT_S, heartbeat_timeout_s=1.0)
+    )
     await orchestrator.next(Heartbeat)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
 import sys
@@ -20,7 +22,7 @@ from vllm_disagg import jsonutil
 from vllm_disagg.cli import main as cli_main
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN
-from vllm_disagg.protocol.messages import PROTOCOL_VERSION, Goodbye, Heartbeat
+from vllm_disagg.protocol.messages import PROTOCOL_MINOR, PROTOCOL_VERSION, Goodbye, Heartbeat, Welcome
 from vllm_disagg.sim.textgen import expected_text
 
 
@@ -186,13 +188,55 @@ async def test_hello_with_another_protocol_version_is_refused_with_both_versions
     assert refusal.TAG == "refuse"
     assert refusal.code == "version_mismatch"  # type: ignore[union-attr]
     assert refusal.reason == (  # type: ignore[union-attr]
-        f"agent speaks protocol v{PROTOCOL_VERSION + 1}, orchestrator speaks v{PROTOCOL_VERSION}"
+        f"agent speaks protocol v{PROTOCOL_VERSION + 1}.0, "
+        f"orchestrator v{PROTOCOL_VERSION}.{PROTOCOL_MINOR}: the major versions must match"
     )
     assert orch.registry.get("old") is None
     assert (
         sample(await scrape(http, orch.url), "vllm_disagg_protocol_refused_total", code="version_mismatch")
         == 1
     )
+
+
+@pytest.mark.parametrize("minor", [0, PROTOCOL_MINOR, PROTOCOL_MINOR + 5], ids=["1.0", "same", "newer"])
+async def test_an_agent_of_another_minor_version_registers_and_its_unknown_fields_are_ignored(
+    orch: OrchestratorServer, http: aiohttp.ClientSession, minor: int
+) -> None:
+    """Agents and the orchestrator upgrade one at a time: within a major version any minor registers.
+    A newer agent's extra fields (in Hello, its instance, a heartbeat's metrics) are ignored; an agent of
+    1.0 gets a Welcome without the minor field, which it would refuse."""
+    agent = FakeAgent(orch.zmq_endpoint, "skewed", "http://127.0.0.1:9", "decode")
+    extra = {"gpu_kind": "H200"} if minor > PROTOCOL_MINOR else {}
+    info = {**dataclasses.asdict(agent.info), **extra}
+    hello = {"protocol_version": PROTOCOL_VERSION, "agent_id": "skewed", "instance": info, **extra}
+    if minor:
+        hello["protocol_minor"] = minor
+    try:
+        welcome_frames = []
+
+        async def said_welcome() -> bool:
+            agent.transport.send_raw(msgpack.packb(["hello", hello]))
+            with contextlib.suppress(TimeoutError):
+                welcome_frames.append(await asyncio.wait_for(agent.inbox.get(), 0.2))
+            return bool(welcome_frames)
+
+        await eventually(said_welcome, what="a Welcome")
+        welcome = welcome_frames[0]
+        assert isinstance(welcome, Welcome)
+        assert welcome.protocol_minor == (PROTOCOL_MINOR if minor else 0)
+        beat = {"seq": 1, "engine_state": "ready", "draining": False, "metrics": {"num_running": 2, **extra}}
+        agent.transport.send_raw(msgpack.packb(["heartbeat", {**beat, **extra}]))
+        await eventually(
+            lambda: (v := orch.registry.get("skewed")) is not None and v.state == "ready", what="ready"
+        )
+        async with http.get(f"{orch.url}/admin/v1/instances", headers=ADMIN) as resp:
+            listed = await resp.json()
+        (skewed,) = [i for i in listed["instances"] if i["agent_id"] == "skewed"]
+        assert skewed["protocol"] == f"{PROTOCOL_VERSION}.{minor}"
+        assert orch.registry.get("skewed").metrics.num_running == 2  # type: ignore[union-attr]
+        assert agent.refusals == []
+    finally:
+        await agent.close()
 
 
 async def test_heartbeat_before_hello_is_refused_as_unknown_agent(orch: OrchestratorServer) -> None:

@@ -16,8 +16,9 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_disagg.errors import VersionMismatch
+from vllm_disagg.errors import FieldTypeError, VersionMismatch
 from vllm_disagg.protocol.messages import (
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     ROLES,
     Ack,
@@ -85,6 +86,7 @@ class AgentSession:
             agent_id=agent_id,
             instance=instance,
             incarnation=secrets.token_hex(8),
+            protocol_minor=PROTOCOL_MINOR,
         )
         self._engine_state = engine_state
         self._metrics = metrics
@@ -166,7 +168,12 @@ class AgentSession:
         match message:
             case Welcome():
                 if not self.registered:
-                    log.info("registered; heartbeat every %.3g s", message.heartbeat_interval_s)
+                    log.info(
+                        "registered (the orchestrator speaks protocol v%d.%d); heartbeat every %.3g s",
+                        message.protocol_version,
+                        message.protocol_minor,
+                        message.heartbeat_interval_s,
+                    )
                 self.registered = True
                 self.welcomes += 1
                 if message.heartbeat_interval_s > 0:
@@ -180,6 +187,13 @@ class AgentSession:
             case Refuse(code=VersionMismatch.code):
                 log.error("refused by the orchestrator (%s): %s", message.code, message.reason)
                 self._finish(SessionEnd(EXIT_REFUSED, f"{message.code}: {message.reason}"))
+            case Refuse(code=FieldTypeError.code) if (
+                not self.registered and self._hello.protocol_minor and "'protocol_minor'" in message.reason
+            ):
+                # An orchestrator of protocol 1.0 refuses fields it does not know: speak 1.0 to it.
+                log.info("the orchestrator speaks protocol v1.0; saying Hello as v1.0")
+                self._hello = dataclasses.replace(self._hello, protocol_minor=0)
+                self._poke()
             case Refuse() if message.code in REHELLO_CODES:
                 # Every heartbeat in flight is refused; the first refusal is enough to say Hello again.
                 if self.registered:

@@ -86,6 +86,7 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "max_model_len": info.max_model_len,
         "tensor_parallel_size": info.tensor_parallel_size,
         "session": view.session,
+        "protocol": view.protocol,
         "engine_state": view.engine_state,
         "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
         "cordoned": view.admin_cordoned,

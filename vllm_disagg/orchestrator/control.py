@@ -37,6 +37,7 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
 from vllm_disagg.protocol.messages import (
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     Ack,
     Command,
@@ -274,11 +275,12 @@ class ControlPlane:
         self._send(peer, Refuse(code=code, reason=reason))
 
     def _on_hello(self, peer: bytes, msg: Hello, user: str = "") -> None:
+        theirs, ours = f"{msg.protocol_version}.{msg.protocol_minor}", f"{PROTOCOL_VERSION}.{PROTOCOL_MINOR}"
         if msg.protocol_version != PROTOCOL_VERSION:
             self._refuse(
                 peer,
                 VersionMismatch.code,
-                f"agent speaks protocol v{msg.protocol_version}, orchestrator speaks v{PROTOCOL_VERSION}",
+                f"agent speaks protocol v{theirs}, orchestrator v{ours}: the major versions must match",
             )
             return
         if not msg.agent_id:
@@ -306,7 +308,9 @@ class ControlPlane:
         else:
             self._incarnations[msg.agent_id] = msg.incarnation
             self.kv_index.drop(msg.agent_id)  # a new session: maybe a new engine, whose cache is empty
-            view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic())
+            view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic(), protocol=theirs)
+            if theirs != ours:  # one side is upgraded before the other: fine within a major version
+                log.info("agent %s speaks protocol v%s, this orchestrator v%s", msg.agent_id, theirs, ours)
             if self._hello_hook is not None:
                 self._hello_hook(msg.instance)
             log.info(
@@ -324,6 +328,8 @@ class ControlPlane:
                 agent_id=msg.agent_id,
                 heartbeat_interval_s=self._config.heartbeat_interval_s,
                 heartbeat_timeout_s=self._config.heartbeat_timeout_s,
+                # An agent of 1.0 refuses fields it does not know: its Welcome leaves the minor out.
+                protocol_minor=PROTOCOL_MINOR if msg.protocol_minor else 0,
             ),
         )
 

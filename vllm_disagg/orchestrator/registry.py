@@ -68,6 +68,7 @@ class InstanceView:
     admin_cordoned: bool = False
     breaker: Breaker = CLOSED
     late: bool = False  # no heartbeat for ``suspect_after_s``
+    protocol: str = ""  # "major.minor" its agent speaks
 
     @property
     def suspect_reason(self) -> str:
@@ -182,6 +183,7 @@ class _Instance:
     breaker: Breaker = CLOSED
     late: bool = False
     audit: DecodeAudit | None = None  # its decode legs' KV loads, from its counters (``kv_audit``)
+    protocol: str = ""
 
     def derive_state(self) -> InstanceState:
         """The state a live session is in, from every signal (see ``health.derive_state``)."""
@@ -210,6 +212,7 @@ class _Instance:
             admin_cordoned=self.admin_cordoned,
             breaker=self.breaker,
             late=self.late,
+            protocol=self.protocol,
         )
 
 
@@ -346,8 +349,9 @@ class Registry(SnapshotSource):
         if lost_reason and self.on_lost is not None:
             self.on_lost(inst.agent_id, lost_reason)
 
-    def hello(self, agent_id: str, info: InstanceInfo, now: float) -> InstanceView:
-        """Start a new session for ``agent_id`` (first time, after death, or an agent that restarted)."""
+    def hello(self, agent_id: str, info: InstanceInfo, now: float, *, protocol: str = "") -> InstanceView:
+        """Start a new session for ``agent_id`` (first time, after death, or an agent that restarted);
+        ``protocol``: the "major.minor" its agent speaks."""
         old = self._instances.get(agent_id)
         if old is not None and old.state != "dead" and self.on_lost is not None:
             self.on_lost(agent_id, "its agent started a new session")  # a new engine may be behind it
@@ -359,6 +363,7 @@ class Registry(SnapshotSource):
             last_heartbeat=now,
             admin_cordoned=old.admin_cordoned if old else False,  # the operator's word outlives sessions
             audit=DecodeAudit(agent_id, info.block_size),
+            protocol=protocol,
         )
         self._instances[agent_id] = inst
         self._drop_links(agent_id)

@@ -2,8 +2,9 @@
 
 A frame is ``msgpack([tag, {field: value, ...}])``. Decoding checks the size first, then the
 envelope, the tag, and every field against the dataclass's annotations; any failure is a typed
-``CodecError`` with a reason, never a crash. Unknown fields are refused (a newer peer must bump the
-protocol version to add meaning; appended fields with defaults may be omitted by older peers).
+``CodecError`` with a reason, never a crash. Unknown fields are ignored: a peer of a newer minor
+protocol version may append fields this one does not know (missing fields with defaults take them;
+a wrongly typed known field is still refused).
 
 A reason quotes the peer's values only in a bounded form (``_quote``, ``_clip``): the frame comes
 from a peer that may be hostile, and the reason goes back to it in a ``Refuse`` and into the log.
@@ -144,24 +145,29 @@ class _StructCodec:
         )
         self.checks = {f.name: _checker(hints[f.name]) for f in self.fields}
         self.encoders = {f.name: enc for f in self.fields if (enc := _encoder(hints[f.name])) is not None}
+        # Fields added after 1.0: left out while they hold their default (a 1.0 peer refuses them).
+        self.omitted = {f.name: f.default for f in self.fields if f.metadata.get("since_minor")}
 
     def decode_fields(self, raw: Any, path: str = "") -> Any:
         if not isinstance(raw, dict):
             _fail(path or self.cls.__name__, "map of fields", raw)
-        unknown = raw.keys() - self.names
-        if unknown:
-            raise FieldTypeError(f"{self.cls.__name__}: unknown field(s) {_names(unknown)}")
         missing = self.required - raw.keys()
         if missing:
             raise FieldTypeError(f"{self.cls.__name__}: missing field(s) {_names(missing)}")
         prefix = f"{path}." if path else ""
-        kwargs = {name: self.checks[name](value, prefix + name) for name, value in raw.items()}
+        checks = self.checks
+        kwargs = {
+            name: check(value, prefix + name) for name, value in raw.items() if (check := checks.get(name))
+        }
         return self.cls(**kwargs)
 
     def encode_fields(self, obj: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}
+        omitted = self.omitted
         for f in self.fields:
             value = getattr(obj, f.name)
+            if f.name in omitted and value == omitted[f.name]:
+                continue
             encoder = self.encoders.get(f.name)
             out[f.name] = value if encoder is None else encoder(value)
         return out

@@ -1,7 +1,9 @@
 """Typed, versioned messages between the orchestrator and its agents.
 
-Every message is a frozen dataclass with a ``TAG``. New fields are appended with defaults, so an
-older peer's frame still decodes; anything that changes meaning bumps ``PROTOCOL_VERSION``.
+Every message is a frozen dataclass with a ``TAG``. The protocol's version is ``major.minor``
+(``PROTOCOL_VERSION``.``PROTOCOL_MINOR``): peers of one major version talk whatever their minors.
+A minor release appends fields with defaults (an older peer's frame decodes with the defaults, and an
+older peer ignores the fields it does not know); anything that changes meaning bumps the major.
 
 A session: agent -> ``Hello``; orchestrator -> ``Welcome`` or ``Refuse``; then agent -> ``Heartbeat``
 every ``Welcome.heartbeat_interval_s`` (and ``KvEvents`` as its engine's prefix cache changes);
@@ -16,7 +18,11 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 1  # the major version: peers must agree on it
+PROTOCOL_MINOR = 1  # 1: unknown fields are ignored, Hello and Welcome say their minor
+# A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
+# while it holds its default, since a peer of 1.0 refuses fields it does not know.
+SINCE_MINOR_1 = {"since_minor": 1}
 
 Role = Literal["prefill", "decode", "both"]
 EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -91,6 +97,7 @@ class Hello:
     # Random per agent process: a Hello with the incarnation of a live session is that agent back on
     # a new connection (a blip), which resumes its session; any other Hello starts a new one.
     incarnation: str = ""
+    protocol_minor: int = field(default=0, metadata=SINCE_MINOR_1)  # absent (0) from agents of 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +109,7 @@ class Welcome:
     agent_id: str
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    protocol_minor: int = field(default=0, metadata=SINCE_MINOR_1)  # 0 to an agent of 1.0
 
 
 @dataclass(frozen=True, slots=True)
