@@ -158,6 +158,7 @@ class OrchestratorConfig:
     max_frame_bytes: int = 1 << 20
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
     scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
+    planner_config: str = ""  # YAML file of the planner (docs/planner.md); empty: advisory, defaults
     # --- recovery (docs/operations.md "Failures") ---
     # No heartbeat this long: stop routing (dead after heartbeat_timeout_s). None: not before death,
     # since agents starved of CPU for a moment send late heartbeats on busy hosts (opt in where hosts

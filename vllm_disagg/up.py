@@ -330,6 +330,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scheduler-config", default="", metavar="FILE", help="scheduler YAML for the orchestrator"
     )
     parser.add_argument(
+        "--planner-config",
+        default="",
+        metavar="FILE",
+        help="planner YAML for the orchestrator (docs/planner.md)",
+    )
+    parser.add_argument(
         "--admin-token-file",
         default="",
         metavar="FILE",
@@ -370,6 +376,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         extra_orchestrator_args=(
             ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()
         )
+        + (("--planner-config", os.path.abspath(args.planner_config)) if args.planner_config else ())
         + shared_argv(args),
         sim_timing=tuple(
             (name, str(getattr(args, name)))
@@ -383,6 +390,10 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         from vllm_disagg.orchestrator.scheduling.config import load_config_file
 
         load_config_file(args.scheduler_config)
+    if args.planner_config:
+        from vllm_disagg.orchestrator.planner.config import load_planner_config_file
+
+        load_planner_config_file(args.planner_config)
     return spec
 
 

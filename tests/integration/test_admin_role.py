@@ -60,8 +60,17 @@ async def test_a_role_change_is_checked_by_the_agent_then_served_in_the_same_ses
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert await asyncio.to_thread(cli.main, ["role", "d0", "decode", "--url", orch.admin_url]) == 0
-    assert out.getvalue().strip() == "role d0: prefill -> decode"
-    assert orch.registry.get("d0").info.role == "decode"  # type: ignore[union-attr]
+    assert out.getvalue().strip() == "role d0: prefill -> decode (pinned)"
+    view = orch.registry.get("d0")
+    assert view is not None and view.info.role == "decode" and view.role_pinned, "the planner leaves it"
+
+    # auto: the same role, handed back to the planner.
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert await asyncio.to_thread(cli.main, ["role", "d0", "auto", "--url", orch.admin_url]) == 0
+    assert out.getvalue().strip() == "role d0: decode -> decode (the planner may move it)"
+    view = orch.registry.get("d0")
+    assert view is not None and view.info.role == "decode" and not view.role_pinned
 
 
 async def test_a_bad_role_request_is_refused_and_nothing_changes(

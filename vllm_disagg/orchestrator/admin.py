@@ -34,6 +34,7 @@ from vllm_disagg.orchestrator.registry import (
     Registry,
     RegistrySnapshot,
 )
+from vllm_disagg.orchestrator.roles import RoleChangeError, RoleChanger
 from vllm_disagg.orchestrator.spawner import AgentSpawner
 from vllm_disagg.orchestrator.workers.hub import WorkerHub
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
@@ -87,6 +88,7 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "tensor_parallel_size": info.tensor_parallel_size,
         "session": view.session,
         "protocol": view.protocol,
+        "role_pinned": view.role_pinned,
         "engine_state": view.engine_state,
         "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
         "cordoned": view.admin_cordoned,
@@ -145,7 +147,11 @@ class Admin:
         *,
         spawner: AgentSpawner | None = None,
         workers: WorkerHub | None = None,
+        roles: RoleChanger | None = None,
+        planner: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        self._roles = roles or RoleChanger(registry, control, metrics, clock)
+        self._planner = planner
         self._workers = workers  # gateway workers: their metrics and live requests are asked for
         self._scheduler = scheduler
         self._spawner = spawner
@@ -217,30 +223,29 @@ class Admin:
     async def set_role(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances/{agent_id}/role``: ``{"role": "prefill|decode|both"}``; its agent
         checks that the engine can serve it (409 with the reason if not), then it serves so at once,
-        its session and in-flight requests untouched."""
+        its session and in-flight requests untouched. The role is pinned: the planner leaves the
+        instance there until ``{"role": "auto"}`` lifts the pin."""
         agent_id = request.match_info["agent_id"]
-        view = self._registry.get(agent_id)
-        if view is None:
+        if self._registry.get(agent_id) is None:
             return _error(404, f"no instance {agent_id!r}", "NotFoundError")
         try:
             body = jsonutil.loads(await request.read())
         except ValueError as exc:
             return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
         role = body.get("role") if isinstance(body, dict) else None
-        if role not in ROLES:
-            return _error(400, f"'role' must be one of {list(ROLES)}, got {role!r}", "BadRequestError")
-        old = view.info.role
-        if role != old:
+        if role == "auto":
+            view = self._registry.set_role_pin(agent_id, False)
+            old = view.info.role
+        elif role in ROLES:
             try:
-                ack = await self._control.send_command(agent_id, "set_role", {"role": role})
-            except CommandError as exc:
-                return _error(exc.status, str(exc), type(exc).__name__)
-            if not ack.ok:
-                return _error(409, f"{agent_id} cannot serve as {role}: {ack.error}", "ConflictError")
-            view = self._registry.set_role(agent_id, role)
-            self._metrics.role_changed(agent_id, old, role)
+                old, view = await self._roles.change(agent_id, role)
+            except RoleChangeError as exc:
+                return _error(exc.status, exc.message, exc.kind)
+            view = self._registry.set_role_pin(agent_id, True)
+        else:
+            return _error(400, f"'role' must be one of {[*ROLES, 'auto']}, got {role!r}", "BadRequestError")
         snap = self._registry.snapshot()
-        body = {"agent_id": agent_id, "from": old, "role": role}
+        body = {"agent_id": agent_id, "from": old, "role": view.info.role, "pinned": view.role_pinned}
         return _json({**body, "instance": self._instance(view, snap, self._clock.monotonic())})
 
     async def _cordon(self, request: web.Request, cordoned: bool) -> web.Response:
@@ -327,6 +332,13 @@ class Admin:
             records.sort(key=lambda r: -r.started_wall)
             del records[limit:]
         return _json({"requests": [record_json(r) for r in records]})
+
+    async def planner(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/planner``: its config, last look (reason, figures, the P:D split it would
+        choose), the shifts it decided, and the instances operators pinned (docs/planner.md)."""
+        if self._planner is None:
+            return _error(404, "this orchestrator has no planner", "NotFoundError")
+        return _json(self._planner())
 
     async def weights(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""
@@ -442,6 +454,7 @@ class Admin:
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/role", self.set_role),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
+            AdminRoute("GET", "/admin/v1/planner", self.planner),
             AdminRoute("GET", "/admin/v1/scheduler", self.scheduler),
             AdminRoute("GET", "/admin/v1/scheduler/weights", self.weights),
             AdminRoute("PUT", "/admin/v1/scheduler/weights", self.update_weights),

@@ -58,7 +58,11 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("agent_id", metavar="ID", help="the dead instance to forget")
     if name == "role":
         parser.add_argument("agent_id", metavar="ID", help="the instance's agent id")
-        parser.add_argument("role", choices=ROLES, help="what it serves from now on")
+        parser.add_argument(
+            "role",
+            choices=(*ROLES, "auto"),
+            help="what it serves from now on (pinned: the planner leaves it); auto: lift the pin",
+        )
     if name == "add":
         parser.add_argument(
             "engine_url", metavar="ENGINE_URL", help="the running engine, e.g. http://10.0.0.5:8000"
@@ -224,10 +228,12 @@ def _add(base: str, token: str, args: argparse.Namespace) -> int:
 
 
 def _role(base: str, token: str, args: argparse.Namespace) -> int:
-    """``role``: change what an instance serves (its agent may refuse: 409 with its reason)."""
+    """``role``: change what an instance serves (its agent may refuse: 409 with its reason), pinning
+    it there; ``auto`` hands it back to the planner."""
     url = f"{base}/admin/v1/instances/{args.agent_id}/role"
     body = _expect(*_call("POST", url, token, {"role": args.role}))
-    print(f"role {args.agent_id}: {body['from']} -> {body['role']}")
+    pin = "pinned" if body.get("pinned") else "the planner may move it"
+    print(f"role {args.agent_id}: {body['from']} -> {body['role']} ({pin})")
     return 0
 
 

@@ -27,7 +27,11 @@ from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.planner.config import load_planner_config_file
+from vllm_disagg.orchestrator.planner.runner import PlannerRunner
+from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.roles import RoleChanger
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -48,6 +52,7 @@ KV_INDEX_KEY = web.AppKey("kv_index", KvIndex)
 SPAWNER_KEY = web.AppKey("spawner", AgentSpawner)
 ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate admin listener
 WORKERS_KEY = web.AppKey("workers", WorkerHub)  # only with --gateway-workers above 1
+PLANNER_KEY = web.AppKey("planner", PlannerRunner)
 
 
 def _both(first: Callable[..., None], second: Callable[..., None]) -> Callable[..., None]:
@@ -71,6 +76,9 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
         asyncio.create_task(control.run_expiry(), name="orchestrator-expiry"),
         asyncio.create_task(watch_loop_lag(app[METRICS_KEY].loop_lag), name="orchestrator-loop-lag"),
     ]
+    planner = app[PLANNER_KEY]
+    if planner.config.enabled:
+        tasks.append(asyncio.create_task(planner.run(), name="orchestrator-planner"))
     for task in tasks:
         task.add_done_callback(_log_crash)
     try:
@@ -79,6 +87,7 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
         await app[SPAWNER_KEY].close()  # while the socket is open: their Goodbyes still arrive
         for task in tasks:
             await cancel_and_wait(task)
+        await planner.close()
         control.close()
 
 
@@ -120,6 +129,10 @@ def build_app(
     on_hello = gateway.instance_joined if hub is None else _both(gateway.instance_joined, hub.instance_joined)
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=on_hello)
     spawner = AgentSpawner(control, registry)
+    roles = RoleChanger(registry, control, metrics, clock)
+    planner_config = load_planner_config_file(config.planner_config)
+    gateway.slo_window = SloWindow(planner_config.window_s, clock.monotonic)
+    planner = PlannerRunner(planner_config, registry, gateway.slo_window, roles, metrics, events, clock)
     admin = Admin(
         registry,
         control,
@@ -132,6 +145,8 @@ def build_app(
         scheduler,
         spawner=spawner,
         workers=hub,
+        roles=roles,
+        planner=planner.describe,
     )
 
     app = web.Application(client_max_size=config.max_body_bytes)
@@ -146,6 +161,7 @@ def build_app(
     app[SPAWNER_KEY] = spawner
     if hub is not None:
         app[WORKERS_KEY] = hub
+    app[PLANNER_KEY] = planner
     gateway.add_routes(app)
     admin.add_public_routes(app)
     if config.admin_port is None:

@@ -19,6 +19,7 @@ from vllm_disagg.orchestrator.auth import (
 from vllm_disagg.orchestrator.control import load_server_curve
 from vllm_disagg.orchestrator.flags import SHARED_FLAGS, add_shared_arguments
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
+from vllm_disagg.orchestrator.planner.config import load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.runtime import run_service
@@ -57,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.scheduler_config,
         metavar="FILE",
         help="scheduler YAML (plugins, profiles, weights; see docs/scheduler.md); default: the shipped one",
+    )
+    parser.add_argument(
+        "--planner-config",
+        default=d.planner_config,
+        metavar="FILE",
+        help="planner YAML (targets, bounds, dryRun; see docs/planner.md); default: advisory only",
     )
     parser.add_argument(
         "--no-preload-tokenizer-libs",
@@ -122,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         **{name: getattr(args, name) for _, name, _, _ in SHARED_FLAGS},
         max_frame_bytes=args.max_frame_bytes,
         scheduler_config=args.scheduler_config,
+        planner_config=args.planner_config,
         preload_tokenizer_libs=args.preload_tokenizer_libs,
         admin_token=load_admin_token(args.admin_token_file),
         engine_api_key=load_secret(args.engine_api_key_file, ENV_ENGINE_API_KEY, "engine API key"),
@@ -138,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)  # before anything starts: a bad flag exits 2 via the CLI
     load_server_curve(config)  # so do key files that will not do
     scheduler = PluginScheduler(load_scheduler_config(config))  # so is a bad scheduler config
+    load_planner_config_file(config.planner_config)  # and a bad planner config
     logging.basicConfig(
         level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )

@@ -7,6 +7,7 @@ registry snapshot at scrape time. Every metric is documented in docs/metrics.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -264,6 +265,24 @@ class OrchestratorMetrics:
             ["instance", "from_role", "to_role"],
             registry=r,
         )
+        self._planner_suggested = Gauge(
+            "vllm_disagg_planner_suggested_instances",
+            "Instances the planner would give each role for the load of its window (the P:D ratio)",
+            ["role"],
+            registry=r,
+        )
+        self._planner_pressure = Gauge(
+            "vllm_disagg_planner_pressure",
+            "Each pool's p90 over its target (prefill: TTFT, decode: TPOT); NaN with too few requests",
+            ["pool"],
+            registry=r,
+        )
+        self._planner_shifts = Counter(
+            "vllm_disagg_planner_shifts",
+            "Role shifts the planner decided, by pools and outcome (done, failed, dry_run)",
+            ["from_role", "to_role", "outcome"],
+            registry=r,
+        )
         self._kv_released = Counter(
             "vllm_disagg_kv_released",
             "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
@@ -345,6 +364,17 @@ class OrchestratorMetrics:
     def role_changed(self, agent_id: str, old: str, new: str) -> None:
         """Count an instance's change of role."""
         self._role_changes.labels(agent_id, old, new).inc()
+
+    def planner_looked(self, ratio: tuple[int, int], pressures: tuple[float | None, float | None]) -> None:
+        """The planner's suggested split and the pools' pressures at its last look."""
+        self._planner_suggested.labels("prefill").set(ratio[0])
+        self._planner_suggested.labels("decode").set(ratio[1])
+        for pool, value in zip(("prefill", "decode"), pressures, strict=True):
+            self._planner_pressure.labels(pool).set(math.nan if value is None else value)
+
+    def planner_shift(self, from_role: str, to_role: str, outcome: str) -> None:
+        """Count a shift the planner decided, and what became of it."""
+        self._planner_shifts.labels(from_role, to_role, outcome).inc()
 
     def fallback(self, cause: str) -> None:
         """Count a request run colocated after its prefill legs failed."""

@@ -69,6 +69,7 @@ class InstanceView:
     breaker: Breaker = CLOSED
     late: bool = False  # no heartbeat for ``suspect_after_s``
     protocol: str = ""  # "major.minor" its agent speaks
+    role_pinned: bool = False  # an operator set its role: the planner leaves it there
 
     @property
     def suspect_reason(self) -> str:
@@ -184,6 +185,7 @@ class _Instance:
     late: bool = False
     audit: DecodeAudit | None = None  # its decode legs' KV loads, from its counters (``kv_audit``)
     protocol: str = ""
+    role_pinned: bool = False
 
     def derive_state(self) -> InstanceState:
         """The state a live session is in, from every signal (see ``health.derive_state``)."""
@@ -213,6 +215,7 @@ class _Instance:
             breaker=self.breaker,
             late=self.late,
             protocol=self.protocol,
+            role_pinned=self.role_pinned,
         )
 
 
@@ -362,6 +365,7 @@ class Registry(SnapshotSource):
             joined_at=now,
             last_heartbeat=now,
             admin_cordoned=old.admin_cordoned if old else False,  # the operator's word outlives sessions
+            role_pinned=old.role_pinned if old else False,
             audit=DecodeAudit(agent_id, info.block_size),
             protocol=protocol,
         )
@@ -501,6 +505,14 @@ class Registry(SnapshotSource):
         self._changed(inst, membership=True)
         if self.on_event is not None and old != role:
             self.on_event("role", {"instance": agent_id, "from": old, "to": role})
+        return self._views[agent_id]
+
+    def set_role_pin(self, agent_id: str, pinned: bool) -> InstanceView:
+        """An operator pins the instance's role (the planner leaves it), or lifts the pin."""
+        inst = self._instances[agent_id]
+        if inst.role_pinned != pinned:
+            inst.role_pinned = pinned
+            self._changed(inst, membership=False)
         return self._views[agent_id]
 
     def set_cordon(self, agent_id: str, cordoned: bool) -> InstanceView:

@@ -52,6 +52,7 @@ from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.registry import GatewayRegistry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
@@ -204,6 +205,7 @@ class Gateway:
         self._urls: dict[tuple[str, str], URL] = {}
         self.events = EventLog(clock.wall)  # the app hands in the shared log
         self._live: set[Flow] = set()  # requests in flight, for the admin API
+        self.slo_window: SloWindow | None = None  # the planner's signals, fed per finished request
         # What engines are sent as Authorization: the gateway's own key for them (vLLM's --api-key),
         # else (if configured) the client's header, else nothing: a client's credentials never reach
         # an engine by default (docs/security.md).
@@ -494,6 +496,15 @@ class Gateway:
             handoff = stamps["decode_start"] - stamps["prefill_end"]
         schedule = t_decided - t0 if flow is not None else None
         queue = stamps["dispatched"] - t0 if "dispatched" in stamps else None
+        tpot = _tpot(flow, status)
+        window = self.slo_window
+        if window is not None and status == 200 and flow is not None:
+            if mode == "disaggregated":  # the prefill pool's figure: the TTFT it decides
+                ttft = ttfb if streaming else stamps.get("prefill_end", t0) - t0
+                if ttft is not None:
+                    window.ttft(ttft)
+            if tpot is not None:
+                window.tpot(tpot)
         self.metrics.request_done(
             route,
             "fallback" if flow is not None and flow.fallback else mode,
@@ -505,7 +516,7 @@ class Gateway:
             schedule_s=schedule,
             handoff_s=handoff,
             queue_s=queue,
-            tpot_s=_tpot(flow, status),
+            tpot_s=tpot,
         )
         self.request_log.add(
             RequestRecord(

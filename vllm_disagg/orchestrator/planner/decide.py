@@ -1,0 +1,176 @@
+"""The planner's decision, pure: each pool's figures and what the planner remembers in, at most one
+shift out, with its reason, the figures behind it, and the P:D split it would choose for this load.
+
+A pool's **pressure** is its p90 over its target: the prefill pool's TTFT, the decode pool's TPOT
+(``signals``). A pool is **short** when its pressure is over ``overload`` and over the other pool's
+by more than ``margin``. An instance moves from the other pool to the short one only when the same
+pool was short at ``sustain`` looks in a row (a pool whose pressure fell by more than ``margin`` since
+the last look is recovering: its streak waits), no shift happened in the last ``cooldown_s``, the
+giving pool keeps its minimum, and one of its instances may move (ready, single-role, not drained or
+pinned by an operator: ``PoolSignals.movable``, least busy first). Noise around the line therefore
+moves nothing, and a step change moves one instance, then waits to see its effect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vllm_disagg.orchestrator.planner.config import PlannerConfig
+
+PoolName = Literal["prefill", "decode"]
+Figures = dict[str, float | int | None]
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSignals:
+    """One pool over the window."""
+
+    size: int  # ready instances serving the role
+    p90_s: float | None  # prefill: TTFT p90; decode: TPOT p90; None: no request measured
+    samples: int  # requests behind ``p90_s``
+    queue: float = 0.0  # engines' waiting requests per instance
+    kv_usage: float = 0.0  # engines' mean KV cache usage
+    movable: tuple[str, ...] = ()  # instances that may leave the pool, least busy first
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What the planner carries from one look to the next."""
+
+    short: PoolName | None = None  # the pool found short at the last look
+    streak: int = 0  # looks in a row it was
+    last_shift_at: float | None = None  # the planner's or an operator's last role change
+    pressures: tuple[float | None, float | None] = (None, None)  # (prefill, decode) at the last look
+
+
+@dataclass(frozen=True, slots=True)
+class Shift:
+    """Move ``agent_id`` from one pool to the other."""
+
+    agent_id: str
+    from_role: PoolName
+    to_role: PoolName
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One look's outcome."""
+
+    shift: Shift | None
+    reason: str
+    figures: Figures
+    ratio: tuple[int, int]  # the (prefill, decode) split the planner would choose for this load
+    memory: Memory = field(default_factory=Memory)
+
+
+def pressure(pool: PoolSignals, target_s: float, min_samples: int) -> float | None:
+    """The pool's p90 over its target; None with fewer than ``min_samples`` requests measured."""
+    if pool.p90_s is None or pool.samples < max(1, min_samples):
+        return None
+    return pool.p90_s / target_s
+
+
+def suggest_ratio(
+    sizes: tuple[int, int], pressures: tuple[float | None, float | None], config: PlannerConfig
+) -> tuple[int, int]:
+    """The split of the same instances that evens the pools' pressures, if pressure goes as load per
+    instance: the work of a pool is its pressure times its size; the split that minimises the larger
+    work per instance, within the minimums. The current split while a pressure is unknown."""
+    p, d = sizes
+    pp, pd = pressures
+    total = p + d
+    if pp is None or pd is None or total < config.min_prefill + config.min_decode:
+        return sizes
+    work_p, work_d = pp * max(p, 1), pd * max(d, 1)
+    best, best_load = sizes, max(work_p / max(p, 1), work_d / max(d, 1))
+    for n in range(config.min_prefill, total - config.min_decode + 1):
+        if n == 0 or n == total:
+            continue
+        load = max(work_p / n, work_d / (total - n))
+        if load < best_load - 1e-9:
+            best, best_load = (n, total - n), load
+    return best
+
+
+def plan(
+    prefill: PoolSignals, decode: PoolSignals, memory: Memory, config: PlannerConfig, now: float
+) -> Plan:
+    """At most one shift, and why (see the module's docstring)."""
+    pp = pressure(prefill, config.ttft_target_s, config.min_samples)
+    pd = pressure(decode, config.tpot_target_s, config.min_samples)
+    figures: Figures = {
+        "prefill_instances": prefill.size,
+        "decode_instances": decode.size,
+        "ttft_p90_s": prefill.p90_s,
+        "tpot_p90_s": decode.p90_s,
+        "ttft_samples": prefill.samples,
+        "tpot_samples": decode.samples,
+        "prefill_pressure": _round(pp),
+        "decode_pressure": _round(pd),
+        "prefill_pressure_trend": _trend(pp, memory.pressures[0]),
+        "decode_pressure_trend": _trend(pd, memory.pressures[1]),
+        "prefill_queue": round(prefill.queue, 3),
+        "decode_queue": round(decode.queue, 3),
+        "prefill_kv_usage": round(prefill.kv_usage, 3),
+        "decode_kv_usage": round(decode.kv_usage, 3),
+    }
+    ratio = suggest_ratio((prefill.size, decode.size), (pp, pd), config)
+    seen = (pp, pd)
+
+    def hold(reason: str, short: PoolName | None = None, streak: int = 0) -> Plan:
+        return Plan(None, reason, figures, ratio, Memory(short, streak, memory.last_shift_at, seen))
+
+    if pp is None or pd is None:
+        few = [
+            f"{name} pool {n} of {config.min_samples}"
+            for name, n, v in (("prefill", prefill.samples, pp), ("decode", decode.samples, pd))
+            if v is None
+        ]
+        return hold("too few requests in the window to judge (" + ", ".join(few) + ")")
+    short: PoolName | None = None
+    if pp > config.overload and pp - pd > config.margin:
+        short = "prefill"
+    elif pd > config.overload and pd - pp > config.margin:
+        short = "decode"
+    if short is None:
+        return hold(f"balanced: prefill at {pp:.2f}x its TTFT target, decode at {pd:.2f}x its TPOT target")
+    giver: PoolName = "decode" if short == "prefill" else "prefill"
+    mine, theirs = (pp, pd) if short == "prefill" else (pd, pp)
+    what = "TTFT" if short == "prefill" else "TPOT"
+    said = (
+        f"the {short} pool is short ({what} p90 at {mine:.2f}x its target, the {giver} pool at {theirs:.2f}x)"
+    )
+    before = memory.pressures[0 if short == "prefill" else 1]
+    recovering = before is not None and before - mine > config.margin
+    streak = (memory.streak if memory.short == short else 0) + (0 if recovering else 1)
+    if recovering:
+        return hold(f"{said}, but recovering ({before:.2f}x at the last look)", short, streak)
+    if streak < config.sustain:
+        return hold(f"{said} at {streak} of {config.sustain} looks in a row", short, streak)
+    if memory.last_shift_at is not None and now - memory.last_shift_at < config.cooldown_s:
+        ago = now - memory.last_shift_at
+        return hold(
+            f"{said}, but the last role change was {ago:.0f} s ago (cooldown {config.cooldown_s:g} s)",
+            short,
+            streak,
+        )
+    pool = decode if giver == "decode" else prefill
+    minimum = config.min_decode if giver == "decode" else config.min_prefill
+    if pool.size - 1 < minimum:
+        return hold(f"{said}, but the {giver} pool is at its minimum of {minimum}", short, streak)
+    if not pool.movable:
+        return hold(
+            f"{said}, but no {giver} instance may move (pinned, drained or serving both roles)", short, streak
+        )
+    shift = Shift(pool.movable[0], giver, short)
+    reason = f"{said} at {streak} looks in a row: {shift.agent_id} moves from {giver} to {short}"
+    return Plan(shift, reason, figures, ratio, Memory(None, 0, now, seen))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _trend(now: float | None, before: float | None) -> float | None:
+    return None if now is None or before is None else round(now - before, 3)
