@@ -93,7 +93,7 @@ class PlannerRunner:
         shift = result.shift
         assert shift is not None
         record: dict[str, Any] = {
-            "at": self._clock.wall(),
+            "decided_at": self._clock.wall(),
             "instance": shift.agent_id,
             "from": shift.from_role,
             "to": shift.to_role,
