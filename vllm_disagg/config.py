@@ -178,6 +178,9 @@ class OrchestratorConfig:
     # Gateway processes on the port (SO_REUSEPORT): this one and N-1 workers that share its scheduler
     # state (docs/operations.md, "Gateway workers"). 1: the gateway runs in this process only.
     gateway_workers: int = 1
+    # Latency targets of requests that bring none (``x-slo-ttft-ms``/``x-slo-tpot-ms``); None: no target.
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
     # --- the admin API (docs/security.md) ---
     # The bearer token every /admin/v1 call must carry; "" closes the admin API. Read from a file or
     # the environment by ``main``, never from argv; kept out of the repr so it is never logged.

@@ -100,7 +100,7 @@ DELETE = object()
             _edit("profiles.0.name", "middle"), "profiles[0].name: expected one of", id="unknown-profile"
         ),
         pytest.param(
-            _edit("profiles.0.plugins.8", DELETE), "a profile needs exactly one picker, got 0", id="no-picker"
+            _edit("profiles.0.plugins.9", DELETE), "a profile needs exactly one picker, got 0", id="no-picker"
         ),
         pytest.param(
             _edit("profiles.0.plugins.0", {"pluginRef": "max-score-picker"}),
@@ -123,17 +123,17 @@ DELETE = object()
             id="weight-on-filter",
         ),
         pytest.param(
-            _edit("profiles.0.plugins.4", {"pluginRef": "queue-scorer", "weight": 0}),
+            _edit("profiles.0.plugins.5", {"pluginRef": "queue-scorer", "weight": 0}),
             "weight: must be > 0",
             id="zero-weight",
         ),
         pytest.param(
-            _edit("profiles.0.plugins.4", {"pluginRef": "queue-scorer", "weight": "heavy"}),
+            _edit("profiles.0.plugins.5", {"pluginRef": "queue-scorer", "weight": "heavy"}),
             "expected float",
             id="weight-not-a-number",
         ),
         pytest.param(
-            _edit("profiles.0.plugins.4", {"pluginRef": "uncached-tokens-decider"}),
+            _edit("profiles.0.plugins.5", {"pluginRef": "uncached-tokens-decider"}),
             "a decider cannot be part of a profile",
             id="decider-in-profile",
         ),
@@ -156,8 +156,8 @@ def test_a_bad_config_is_refused_naming_the_problem(text: str, message: str) -> 
 
 
 def test_parameters_may_be_camel_or_snake_case() -> None:
-    camel = load_config(_edit("plugins.4.parameters", {"maxQueue": 8}), "t")
-    snake = load_config(_edit("plugins.4.parameters", {"max_queue": 8}), "t")
+    camel = load_config(_edit("plugins.5.parameters", {"maxQueue": 8}), "t")
+    snake = load_config(_edit("plugins.5.parameters", {"max_queue": 8}), "t")
     assert camel.plugins["queue-scorer"].params == snake.plugins["queue-scorer"].params
     assert camel.plugins["queue-scorer"].params.max_queue == 8.0
 

@@ -118,6 +118,7 @@ def test_the_catalog_holds_every_plugin_type() -> None:
             "ready-filter",
             "kv-compat-filter",
             "kv-usage-filter",
+            "slo-filter",
             "queue-scorer",
             "kv-usage-scorer",
             "ttft-scorer",

@@ -40,6 +40,18 @@ SHARED_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "on a length estimate",
     ),
     (
+        "--slo-ttft-ms",
+        "slo_ttft_ms",
+        float,
+        "TTFT target of requests without an x-slo-ttft-ms header (default: none; docs/scheduler.md)",
+    ),
+    (
+        "--slo-tpot-ms",
+        "slo_tpot_ms",
+        float,
+        "TPOT target of requests without an x-slo-tpot-ms header (default: none)",
+    ),
+    (
         "--gateway-workers",
         "gateway_workers",
         int,

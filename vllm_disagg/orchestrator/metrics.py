@@ -265,6 +265,19 @@ class OrchestratorMetrics:
             ["instance", "from_role", "to_role"],
             registry=r,
         )
+        self._slo_requests = Counter(
+            "vllm_disagg_slo_requests",
+            "Requests with latency targets (x-slo-ttft-ms, x-slo-tpot-ms or the defaults), by target "
+            "class and outcome (met, missed, unmeasured, failed)",
+            ["slo", "outcome"],
+            registry=r,
+        )
+        self._slo_best_effort = Counter(
+            "vllm_disagg_slo_best_effort",
+            "Requests served although no pair was predicted to meet their targets, by target class",
+            ["slo"],
+            registry=r,
+        )
         self._planner_suggested = Gauge(
             "vllm_disagg_planner_suggested_instances",
             "Instances the planner would give each role for the load of its window (the P:D ratio)",
@@ -364,6 +377,14 @@ class OrchestratorMetrics:
     def role_changed(self, agent_id: str, old: str, new: str) -> None:
         """Count an instance's change of role."""
         self._role_changes.labels(agent_id, old, new).inc()
+
+    def slo_request(self, slo: str, outcome: str) -> None:
+        """Count a request with latency targets by its class and whether it met them."""
+        self._slo_requests.labels(slo, outcome).inc()
+
+    def slo_best_effort(self, slo: str) -> None:
+        """Count a request no sampled pair was predicted to serve within its targets."""
+        self._slo_best_effort.labels(slo).inc()
 
     def planner_looked(self, ratio: tuple[int, int], pressures: tuple[float | None, float | None]) -> None:
         """The planner's suggested split and the pools' pressures at its last look."""

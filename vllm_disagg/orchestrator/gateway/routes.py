@@ -45,6 +45,7 @@ from vllm_disagg.orchestrator.gateway.server import (
     Handler,
     error_response,
 )
+from vllm_disagg.orchestrator.gateway.slo import attainment, best_effort, request_slo, slo_class
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError
@@ -377,6 +378,7 @@ class Gateway:
         parsed: ParsedRequest,
         tokens: list[int] | None,
         pin: str | None,
+        slo: tuple[float | None, float | None] = (None, None),
     ) -> SchedulingRequest:
         """What the scheduler needs: the exact prompt tokens (None: the estimate), and the cache map."""
         cached = self.kv_index.cached_tokens(tokens) if tokens else NO_CACHE
@@ -390,6 +392,8 @@ class Gateway:
             tokens is not None,
             pin,
             parsed.max_tokens,
+            slo_ttft_s=slo[0],
+            slo_tpot_s=slo[1],
         )
 
     async def serve(self, request: ClientRequest, route: Route) -> Answer:
@@ -407,7 +411,10 @@ class Gateway:
             raw = await self._read_body(request)
             parsed = parse_request(raw, route)
             model, streaming = parsed.model, parsed.stream
-            scheduling, decision = await self._decide(request_id, route, parsed, _pin(request, parsed), t0)
+            slo = request_slo(request.headers, self.config.slo_ttft_ms, self.config.slo_tpot_ms)
+            scheduling, decision = await self._decide(
+                request_id, route, parsed, _pin(request, parsed), t0, slo
+            )
             t_decided = clock.monotonic()
             explanation = decision.explanation
             up_headers = self._upstream_headers(request, request_id)
@@ -431,7 +438,13 @@ class Gateway:
             self._record(request_id, route, model, streaming, status, error, t0, t_decided, explanation, flow)
 
     async def _decide(
-        self, request_id: str, route: Route, parsed: ParsedRequest, pin: str | None, now: float
+        self,
+        request_id: str,
+        route: Route,
+        parsed: ParsedRequest,
+        pin: str | None,
+        now: float,
+        slo: tuple[float | None, float | None] = (None, None),
     ) -> tuple[SchedulingRequest, Decision]:
         """What the scheduler knows of the request, and where it goes (a prefill instance serves
         colocated, as a last resort, when no decode instance can)."""
@@ -445,11 +458,14 @@ class Gateway:
             tokens = await tokens
             # The registry and the clock moved on meanwhile.
             snapshot, now = self.registry.snapshot(), self.clock.monotonic()
-        scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin)
+        scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo)
         try:
-            return scheduling, self.scheduler.decide(scheduling, snapshot, now)
+            decision = self.scheduler.decide(scheduling, snapshot, now)
         except NoCapacity as exc:
-            return scheduling, last_resort(scheduling, snapshot, exc)
+            decision = last_resort(scheduling, snapshot, exc)
+        if slo != (None, None) and best_effort(scheduling, decision, snapshot):
+            self.metrics.slo_best_effort(slo_class(*slo))
+        return scheduling, decision
 
     def _upstream_headers(self, request: ClientRequest, request_id: str) -> dict[str, str]:
         """The engine legs' headers: the request id, and the engines' key (or, when configured, the
@@ -497,14 +513,10 @@ class Gateway:
         schedule = t_decided - t0 if flow is not None else None
         queue = stamps["dispatched"] - t0 if "dispatched" in stamps else None
         tpot = _tpot(flow, status)
-        window = self.slo_window
-        if window is not None and status == 200 and flow is not None:
-            if mode == "disaggregated":  # the prefill pool's figure: the TTFT it decides
-                ttft = ttfb if streaming else stamps.get("prefill_end", t0) - t0
-                if ttft is not None:
-                    window.ttft(ttft)
-            if tpot is not None:
-                window.tpot(tpot)
+        if flow is not None:
+            # The TTFT the gateway sees: a stream's first byte, else the end of a prefill leg.
+            prefilled = stamps["prefill_end"] - t0 if "prefill_end" in stamps else None
+            self._latency_seen(flow.scheduling, mode, status, ttfb if streaming else prefilled, tpot)
         self.metrics.request_done(
             route,
             "fallback" if flow is not None and flow.fallback else mode,
@@ -542,6 +554,21 @@ class Gateway:
         )
         if log.isEnabledFor(logging.DEBUG):
             log.debug("%s %s %s -> %s in %.4fs (%s)", request_id, route, mode, status, total, error)
+
+    def _latency_seen(
+        self, target: SchedulingRequest, mode: str, status: int, ttft: float | None, tpot: float | None
+    ) -> None:
+        """A finished request's latency: against its own targets, and into the planner's window."""
+        if target.slo_ttft_s is not None or target.slo_tpot_s is not None:
+            label = slo_class(target.slo_ttft_s, target.slo_tpot_s)
+            self.metrics.slo_request(label, attainment(target, status, ttft, tpot))
+        window = self.slo_window
+        if window is None or status != 200:
+            return
+        if mode == "disaggregated" and ttft is not None:  # the prefill pool's figure
+            window.ttft(ttft)
+        if tpot is not None:
+            window.tpot(tpot)
 
     def describe(self) -> dict[str, Any]:
         """Scheduler config, tokenizer status per model, KV index size: for the admin API."""

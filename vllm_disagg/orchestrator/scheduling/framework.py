@@ -47,6 +47,9 @@ class SchedulingRequest:
     max_tokens: int | None = None
     # Instances this request must not use: they already failed it (the gateway's retries).
     exclude: frozenset[str] = frozenset()
+    # The client's own targets (``x-slo-ttft-ms``, ``x-slo-tpot-ms``, or the orchestrator's defaults).
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
 
 
 class Explanation(Protocol):

@@ -39,6 +39,7 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     Scorer,
 )
 from vllm_disagg.orchestrator.scheduling.fused import fused_totals
+from vllm_disagg.orchestrator.scheduling.predict import predicted_ttft
 
 NAME = "plugins"
 _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation
@@ -149,6 +150,8 @@ class PluginExplanation:
                 "tokenized": req.tokenized,
                 "cached_tokens": dict(top),
                 "pinned_prefill": req.pinned_prefill,
+                "slo_ttft_s": req.slo_ttft_s,
+                "slo_tpot_s": req.slo_tpot_s,
             },
             "decode": self.decode.to_json(),
             "decider": {"plugin": self.decider, "mode": self.choice.mode, "reason": self.choice.reason},
@@ -406,6 +409,8 @@ class PluginScheduler:
         pctx = ProfileContext(request, snapshot, now, "prefill", d)
         ptrace = self._profiles["prefill"].run(pctx, population, _prefill_exclude(request, snapshot, d))
         choice = self._decider.choose(pctx, d, ptrace.picked >= 0)
+        if choice.mode == "disaggregated" and ptrace.picked >= 0 and request.slo_ttft_s is not None:
+            choice = _colocate_for_ttft(request, snapshot, ptrace.candidates[ptrace.picked], d) or choice
         explanation = PluginExplanation(
             self.config.source, request, dtrace, choice, self._decider.name, ptrace, None
         )
@@ -478,6 +483,26 @@ class PluginScheduler:
             exclude = exclude | {d for p, d in snapshot.blocked_links if p == partner.agent_id}
         trace = self._profiles["decode"].run(ctx, population, exclude)
         return trace.candidates[trace.picked].agent_id if trace.picked >= 0 else None
+
+
+def _colocate_for_ttft(
+    request: SchedulingRequest, snapshot: RegistrySnapshot, p: InstanceView, d: InstanceView
+) -> ModeChoice | None:
+    """Colocated, when the decode instance is predicted to meet the request's TTFT target by itself and
+    the prefill pick is not (a short prompt behind a busy prefill pool); else None."""
+    slo = request.slo_ttft_s
+    assert slo is not None
+    via_p = predicted_ttft(p, request, snapshot.in_flight_of(p.agent_id))
+    if via_p <= slo:
+        return None
+    alone = predicted_ttft(d, request, snapshot.in_flight_of(d.agent_id))
+    if alone > slo:
+        return None
+    return ModeChoice(
+        "colocated",
+        f"to meet its TTFT target of {slo:g} s: {alone:.3f} s predicted on {d.agent_id}, "
+        f"{via_p:.3f} s through {p.agent_id}",
+    )
 
 
 def _prefill_exclude(

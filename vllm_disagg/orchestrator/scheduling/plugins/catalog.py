@@ -7,7 +7,7 @@ from types import MappingProxyType
 
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec
 from vllm_disagg.orchestrator.scheduling.plugins.deciders import uncached_tokens
-from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_compat, ready, role
+from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_compat, ready, role, slo
 from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_usage as kv_usage_filter
 from vllm_disagg.orchestrator.scheduling.plugins.pickers import max_score, power_of_two, weighted_random
 from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage as kv_usage_scorer
@@ -18,6 +18,7 @@ _SPECS: tuple[PluginSpec, ...] = (
     ready.PLUGIN,
     kv_compat.PLUGIN,
     kv_usage_filter.PLUGIN,
+    slo.PLUGIN,
     queue.PLUGIN,
     kv_usage_scorer.PLUGIN,
     ttft.PLUGIN,

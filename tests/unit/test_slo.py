@@ -1,0 +1,124 @@
+"""Per-request latency targets: the headers, the slo-filter, colocation to meet a TTFT target, and
+attainment by a bounded class."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tests.unit.scheduling_support import context, request, snapshot, view
+from vllm_disagg.errors import BadRequest
+from vllm_disagg.orchestrator.gateway.slo import attainment, best_effort, request_slo, slo_class
+from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
+from vllm_disagg.orchestrator.scheduling.plugins.filters.slo import Params, SloFilter
+from vllm_disagg.orchestrator.scheduling.predict import predicted_tpot, predicted_ttft
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.protocol.messages import MetricsSnapshot
+
+IDLE = MetricsSnapshot(prefill_tokens_per_s=10_000.0, tpot_s=0.01)
+BUSY = MetricsSnapshot(prefill_tokens_per_s=10_000.0, queue_s=2.0, num_waiting=8, tpot_s=0.04, num_running=8)
+
+
+def with_slo(
+    ttft_s: float | None = None, tpot_s: float | None = None, prompt_len: int = 1000
+) -> SchedulingRequest:
+    return dataclasses.replace(request(prompt_len=prompt_len), slo_ttft_s=ttft_s, slo_tpot_s=tpot_s)
+
+
+@pytest.mark.parametrize(
+    ("headers", "defaults", "expected"),
+    [
+        ({}, (None, None), (None, None)),
+        ({"x-slo-ttft-ms": "250"}, (None, None), (0.25, None)),
+        ({"x-slo-tpot-ms": "40.5"}, (1000.0, None), (1.0, 0.0405)),
+        ({"x-slo-ttft-ms": "100", "x-slo-tpot-ms": "20"}, (1000.0, 50.0), (0.1, 0.02)),
+    ],
+    ids=["none", "ttft", "tpot and a default ttft", "headers over defaults"],
+)
+def test_targets_come_from_the_headers_else_the_defaults(
+    headers: dict[str, str],
+    defaults: tuple[float | None, float | None],
+    expected: tuple[float | None, float | None],
+) -> None:
+    assert request_slo(headers, *defaults) == expected
+
+
+@pytest.mark.parametrize("raw", ["fast", "0", "-5", "nan", "inf", "1e12"])
+def test_a_bad_target_is_a_400_naming_the_header(raw: str) -> None:
+    with pytest.raises(BadRequest, match="x-slo-ttft-ms header must be milliseconds > 0") as caught:
+        request_slo({"x-slo-ttft-ms": raw}, None, None)
+    assert caught.value.param == "x-slo-ttft-ms"
+
+
+@pytest.mark.parametrize(
+    ("ttft_s", "tpot_s", "label"),
+    [
+        (0.3, None, "ttft<=500ms"),
+        (0.5, 0.05, "ttft<=500ms,tpot<=50ms"),
+        (None, 0.001, "tpot<=10ms"),
+        (60.0, 2.0, "ttft>10000ms,tpot>500ms"),
+        (None, None, ""),
+    ],
+)
+def test_the_class_label_is_bounded_whatever_clients_send(
+    ttft_s: float | None, tpot_s: float | None, label: str
+) -> None:
+    assert slo_class(ttft_s, tpot_s) == label
+
+
+@pytest.mark.parametrize(
+    ("status", "ttft", "tpot", "outcome"),
+    [
+        (200, 0.2, 0.01, "met"),
+        (200, 0.6, 0.01, "missed"),
+        (200, 0.2, 0.03, "missed"),
+        (200, 0.2, None, "met"),  # a whole answer: its TPOT is not seen, its TTFT is judged
+        (200, None, None, "unmeasured"),
+        (502, 0.1, 0.01, "failed"),
+    ],
+)
+def test_attainment(status: int, ttft: float | None, tpot: float | None, outcome: str) -> None:
+    assert attainment(with_slo(0.5, 0.02), status, ttft, tpot) == outcome
+
+
+def test_the_slo_filter_keeps_the_candidates_predicted_to_meet_the_target_else_all() -> None:
+    fast, slow = view("fast", metrics=IDLE), view("slow", metrics=BUSY)
+    snap = snapshot(fast, slow)
+    plugin = SloFilter("slo", Params())
+    prefill = lambda req: plugin.filter(context(snap, profile="prefill", req=req), [fast, slow])  # noqa: E731
+    decode = lambda req: plugin.filter(context(snap, profile="decode", req=req), [fast, slow])  # noqa: E731
+    assert [v.agent_id for v in prefill(with_slo(ttft_s=0.5))] == ["fast"]
+    assert [v.agent_id for v in prefill(with_slo(ttft_s=0.01))] == ["fast", "slow"], "none can: best effort"
+    assert [v.agent_id for v in prefill(with_slo(tpot_s=0.001))] == ["fast", "slow"], "TPOT is decode's"
+    assert [v.agent_id for v in decode(with_slo(tpot_s=0.03))] == ["fast"]
+    assert [v.agent_id for v in decode(with_slo())] == ["fast", "slow"]
+    assert PLUGIN_SPECS["slo-filter"].factory("x", Params()).PER_REQUEST is True  # type: ignore[attr-defined]
+
+
+def test_the_predictions_are_the_scorers_models() -> None:
+    idle, busy = view("a", metrics=IDLE), view("b", metrics=BUSY)
+    req = with_slo(prompt_len=1000)
+    assert predicted_ttft(idle, req, 0) == pytest.approx(0.1)  # 1,000 tokens at 10,000/s
+    assert predicted_ttft(busy, req, 2) == pytest.approx(2.0 + (8 + 2) * 1000 / 10_000 + 0.1)
+    assert predicted_tpot(busy, 0) == pytest.approx(0.04 * 9 / 8)
+
+
+def test_a_short_prompt_behind_a_busy_prefill_pool_runs_colocated_to_meet_its_ttft() -> None:
+    p, d = view("p", role="prefill", metrics=BUSY), view("d", role="decode", metrics=IDLE)
+    snap = snapshot(p, d)
+    scheduler = PluginScheduler()
+    short = dataclasses.replace(with_slo(ttft_s=0.5, prompt_len=200), request_id="short")
+    decision = scheduler.decide(short, snap, 0.0)
+    assert (decision.mode, decision.prefill, decision.decode) == ("colocated", None, "d")
+    reason = decision.explanation.to_json()["decider"]["reason"]  # type: ignore[union-attr]
+    assert reason.startswith("to meet its TTFT target of 0.5 s: 0.020 s predicted on d")
+    no_target = dataclasses.replace(short, slo_ttft_s=None)
+    assert scheduler.decide(no_target, snap, 0.0).mode == "disaggregated"
+    # A prompt too long for D to meet the target either: disaggregated as usual (best effort).
+    long = dataclasses.replace(with_slo(ttft_s=0.5, prompt_len=8000))
+    decision = scheduler.decide(long, snap, 0.0)
+    assert decision.mode == "disaggregated"
+    assert best_effort(long, decision, snap)
+    assert not best_effort(short, Decision("colocated", None, "d"), snap)
