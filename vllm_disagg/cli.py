@@ -36,6 +36,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     ("requests", "vllm_disagg.orchestrator.admin_cli", "recent requests: where each went, and why"),
     (
+        "rollout",
+        "vllm_disagg.orchestrator.admin_cli",
+        "roll a model to a new revision (the old drains out as the new is ready); pause, resume, rollback",
+    ),
+    (
         "events",
         "vllm_disagg.orchestrator.admin_cli",
         "cluster events: joins, deaths, breakers, fallbacks",

@@ -35,6 +35,7 @@ from vllm_disagg.orchestrator.registry import (
     RegistrySnapshot,
 )
 from vllm_disagg.orchestrator.roles import RoleChangeError, RoleChanger
+from vllm_disagg.orchestrator.rollout import RolloutError, Rollouts
 from vllm_disagg.orchestrator.spawner import AgentSpawner
 from vllm_disagg.orchestrator.workers.hub import WorkerHub
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
@@ -149,7 +150,9 @@ class Admin:
         workers: WorkerHub | None = None,
         roles: RoleChanger | None = None,
         planner: Callable[[], dict[str, Any]] | None = None,
+        rollouts: Rollouts | None = None,
     ) -> None:
+        self._rollouts = rollouts
         self._roles = roles or RoleChanger(registry, control, metrics, clock)
         self._planner = planner
         self._workers = workers  # gateway workers: their metrics and live requests are asked for
@@ -340,6 +343,49 @@ class Admin:
             return _error(404, "this orchestrator has no planner", "NotFoundError")
         return _json(self._planner())
 
+    async def rollout_list(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/rollouts``: every model's rollout, its phase and both revisions' instances."""
+        if self._rollouts is None:
+            return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
+        return _json(self._rollouts.describe())
+
+    async def rollout_start(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/rollouts``: ``{"to": REVISION, "model": NAME}`` (model optional when one is
+        served): new-revision instances may join, and the old revision drains out as they are ready."""
+        if self._rollouts is None:
+            return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
+        try:
+            body = jsonutil.loads(await request.read())
+        except ValueError as exc:
+            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        to = body.get("to") if isinstance(body, dict) else None
+        model = body.get("model") if isinstance(body, dict) else None
+        if not isinstance(to, str) or (model is not None and not isinstance(model, str)):
+            return _error(400, 'give {"to": REVISION} and optionally {"model": NAME}', "BadRequestError")
+        try:
+            rollout = self._rollouts.start(model, to)
+        except RolloutError as exc:
+            return _error(exc.status, exc.message, "RolloutError")
+        return _json(rollout.to_json(self._registry), status=201)
+
+    async def rollout_action(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/rollouts/{model}/pause|resume|rollback``."""
+        if self._rollouts is None:
+            return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
+        model, action = request.match_info["model"], request.match_info["action"]
+        act = {
+            "pause": self._rollouts.pause,
+            "resume": self._rollouts.resume,
+            "rollback": self._rollouts.rollback,
+        }
+        if action not in act:
+            return _error(404, f"no rollout action {action!r} (pause, resume, rollback)", "NotFoundError")
+        try:
+            rollout = act[action](model)
+        except RolloutError as exc:
+            return _error(exc.status, exc.message, "RolloutError")
+        return _json(rollout.to_json(self._registry))
+
     async def weights(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""
         get = getattr(self._scheduler, "weights", None)
@@ -455,6 +501,9 @@ class Admin:
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/role", self.set_role),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
             AdminRoute("GET", "/admin/v1/planner", self.planner),
+            AdminRoute("GET", "/admin/v1/rollouts", self.rollout_list),
+            AdminRoute("POST", "/admin/v1/rollouts", self.rollout_start),
+            AdminRoute("POST", "/admin/v1/rollouts/{model}/{action}", self.rollout_action),
             AdminRoute("GET", "/admin/v1/scheduler", self.scheduler),
             AdminRoute("GET", "/admin/v1/scheduler/weights", self.weights),
             AdminRoute("PUT", "/admin/v1/scheduler/weights", self.update_weights),

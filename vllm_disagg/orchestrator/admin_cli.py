@@ -11,6 +11,7 @@ import os
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,13 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
             choices=(*ROLES, "auto"),
             help="what it serves from now on (pinned: the planner leaves it); auto: lift the pin",
         )
+    if name == "rollout":
+        what = parser.add_mutually_exclusive_group(required=True)
+        what.add_argument("--to", metavar="REVISION", help="start rolling the model to this revision")
+        for action in ("pause", "resume", "rollback"):
+            what.add_argument(f"--{action}", dest="action", action="store_const", const=action)
+        what.add_argument("--status", dest="action", action="store_const", const="status")
+        parser.add_argument("--model", default=None, help="the model (default: the only one served)")
     if name == "add":
         parser.add_argument(
             "engine_url", metavar="ENGINE_URL", help="the running engine, e.g. http://10.0.0.5:8000"
@@ -262,6 +270,37 @@ def _drain(base: str, token: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _rollout(base: str, token: str, args: argparse.Namespace) -> int:
+    """``rollout``: start one (``--to``), pause, resume or roll back one, or show them all."""
+    if args.to is not None:
+        body = {"to": args.to, **({"model": args.model} if args.model else {})}
+        rollout = _expect(*_call("POST", f"{base}/admin/v1/rollouts", token, body), 201)
+    elif args.action == "status":
+        listed = _expect(*_call("GET", f"{base}/admin/v1/rollouts", token))
+        for rollout in listed.get("rollouts", []):
+            print(_describe_rollout(rollout))
+        return 0
+    else:
+        model = args.model
+        if model is None:
+            listed = _expect(*_call("GET", f"{base}/admin/v1/rollouts", token)).get("rollouts", [])
+            if len(listed) != 1:
+                raise _Failed(f"name the model (--model): rollouts of {[r['model'] for r in listed]}")
+            model = listed[0]["model"]
+        path = f"{base}/admin/v1/rollouts/{urllib.parse.quote(model, safe='')}/{args.action}"
+        rollout = _expect(*_call("POST", path, token))
+    print(_describe_rollout(rollout))
+    return 0
+
+
+def _describe_rollout(rollout: dict[str, Any]) -> str:
+    new = ", ".join(f"{i['agent_id']} ({i['state']})" for i in rollout.get("new", [])) or "none yet"
+    return (
+        f"rollout {rollout['model']}: {rollout['from']!r} -> {rollout['to']!r} {rollout['phase']}; "
+        f"drained {', '.join(rollout.get('drained', [])) or 'none'}; new: {new}"
+    )
+
+
 _COMMANDS: dict[str, Callable[[str, str, argparse.Namespace], int]] = {
     "status": _status,
     "events": _events,
@@ -270,6 +309,7 @@ _COMMANDS: dict[str, Callable[[str, str, argparse.Namespace], int]] = {
     "role": _role,
     "requests": _requests,
     "drain": _drain,
+    "rollout": _rollout,
 }
 
 

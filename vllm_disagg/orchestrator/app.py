@@ -32,6 +32,7 @@ from vllm_disagg.orchestrator.planner.runner import PlannerRunner
 from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.roles import RoleChanger
+from vllm_disagg.orchestrator.rollout import Rollouts
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -53,6 +54,7 @@ SPAWNER_KEY = web.AppKey("spawner", AgentSpawner)
 ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate admin listener
 WORKERS_KEY = web.AppKey("workers", WorkerHub)  # only with --gateway-workers above 1
 PLANNER_KEY = web.AppKey("planner", PlannerRunner)
+ROLLOUTS_KEY = web.AppKey("rollouts", Rollouts)
 
 
 def _both(first: Callable[..., None], second: Callable[..., None]) -> Callable[..., None]:
@@ -79,6 +81,7 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
     planner = app[PLANNER_KEY]
     if planner.config.enabled:
         tasks.append(asyncio.create_task(planner.run(), name="orchestrator-planner"))
+    tasks.append(asyncio.create_task(app[ROLLOUTS_KEY].run(), name="orchestrator-rollouts"))
     for task in tasks:
         task.add_done_callback(_log_crash)
     try:
@@ -88,6 +91,7 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             await cancel_and_wait(task)
         await planner.close()
+        await app[ROLLOUTS_KEY].close()
         control.close()
 
 
@@ -133,6 +137,9 @@ def build_app(
     planner_config = load_planner_config_file(config.planner_config)
     gateway.slo_window = SloWindow(planner_config.window_s, clock.monotonic)
     planner = PlannerRunner(planner_config, registry, gateway.slo_window, roles, metrics, events, clock)
+    rollouts = Rollouts(
+        registry, control.admit_revisions, control.settle_revision, control.send_command, events, clock
+    )
     admin = Admin(
         registry,
         control,
@@ -147,6 +154,7 @@ def build_app(
         workers=hub,
         roles=roles,
         planner=planner.describe,
+        rollouts=rollouts,
     )
 
     app = web.Application(client_max_size=config.max_body_bytes)
@@ -162,6 +170,7 @@ def build_app(
     if hub is not None:
         app[WORKERS_KEY] = hub
     app[PLANNER_KEY] = planner
+    app[ROLLOUTS_KEY] = rollouts
     gateway.add_routes(app)
     admin.add_public_routes(app)
     if config.admin_port is None:

@@ -146,6 +146,8 @@ class ControlPlane:
         self._next_command_id = 1
         self._curve = load_server_curve(config)
         self._models: dict[str, ModelSettings] = {}  # fixed by each model's first instance
+        # (model, revision) a rollout admits beside the model's settings; None until its first Hello.
+        self._revisions: dict[tuple[str, str], ModelSettings | None] = {}
         self._incarnations: dict[str, str] = {}  # agent id -> the agent process of its session
 
     @property
@@ -292,6 +294,9 @@ class ControlPlane:
             log.warning("refusing Hello as %r from %s: %s", msg.agent_id, self._who(peer), reason)
             self._refuse(peer, code, reason)
             return
+        key = (msg.instance.model, msg.instance.revision)
+        if key in self._revisions and self._revisions[key] is None:
+            self._revisions[key] = ModelSettings.of(msg.instance)  # a rollout's new revision, first seen
         self._models.setdefault(msg.instance.model, ModelSettings.of(msg.instance))
         if self._refused_peers:
             self._refused_peers = {k for k in self._refused_peers if k[0] != peer}
@@ -366,12 +371,35 @@ class ControlPlane:
             )
         fixed = self._models.get(msg.instance.model)
         said = ModelSettings.of(msg.instance)
-        if fixed is not None and said != fixed:
-            return "model_mismatch", (
-                f"model {msg.instance.model!r} is served with {fixed.describe()}; this instance says "
-                f"{said.describe()}"
-            )
-        return None
+        if fixed is None or said == fixed:
+            return None
+        hint = ""
+        key = (msg.instance.model, msg.instance.revision)
+        if key in self._revisions:  # a revision a rollout admits: its own settings, once seen
+            admitted = self._revisions[key]
+            if admitted is None or admitted == said:
+                return None
+            fixed = admitted
+        elif said.revision != fixed.revision:
+            hint = f"; a new revision joins during a rollout (vllm-disagg rollout --to {said.revision})"
+        return "model_mismatch", (
+            f"model {msg.instance.model!r} is served with {fixed.describe()}; this instance says "
+            f"{said.describe()}{hint}"
+        )
+
+    def admit_revisions(self, model: str, old: str, new: str) -> None:
+        """A rollout begins: Hellos of ``model`` at revision ``old`` or ``new`` are accepted, each
+        revision held to the settings of its first instance."""
+        fixed = self._models.get(model)
+        if fixed is not None and fixed.revision == old:
+            self._revisions[(model, old)] = fixed
+        self._revisions.setdefault((model, new), None)
+
+    def settle_revision(self, model: str, revision: str) -> None:
+        """A rollout completed (or rolled back): the model's settings are ``revision``'s from now on."""
+        settings = self._revisions.get((model, revision))
+        if settings is not None:
+            self._models[model] = settings
 
     def _still_open(self, peer: bytes, agent_id: str) -> bool:
         """Whether ``peer``'s connection is open, found by telling it that another claims its id.

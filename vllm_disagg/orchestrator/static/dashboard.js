@@ -707,6 +707,8 @@
         return `${e.decode} computed ${e.tokens} prompt tokens of KV it was handed by ${(e.prefills || []).join(", ")}`;
       case "removed": return `${e.instance} removed by an operator`;
       case "role": return `${e.instance}: role ${e.from} → ${e.to}`;
+      case "rollout":
+        return `rollout of ${e.model} ${e.from} → ${e.to}: ${e.what}${e.instance ? ` ${e.instance}` : ""}`;
       case "planner_shift":
         return `planner${e.dry_run ? " (dry run)" : ""}: ${e.instance} ${e.from} → ${e.to}, ${e.outcome}: ${e.reason}`;
       default: {
