@@ -122,3 +122,15 @@ def test_a_short_prompt_behind_a_busy_prefill_pool_runs_colocated_to_meet_its_tt
     assert decision.mode == "disaggregated"
     assert best_effort(long, decision, snap)
     assert not best_effort(short, Decision("colocated", None, "d"), snap)
+
+
+def test_the_slo_filter_runs_only_for_requests_with_targets() -> None:
+    snap = snapshot(view("p", role="prefill", metrics=IDLE), view("d", role="decode", metrics=IDLE))
+    scheduler = PluginScheduler()
+
+    def stages(req: SchedulingRequest) -> list[str]:
+        trace = scheduler.decide(req, snap, 0.0).explanation.decode  # type: ignore[union-attr]
+        return [s.filter for s in trace.stages]
+
+    assert "slo-filter" not in stages(with_slo())
+    assert "slo-filter" in stages(with_slo(tpot_s=0.05))

@@ -131,6 +131,8 @@ class Filter(Plugin, Protocol):
     result depends only on the profile and the instances' membership fields (model, role, revision,
     block size, connector, state, drain flags) — not on metrics or the request: the scheduler then runs
     it once per registry membership version (``RegistrySnapshot.membership``), not once per request.
+    A per-request filter may also have ``applies(request) -> bool``: when False it is not run for that
+    request and leaves no stage in its explanation (the slo-filter, for requests without targets).
     """
 
     PER_REQUEST: ClassVar[bool]

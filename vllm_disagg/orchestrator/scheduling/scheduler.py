@@ -173,7 +173,8 @@ class _Profile:
     ) -> None:
         self.name = name
         self.static = tuple(f for f in filters if not f.PER_REQUEST)
-        self.dynamic = tuple(f for f in filters if f.PER_REQUEST)
+        # (filter, its ``applies`` or None): a filter that does not apply to a request is skipped.
+        self.dynamic = tuple((f, getattr(f, "applies", None)) for f in filters if f.PER_REQUEST)
         self.set_weights(scorers)
         self.picker = picker
         self.max_candidates = max_candidates
@@ -297,7 +298,10 @@ class _Profile:
     ) -> tuple[Sequence[InstanceView], tuple[_Stage, ...]]:
         stages = []
         current = pool
-        for f in self.dynamic:
+        request = ctx.request
+        for f, applies in self.dynamic:
+            if applies is not None and not applies(request):
+                continue
             kept = f.filter(ctx, current)
             stages.append(_Stage(f.name, current, kept))
             current = kept

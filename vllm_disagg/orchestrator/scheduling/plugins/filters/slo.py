@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_disagg.orchestrator.registry import InstanceView
-from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
@@ -45,6 +45,11 @@ class SloFilter:
     def __init__(self, name: str, params: Params) -> None:
         self.name = name
         self.params = params
+
+    @staticmethod
+    def applies(request: SchedulingRequest) -> bool:
+        """Only requests with a target are filtered (the scheduler skips this filter for the rest)."""
+        return request.slo_ttft_s is not None or request.slo_tpot_s is not None
 
     def filter(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[InstanceView]:
         """The candidates predicted to meet the SLO this profile decides; all if none or no SLO."""
