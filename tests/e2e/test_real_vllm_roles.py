@@ -1,0 +1,123 @@
+"""Real vLLM changing roles as it runs: two ``kv_both`` engines (NIXL), attached by real agents, swap
+prefill and decode duty through the admin API (the planner's path), and every answer stays
+token-identical to the engine answering alone.
+
+vLLM 0.32's NixlConnector reads a request's ``kv_transfer_params``, not the engine's ``kv_role``, to
+decide whether to hold blocks for a remote decode or pull them from a remote prefill; a ``kv_both``
+engine therefore serves either duty from one request to the next, and a role change is routing alone.
+An engine started ``kv_producer`` or ``kv_consumer`` is held to its role by its agent (409, with the
+reason). The note reports how long a change takes, from the admin call to the first request served
+in the new arrangement.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.e2e.test_real_vllm_attached import running
+from tests.e2e.vllm_support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.helpers import ADMIN, cli_argv, eventually
+from tests.integration.orchestrator_support import orch_config
+from vllm_disagg import jsonutil
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.orchestrator.app import start_orchestrator
+
+pytestmark = pytest.mark.timeout(1800)
+PROMPT = "Both engines can prefill and decode, so which does which is the router's choice alone: "
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
+    """Two ``kv_both`` engines, a core each, in dev mode (their agents learn the kv_role)."""
+    base = free_engine_ports(2)
+    logs = tmp_path_factory.mktemp("engines")
+
+    def engine(name: str, index: int) -> AgentConfig:
+        return AgentConfig(
+            agent_id=name, role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
+            engine_port=base + index, omp_threads_bind=str(index % (os.cpu_count() or 1)),
+        )  # fmt: skip
+
+    dev = {"VLLM_SERVER_DEV_MODE": "1"}
+    with running_vllms(
+        [(engine("a", 0), logs / "a.log"), (engine("b", 1), logs / "b.log")], env={"a": dev, "b": dev}
+    ) as (a, b):
+        yield a, b
+
+
+async def complete(
+    session: aiohttp.ClientSession, base: str, n: int, request_id: str = ""
+) -> tuple[str, dict[str, str]]:
+    body = {"model": MODEL, "prompt": f"{n}. {PROMPT * 4}", "max_tokens": 8, "temperature": 0}
+    headers = {**JSON, **({"X-Request-Id": request_id} if request_id else {})}
+    async with session.post(f"{base}/v1/completions", json=body, headers=headers) as resp:
+        raw = await resp.read()
+        assert resp.status == 200, raw
+        return jsonutil.loads(raw)["choices"][0]["text"], dict(resp.headers)
+
+
+async def set_role(
+    session: aiohttp.ClientSession, admin: str, agent_id: str, role: str
+) -> tuple[int, dict[str, Any]]:
+    async with session.post(
+        f"{admin}/admin/v1/instances/{agent_id}/role", json={"role": role}, headers=ADMIN
+    ) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
+    engines: tuple[str, str], tmp_path: Path
+) -> None:
+    a, b = engines
+    config = orch_config(heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0)
+    server = await start_orchestrator(config, shutdown_timeout_s=5.0)
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            # What each prompt gives from one engine alone (temperature 0): the reference.
+            reference = [(await complete(session, a, n))[0] for n in range(6)]
+            assert reference == [(await complete(session, b, n))[0] for n in range(6)]
+            for base in (a, b):  # so that the answers below come through the KV handoff, not a cache hit
+                async with session.post(f"{base}/reset_prefix_cache") as resp:
+                    assert resp.status == 200
+            flags = ["--model", MODEL, "--engine", "vllm", "--orchestrator", server.zmq_endpoint]
+            flags += ["--health-timeout-s", "20", "--role", "both"]
+            argvs = [
+                cli_argv("agent", "--agent-id", name, "--attach", url, *flags)
+                for name, url in (("a", a), ("b", b))
+            ]
+            with running(argvs, tmp_path / "agents.log"):
+
+                def both_ready() -> bool:
+                    snap = server.registry.snapshot()
+                    return (
+                        len(snap.ready_prefill.get(MODEL, ())) == 2
+                        and len(snap.ready_decode.get(MODEL, ())) == 2
+                    )
+
+                await eventually(both_ready, timeout=300, what="both instances ready")
+                first, second = "a", "b"
+                timings = []
+                for prefill, decode, n in ((first, second, 2), (second, first, 4)):
+                    started = time.monotonic()
+                    for agent_id, role in ((prefill, "prefill"), (decode, "decode")):
+                        status, body = await set_role(session, server.admin_url, agent_id, role)
+                        assert status == 200 and body["role"] == role and body["pinned"], body
+                    text, headers = await complete(session, server.url, n)
+                    timings.append(time.monotonic() - started)
+                    went = (headers["X-Disagg-Mode"], headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"])
+                    assert went == ("disaggregated", prefill, decode)
+                    assert text == reference[n], "token-identical after the change"
+                    text, headers = await complete(session, server.url, n + 1)
+                    assert text == reference[n + 1] and headers["X-Disagg-Prefill"] == prefill
+                    view = server.registry.get(prefill)
+                    assert view is not None and view.session == 1, "the same session: no restart"
+                print(f"role change to first request served: {', '.join(f'{t:.3f} s' for t in timings)}")
+    finally:
+        await server.close()
