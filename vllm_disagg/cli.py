@@ -50,6 +50,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench gateway", "vllm_disagg.bench.gateway", "gateway overhead vs talking to engines directly"),
     ("bench pd", "vllm_disagg.bench.pd", "real vLLM: colocated vs 1P1D through the gateway (TTFT, TPOT)"),
     ("bench scheduler", "vllm_disagg.bench.scheduler", "decision time incl. prefix lookup at N instances"),
+    (
+        "bench planner",
+        "vllm_disagg.bench.planner",
+        "a workload shift on a sim cluster: the planner vs a static split",
+    ),
     ("model tiny", "vllm_disagg.model.tiny", "build the tiny offline test model"),
 )
 
