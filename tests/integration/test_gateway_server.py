@@ -339,3 +339,31 @@ async def test_an_upgrade_request_is_refused_and_the_connection_closes(
     assert (answer.status, answer.headers["x-request-id"]) == (400, "up")
     assert "protocol upgrade" in jsonutil.loads(answer.body)["error"]["message"]
     assert await closed(reader)
+
+
+async def test_a_malformed_request_pipelined_behind_one_in_flight_is_refused_after_its_answer(
+    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    reader, writer = conn
+    writer.write(post(completion(), "fine") + b"NOT HTTP AT ALL\r\n\r\n")
+    first = await read_answer(reader)
+    assert (first.status, first.headers["x-request-id"]) == (200, "fine")
+    refused = await read_answer(reader)
+    assert (
+        refused.status == 400 and "malformed HTTP request" in jsonutil.loads(refused.body)["error"]["message"]
+    )
+    assert await closed(reader)
+
+
+async def test_a_request_whose_own_body_is_malformed_gets_one_answer_and_the_connection_closes(
+    conn: tuple[asyncio.StreamReader, asyncio.StreamWriter],
+) -> None:
+    reader, writer = conn
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nTransfer-Encoding: chunked\r\n"
+        b"X-Request-Id: bad\r\n\r\nzz\r\nnot a chunk\r\n"
+    )
+    answer = await read_answer(reader)
+    assert (answer.status, answer.headers["x-request-id"]) == (400, "bad")
+    assert "malformed HTTP request" in jsonutil.loads(answer.body)["error"]["message"]
+    assert await closed(reader), "one answer, then the end: nothing else is written"

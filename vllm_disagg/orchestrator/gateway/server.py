@@ -289,6 +289,8 @@ class GatewayProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.active: asyncio.Task[None] | None = None  # the request being answered
+        self._answering: FastRequest | None = None  # ... and which request that is
+        self._final: web.Response | None = None  # a refusal to write after it, then close
         self.stopping = False  # the server is closing: no keep-alive
         self.closed = False
         self.idle_since: float | None = None  # loop time since nothing is in flight or half-read
@@ -451,6 +453,7 @@ class GatewayProtocol(asyncio.Protocol):
         if request.expect_continue and request.error is None and request.handler is not None:
             assert self.transport is not None
             self.transport.write(_CONTINUE)
+        self._answering = request
         self.active = self._loop.create_task(self._answer(request))
 
     async def _answer(self, request: FastRequest) -> None:
@@ -485,8 +488,11 @@ class GatewayProtocol(asyncio.Protocol):
         else:  # an aiohttp stream cannot be written here: never made for a FastRequest
             log.error("the gateway answered %s with a %s", request.raw_path, type(response).__name__)
             keep = False
-        self.active = None
+        self.active = self._answering = None
         if not keep:
+            final, self._final = self._final, None
+            if final is not None:  # a request after this one could not be parsed: say so, in order
+                self._write(final, keep=False)
             self.close()
             return
         if self._handoff is not None and not self._queue:
@@ -522,26 +528,21 @@ class GatewayProtocol(asyncio.Protocol):
         """A request that cannot be parsed: answer (after the answers before it) and close."""
         self._pending = b""
         self._between = False  # nothing more is read as requests
-        if self._parsing is not None:
-            self._parsing.error = error
-            self._parsing._wake()
+        parsing, self._parsing = self._parsing, None
+        if parsing is not None:  # its handler (if it runs) reads the error instead of the body
+            parsing.error = error
+            parsing._wake()
         if self.transport is None or self.closed:
             return
         if not self.transport.is_closing():
             self.transport.pause_reading()
-        answer = error_response(error, {})
+        self.stopping = True  # the connection closes after the answer in flight
         if self.active is None:
-            self._write(answer, keep=False)
+            self._write(error_response(error, {}), keep=False)
             self.close()
-        else:  # the answer in flight goes first; then this one, then the end
+        elif parsing is not self._answering:  # not the request in flight's own body: answered after it
             self._queue.clear()
-            self.stopping = True
-
-            def then(_: object) -> None:
-                self._write(answer, keep=False)
-                self.close()
-
-            self.active.add_done_callback(then)
+            self._final = error_response(error, {})
 
     def _hand_over(self, data: bytes) -> None:
         """From this request on, aiohttp serves the connection (after any answer in flight here)."""
