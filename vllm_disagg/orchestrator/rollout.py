@@ -124,7 +124,7 @@ class Rollouts:
             raise RolloutError(404, f"no live instance serves model {model!r}")
         revisions = sorted({v.info.revision for v in live})
         current = self.by_model.get(model)
-        if current is not None and current.phase in ("rolling", "paused"):
+        if current is not None and current.phase in ("rolling", "paused", "rolling_back"):
             raise RolloutError(
                 409, f"model {model!r} is already rolling to {current.to_revision!r} ({current.phase})"
             )
@@ -147,12 +147,14 @@ class Rollouts:
         return others[0]
 
     def pause(self, model: str) -> Rollout:
+        """Stop draining where it is (both revisions serve) until ``resume``."""
         rollout = self._get(model, ("rolling",))
         rollout.phase = "paused"
         self._publish(rollout, "paused")
         return rollout
 
     def resume(self, model: str) -> Rollout:
+        """Go on with a paused rollout."""
         rollout = self._get(model, ("paused",))
         rollout.phase = "rolling"
         self._publish(rollout, "resumed")
