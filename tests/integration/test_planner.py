@@ -4,6 +4,9 @@ instance, through the same role change as an operator's, while requests keep flo
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +18,7 @@ from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from tests.integration.test_gateway import wait_ready
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
-from vllm_disagg.orchestrator.app import PLANNER_KEY, start_orchestrator
+from vllm_disagg.orchestrator.app import PLANNER_KEY, OrchestratorServer, start_orchestrator
 from vllm_disagg.sim.textgen import expected_text
 
 PROMPT = "a prompt of a hundred or so bytes, which the simulated engine prefills as so many tokens. " * 2
@@ -57,41 +60,73 @@ async def planner_view(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
         return dict(await resp.json())
 
 
-async def test_a_slow_prefill_pool_gets_one_decode_instance_and_no_request_fails(
-    tmp_path: Path, sim_engine: EngineFactory
-) -> None:
+@dataclass
+class Loaded:
+    """A 1P2D cluster whose prefill engine is slow, under a load of streamed completions."""
+
+    orch: OrchestratorServer
+    agents: list[FakeAgent]
+    stop: asyncio.Event
+    outcomes: list[str]
+    load: asyncio.Future[None]
+
+    async def finish(self) -> None:
+        """Stop the load and wait for its last request."""
+        self.stop.set()
+        await self.load
+
+
+@contextlib.asynccontextmanager
+async def slow_prefill_under_load(
+    tmp_path: Path, sim_engine: EngineFactory, *, dry_run: bool
+) -> AsyncIterator[Loaded]:
     config_file = tmp_path / "planner.yaml"
-    config_file.write_text(PLANNER.format(dry_run="false"))
+    config_file.write_text(PLANNER.format(dry_run=str(dry_run).lower()))
     orch = await start_orchestrator(orch_config(planner_config=str(config_file)), shutdown_timeout_s=2.0)
     slow = await sim_engine(timing=SimTiming(prefill_s_per_token=0.001))
     agents = [FakeAgent(orch.zmq_endpoint, "p0", slow.url, "prefill")]
     agents += [FakeAgent(orch.zmq_endpoint, f"d{i}", (await sim_engine()).url, "decode") for i in range(2)]
     stop, outcomes = asyncio.Event(), []
+    load: asyncio.Future[None] | None = None
     try:
         for agent in agents:
             await agent.join()
         await wait_ready(orch, 1, 2)
-        async with aiohttp.ClientSession() as http:
-            load = asyncio.ensure_future(serve_load(orch.url, stop, outcomes))
+        load = asyncio.ensure_future(serve_load(orch.url, stop, outcomes))
+        yield Loaded(orch, agents, stop, outcomes, load)
+    finally:
+        stop.set()
+        if load is not None:
+            await asyncio.gather(load, return_exceptions=True)
+        for agent in agents:
+            await agent.close()
+        await orch.close()
 
-            def moved() -> list[str]:
-                snap = orch.registry.snapshot()
-                return [v.agent_id for v in snap.ready_prefill.get(MODEL, ()) if v.agent_id != "p0"]
 
-            (mover,) = await eventually(moved, timeout=60, what="a decode instance moved to prefill")
-            looks = (await planner_view(http, orch.admin_url))["last_look"]["at"]
-            # Ten more looks under the same load: still short, but the cooldown holds.
-            await eventually(
-                lambda: orch.app[PLANNER_KEY].last_at > looks + 10 * 0.2 or None,
-                timeout=60,
-                what="more looks",
-            )
-            stop.set()
-            await load
-            view = await planner_view(http, orch.admin_url)
-            samples = await scrape(http, orch.url)
-            async with http.get(f"{orch.admin_url}/admin/v1/events?follow=false", headers=ADMIN) as resp:
-                events = await resp.text()
+async def test_a_slow_prefill_pool_gets_one_decode_instance_and_no_request_fails(
+    tmp_path: Path, sim_engine: EngineFactory
+) -> None:
+    async with (
+        slow_prefill_under_load(tmp_path, sim_engine, dry_run=False) as cluster,
+        aiohttp.ClientSession() as http,
+    ):
+        orch, agents, outcomes = cluster.orch, cluster.agents, cluster.outcomes
+
+        def moved() -> list[str]:
+            snap = orch.registry.snapshot()
+            return [v.agent_id for v in snap.ready_prefill.get(MODEL, ()) if v.agent_id != "p0"]
+
+        (mover,) = await eventually(moved, timeout=60, what="a decode instance moved to prefill")
+        looks = (await planner_view(http, orch.admin_url))["last_look"]["at"]
+        # Ten more looks under the same load: still short, but the cooldown holds.
+        await eventually(
+            lambda: orch.app[PLANNER_KEY].last_at > looks + 10 * 0.2 or None, timeout=60, what="more looks"
+        )
+        await cluster.finish()
+        view = await planner_view(http, orch.admin_url)
+        samples = await scrape(http, orch.url)
+        async with http.get(f"{orch.admin_url}/admin/v1/events?follow=false", headers=ADMIN) as resp:
+            events = await resp.text()
         assert outcomes and all(o == "ok" for o in outcomes), [o for o in outcomes if o != "ok"][:3]
         assert [(s["instance"], s["from"], s["to"], s["outcome"]) for s in view["shifts"]] == [
             (mover, "decode", "prefill", "done")
@@ -115,45 +150,25 @@ async def test_a_slow_prefill_pool_gets_one_decode_instance_and_no_request_fails
         assert "event: planner_shift" in events and f'"instance":"{mover}"' in events.replace(" ", "")
         moved_agent = next(a for a in agents if a.agent_id == mover)
         assert [c.args for c in moved_agent.commands if c.kind == "set_role"] == [{"role": "prefill"}]
-    finally:
-        stop.set()
-        for agent in agents:
-            await agent.close()
-        await orch.close()
 
 
 async def test_in_dry_run_the_planner_explains_and_suggests_but_moves_nothing(
     tmp_path: Path, sim_engine: EngineFactory
 ) -> None:
-    config_file = tmp_path / "planner.yaml"
-    config_file.write_text(PLANNER.format(dry_run="true"))
-    orch = await start_orchestrator(orch_config(planner_config=str(config_file)), shutdown_timeout_s=2.0)
-    slow = await sim_engine(timing=SimTiming(prefill_s_per_token=0.001))
-    agents = [FakeAgent(orch.zmq_endpoint, "p0", slow.url, "prefill")]
-    agents += [FakeAgent(orch.zmq_endpoint, f"d{i}", (await sim_engine()).url, "decode") for i in range(2)]
-    stop, outcomes = asyncio.Event(), []
-    try:
-        for agent in agents:
-            await agent.join()
-        await wait_ready(orch, 1, 2)
-        async with aiohttp.ClientSession() as http:
-            load = asyncio.ensure_future(serve_load(orch.url, stop, outcomes))
+    async with (
+        slow_prefill_under_load(tmp_path, sim_engine, dry_run=True) as cluster,
+        aiohttp.ClientSession() as http,
+    ):
 
-            async def explained() -> dict[str, Any] | None:
-                view = await planner_view(http, orch.admin_url)
-                return view if view["shifts"] else None
+        async def explained() -> dict[str, Any] | None:
+            view = await planner_view(http, cluster.orch.admin_url)
+            return view if view["shifts"] else None
 
-            view = await eventually(explained, timeout=60, what="a shift explained")
-            stop.set()
-            await load
+        view = await eventually(explained, timeout=60, what="a shift explained")
+        await cluster.finish()
         (shift,) = view["shifts"]
         assert (shift["outcome"], shift["dry_run"], shift["to"]) == ("dry_run", True, "prefill")
         assert view["last_look"]["suggested"]["prefill"] >= 2
-        snap = orch.registry.snapshot()
+        snap = cluster.orch.registry.snapshot()
         assert [v.agent_id for v in snap.ready_prefill.get(MODEL, ())] == ["p0"], "nothing moved"
-        assert all(a.commands == [] for a in agents)
-    finally:
-        stop.set()
-        for agent in agents:
-            await agent.close()
-        await orch.close()
+        assert all(a.commands == [] for a in cluster.agents)

@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import pytest
 
 from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import EngineFactory
@@ -27,6 +29,24 @@ async def agent(
     url = (await engines()).url
     info = InstanceInfo(url=url, role=role, model=MODEL, engine="sim", revision=revision)
     return FakeAgent(orch.zmq_endpoint, agent_id, url, role, info=info)
+
+
+@pytest.fixture
+async def revisions(
+    orch: OrchestratorServer, sim_engine: EngineFactory
+) -> AsyncIterator[tuple[list[FakeAgent], list[FakeAgent]]]:
+    """A prefill and a decode instance of revision r1, and of r2; none has said Hello yet."""
+    old = [
+        await agent(orch, sim_engine, "p-r1", "prefill", "r1"),
+        await agent(orch, sim_engine, "d-r1", "decode", "r1"),
+    ]
+    new = [
+        await agent(orch, sim_engine, "p-r2", "prefill", "r2"),
+        await agent(orch, sim_engine, "d-r2", "decode", "r2"),
+    ]
+    yield old, new
+    for a in old + new:
+        await a.close()
 
 
 async def load(url: str, stop: asyncio.Event, served: list[tuple[str, str]]) -> None:
@@ -55,16 +75,9 @@ def rollout_cli(orch: OrchestratorServer, *args: str) -> str:
 
 
 async def test_the_old_revision_drains_out_as_the_new_one_is_ready_and_no_request_fails(
-    orch: OrchestratorServer, http: aiohttp.ClientSession, sim_engine: EngineFactory
+    orch: OrchestratorServer, http: aiohttp.ClientSession, revisions: tuple[list[FakeAgent], list[FakeAgent]]
 ) -> None:
-    old = [
-        await agent(orch, sim_engine, "p-r1", "prefill", "r1"),
-        await agent(orch, sim_engine, "d-r1", "decode", "r1"),
-    ]
-    new = [
-        await agent(orch, sim_engine, "p-r2", "prefill", "r2"),
-        await agent(orch, sim_engine, "d-r2", "decode", "r2"),
-    ]
+    old, new = revisions
     stop, served = asyncio.Event(), []
     try:
         for a in old:
@@ -105,21 +118,12 @@ async def test_the_old_revision_drains_out_as_the_new_one_is_ready_and_no_reques
             assert f'"what":"{what}"' in events
     finally:
         stop.set()
-        for a in old + new:
-            await a.close()
 
 
 async def test_a_paused_rollout_waits_and_a_rollback_brings_the_old_revision_back(
-    orch: OrchestratorServer, http: aiohttp.ClientSession, sim_engine: EngineFactory
+    orch: OrchestratorServer, http: aiohttp.ClientSession, revisions: tuple[list[FakeAgent], list[FakeAgent]]
 ) -> None:
-    old = [
-        await agent(orch, sim_engine, "p-r1", "prefill", "r1"),
-        await agent(orch, sim_engine, "d-r1", "decode", "r1"),
-    ]
-    new = [
-        await agent(orch, sim_engine, "p-r2", "prefill", "r2"),
-        await agent(orch, sim_engine, "d-r2", "decode", "r2"),
-    ]
+    old, new = revisions
     stop, served = asyncio.Event(), []
     try:
         for a in old:
@@ -160,5 +164,3 @@ async def test_a_paused_rollout_waits_and_a_rollback_brings_the_old_revision_bac
         assert {where for where, _ in served[mark + 1 :]} == {"d-r1"}, "back on the old revision"
     finally:
         stop.set()
-        for a in old + new:
-            await a.close()

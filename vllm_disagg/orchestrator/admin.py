@@ -52,6 +52,14 @@ def _error(status: int, message: str, type_: str) -> web.Response:
     return _json(error_body(message, type_, status), status)
 
 
+async def _read_json(request: web.Request) -> Any:
+    """The request's JSON body, or the 400 to answer when it is not JSON."""
+    try:
+        return jsonutil.loads(await request.read())
+    except ValueError as exc:
+        return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+
+
 def _add_request(body: Any) -> tuple[str, Role | None, str, str]:
     """``POST /admin/v1/instances``'s body -> (url, role, agent id, model); ``BadRequest`` saying why."""
     if not isinstance(body, dict):
@@ -231,10 +239,9 @@ class Admin:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
             return _error(404, f"no instance {agent_id!r}", "NotFoundError")
-        try:
-            body = jsonutil.loads(await request.read())
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
         role = body.get("role") if isinstance(body, dict) else None
         if role == "auto":
             view = self._registry.set_role_pin(agent_id, False)
@@ -265,10 +272,9 @@ class Admin:
         201 once its agent registered, 202 while it is still starting, 422 with connect's reason."""
         if self._spawner is None:
             return _error(404, "this orchestrator does not start agents", "NotFoundError")
-        try:
-            body = jsonutil.loads(await request.read())
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
         try:
             url, role, agent_id, model = _add_request(body)
         except BadRequest as exc:
@@ -354,10 +360,9 @@ class Admin:
         served): new-revision instances may join, and the old revision drains out as they are ready."""
         if self._rollouts is None:
             return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
-        try:
-            body = jsonutil.loads(await request.read())
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
         to = body.get("to") if isinstance(body, dict) else None
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(to, str) or (model is not None and not isinstance(model, str)):
@@ -399,10 +404,9 @@ class Admin:
         update = getattr(self._scheduler, "update_weights", None)
         if update is None:
             return _error(404, "this scheduler has no weights", "NotFoundError")
-        try:
-            body = jsonutil.loads(await request.read())
-        except ValueError as exc:
-            return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        body = await _read_json(request)
+        if isinstance(body, web.Response):
+            return body
         weights = body.get("weights") if isinstance(body, dict) else None
         try:
             return _json({"weights": update(weights)})
