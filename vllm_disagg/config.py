@@ -157,6 +157,10 @@ class OrchestratorConfig:
     idle_timeout_s: float = 300.0
     max_frame_bytes: int = 1 << 20
     command_timeout_s: float = 5.0  # an admin command (drain, shutdown) waits this long for the agent's Ack
+    # A role change that restarts the engine (docs/planner.md): requests on the instance get this long
+    # to finish before it restarts (any left fail over), and the new engine this long to be ready.
+    role_drain_timeout_s: float = 30.0
+    role_restart_timeout_s: float = 600.0
     scheduler_config: str = ""  # YAML file of the scheduler (docs/scheduler.md); empty: the shipped default
     planner_config: str = ""  # YAML file of the planner (docs/planner.md); empty: advisory, defaults
     # --- recovery (docs/operations.md "Failures") ---
@@ -216,6 +220,8 @@ class OrchestratorConfig:
             idle_timeout_s=self.idle_timeout_s,
             max_frame_bytes=self.max_frame_bytes,
             command_timeout_s=self.command_timeout_s,
+            role_drain_timeout_s=self.role_drain_timeout_s,
+            role_restart_timeout_s=self.role_restart_timeout_s,
             prefill_attempts=self.prefill_attempts,
             decode_attempts=self.decode_attempts,
             breaker_failures=self.breaker_failures,
@@ -262,6 +268,9 @@ class AgentConfig:
     # One /health check waits this long; 3 failed in a row and a ready engine is reported unhealthy.
     health_timeout_s: float = 5.0
     engine_nice: int = 0  # added niceness of the launched engine (keeps the control plane responsive)
+    # How a launched engine takes a new role (docs/planner.md): "auto" by routing where it serves both
+    # (the simulator, vLLM kv_both), else by restarting it with the role's kv_role; "restart": always.
+    role_switch: str = "auto"
     sim: SimTiming = field(default_factory=SimTiming)
     # --- real vLLM (engine "vllm"); see docs/engine.md. --max-num-seqs is sim.max_num_seqs for both.
     model_path: str = ""  # weights directory (e.g. from `vllm-disagg model tiny`); required to launch vLLM
@@ -306,6 +315,8 @@ class AgentConfig:
             health_timeout_s=self.health_timeout_s,
         )
         _non_negative("agent", stop_grace_s=self.stop_grace_s)
+        if self.role_switch not in ("auto", "restart"):
+            raise ConfigError(f"agent.role_switch must be 'auto' or 'restart', got {self.role_switch!r}")
         if not 0 <= self.engine_nice <= 19:
             raise ConfigError(f"agent.engine_nice must be 0..19, got {self.engine_nice}")
         _port("agent", "nixl_side_channel_port", self.nixl_side_channel_port)

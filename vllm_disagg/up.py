@@ -74,6 +74,7 @@ class ClusterSpec:
     connect_timeout_s: float = 2.0  # the gateway's, to an engine
     health_timeout_s: float = 5.0  # each agent's /health check of its engine
     stop_grace_s: float = 10.0
+    role_switch: str = "auto"  # how agents' engines take a new role: "auto" or "restart" (--role-switch)
     sim_timing: tuple[tuple[str, str], ...] = ()  # (flag name, value) passed to every sim agent
     extra_orchestrator_args: tuple[str, ...] = field(default=())
     # The admin API's bearer token; a fresh one unless given. The orchestrator reads it from
@@ -155,6 +156,8 @@ class ClusterSpec:
             argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]
         if self.kv_lease_s:
             argv += ["--kv-lease-s", str(self.kv_lease_s)]
+        if self.role_switch != "auto":
+            argv += ["--role-switch", self.role_switch]
         if self.keys_dir:
             keys = Path(self.keys_dir)
             argv += [
@@ -344,6 +347,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
+    parser.add_argument(
+        "--role-switch",
+        choices=("auto", "restart"),
+        default=d.role_switch,
+        help="how an engine takes a new role: auto (by routing where it serves both, else a restart), "
+        "restart (always; e.g. to see restarts with simulated engines)",
+    )
     add_shared_arguments(
         parser.add_argument_group("the orchestrator's recovery and tuning (as vllm-disagg orchestrator's)"),
         forwarded=True,
@@ -373,6 +383,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         connect_timeout_s=args.connect_timeout_s,
         health_timeout_s=args.health_timeout_s,
         stop_grace_s=args.stop_grace_s,
+        role_switch=args.role_switch,
         extra_orchestrator_args=(
             ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()
         )

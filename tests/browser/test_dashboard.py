@@ -39,7 +39,8 @@ WAIT_MS = 30_000
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Decode steps of 20 ms keep a 150-token request in flight for about 3 s, long enough for the
-    # page's one-second polls to see it live; prefill time makes TTFT more than noise.
+    # page's one-second polls to see it live; prefill time makes TTFT more than noise. A role change
+    # restarts the engine (as for a vLLM launched kv_producer or kv_consumer).
     running = start_up(
         tmp_path_factory.mktemp("dashboard"),
         2,
@@ -48,6 +49,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "0.02",
         "--prefill-s-per-token",
         "0.0005",
+        "--role-switch",
+        "restart",
     )
     yield running
     stop(running)
@@ -239,7 +242,9 @@ async def test_an_operator_watches_requests_sees_a_dead_agent_and_drains_an_inst
     await choice.select_option("prefill")
     await set_role.click()
     status = page.locator("#action-status")
-    await expect(status).to_contain_text("role decode-1: decode → prefill", timeout=WAIT_MS)
+    await expect(status).to_contain_text(
+        "role decode-1: decode → prefill (its engine restarted", timeout=WAIT_MS
+    )
     moved = page.locator("#pool-prefill .card[data-instance-id='decode-1']")
     await expect(moved).to_have_attribute("data-role", "prefill", timeout=WAIT_MS)
     await expect(moved).to_have_attribute("data-state", "ready", timeout=WAIT_MS)
@@ -251,5 +256,9 @@ async def test_an_operator_watches_requests_sees_a_dead_agent_and_drains_an_inst
     assert (await admin_instances(cluster))["decode-1"]["role"] == "prefill"
     changed = page.locator("#events li[data-kind='role']").filter(has_text="decode-1: role decode → prefill")
     await expect(changed.first).to_be_visible(timeout=WAIT_MS)
+    restarted = page.locator("#events li[data-kind='role_restart']")
+    for step in ("draining", "restarting", "ready"):
+        text = f"decode-1: role decode → prefill by restart: {step}"
+        await expect(restarted.filter(has_text=text).first).to_be_visible(timeout=WAIT_MS)
     await browser.screenshot("07-role-changed.png")
     assert browser.errors == [], "the page's script threw"

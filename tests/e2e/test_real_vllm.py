@@ -416,6 +416,34 @@ async def test_the_index_follows_the_prefill_engines_kv_events_and_scores_a_repe
     assert row["scores"]["prefix-scorer"] == pytest.approx(full * BLOCK / prompt_tokens, abs=1e-5)
 
 
+async def test_producer_and_consumer_swap_roles_by_restart_and_stay_token_identical(
+    cluster: Cluster, reference: Reference, prompts: list[str]
+) -> None:
+    """``up`` launches prefill as ``kv_producer`` and decode as ``kv_consumer``: a role change drains
+    the instance and its agent restarts vLLM with the other kv_role, in the same session."""
+    before = cluster.instances()
+    timings = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2 * START_TIMEOUT_S)) as session:
+        for agent_id, role in (("prefill-0", "decode"), ("decode-0", "prefill")):
+            started = time.monotonic()
+            url = f"{cluster.base}/admin/v1/instances/{agent_id}/role"
+            async with session.post(url, json={"role": role}, headers=ADMIN) as resp:
+                body = await resp.json()
+            assert resp.status == 200 and (body["role"], body["how"]) == (role, "restart"), body
+            timings.append((agent_id, time.monotonic() - started, body["timeline"]))
+        after = cluster.instances()
+        for agent_id in ("prefill-0", "decode-0"):
+            assert after[agent_id]["session"] == before[agent_id]["session"], "the same session"
+            assert after[agent_id]["state"] == "ready"
+        for case in [c for c in _cases(prompts) if not c.chat][:3]:
+            text, _, headers = await ask(session, cluster.base, case)
+            went = (headers["X-Disagg-Mode"], headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"])
+            assert went == ("disaggregated", "decode-0", "prefill-0"), case.name
+            assert text == reference.texts[case.name], case.name
+    for agent_id, seconds, timeline in timings:
+        print(f"role change of {agent_id} by restart: {seconds:.1f} s, steps {timeline}")
+
+
 def test_after_up_stops_no_vllm_process_remains(cluster: Cluster) -> None:
     ports = {_port_of(i) for i in cluster.instances().values()}
     # Killed engines and what the gateway does about them: test_real_vllm_recovery.py.

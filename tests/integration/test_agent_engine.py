@@ -165,3 +165,41 @@ async def test_attach_mode_follows_health_only(http: aiohttp.ClientSession, tmp_
         await asyncio.gather(task, return_exceptions=True)
         await supervisor.stop()
     assert not pid_file.exists()  # an attached supervisor launches nothing
+
+
+class RoleRecordingSim(SimStandIn):
+    """The real sim engine; remembers the role of every launch (vLLM's argv gives it as kv_role)."""
+
+    def __init__(self) -> None:
+        self.roles: list[str] = []
+
+    def argv(self, cfg: AgentConfig) -> list[str]:
+        self.roles.append(cfg.role)
+        return super().argv(cfg)
+
+
+async def test_a_relaunch_for_a_role_change_says_restarting_at_once_and_starts_the_engine_as_that_role(
+    http: aiohttp.ClientSession,
+) -> None:
+    command = RoleRecordingSim()
+    supervisor = EngineSupervisor(config(role="prefill"), http, SystemClock(), command=command)
+    states: list[str] = []
+    restarted: list[bool] = []
+    supervisor.on_state = states.append
+    supervisor.on_restart = lambda: restarted.append(True)
+    task = asyncio.create_task(supervisor.run())
+    try:
+        await eventually(lambda: supervisor.state == "ready", timeout=DEADLINE_S, what="engine ready")
+        old = supervisor.pid
+        states.clear()
+        supervisor.relaunch("decode")
+        assert supervisor.state == "restarting", "no heartbeat after the Ack may still say ready"
+        assert supervisor.config.role == "decode"
+        await eventually(lambda: supervisor.state == "ready", timeout=DEADLINE_S, what="the new engine ready")
+        assert old is not None and gone(old) and supervisor.pid not in (None, old)
+        assert states == ["restarting", "starting", "ready"] and restarted == [True]
+        assert command.roles == ["prefill", "decode"] and supervisor.restarts == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await supervisor.stop()

@@ -6,14 +6,24 @@ The reactions run in-process over a real ROUTER/DEALER pair on loopback.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from collections.abc import AsyncIterator
 
 import pytest
 
-from vllm_disagg.agent.session import EXIT_REFUSED, HELLO_BACKOFF_MAX_S, AgentSession, SessionEnd, hello_delay
+from vllm_disagg.agent.session import (
+    EXIT_REFUSED,
+    HELLO_BACKOFF_MAX_S,
+    AgentSession,
+    RoleSwitch,
+    SessionEnd,
+    hello_delay,
+)
 from vllm_disagg.protocol.messages import (
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
+    RESTART_REQUIRED,
     Ack,
     Command,
     Goodbye,
@@ -23,6 +33,7 @@ from vllm_disagg.protocol.messages import (
     Message,
     MetricsSnapshot,
     Refuse,
+    Role,
     Welcome,
 )
 from vllm_disagg.protocol.transport import DealerTransport, RouterTransport
@@ -152,29 +163,80 @@ async def test_a_burst_of_refused_heartbeats_triggers_one_hello_not_one_each(
     assert not session._wake.is_set()  # later refusals wait for the Hello backoff instead
 
 
-async def test_set_role_is_acked_and_the_hello_says_it_from_then_on_unless_the_engine_cannot(
-    pair: tuple[RouterTransport, DealerTransport],
-) -> None:
-    router, dealer = pair
-    session = new_session(dealer)
-    session.role_refusal = lambda role: "it was launched as a producer" if role == "decode" else ""
+async def acks_of(
+    pair: tuple[RouterTransport, DealerTransport], session: AgentSession, welcome: Welcome, *commands: Command
+) -> list[Ack]:
+    """The session's Acks to ``commands``, sent after ``welcome``."""
+    router, _ = pair
     run = asyncio.create_task(session.run())
     try:
         hello = await asyncio.wait_for(router.recv(), 30)
-        assert router.send(hello.peer, WELCOME)
-        for command in (Command(1, "set_role", {"role": "decode"}), Command(2, "set_role", {"role": "chef"})):
+        assert router.send(hello.peer, welcome)
+        for command in commands:
             assert router.send(hello.peer, command)
-        assert router.send(hello.peer, Command(3, "set_role", {"role": "prefill"}))
         acks: list[Ack] = []
-        while len(acks) < 3:
+        while len(acks) < len(commands):
             incoming = await asyncio.wait_for(router.recv(), 30)
             if isinstance(incoming.message, Ack):
                 acks.append(incoming.message)
+        return acks
     finally:
         run.cancel()
+
+
+CURRENT = dataclasses.replace(WELCOME, protocol_minor=PROTOCOL_MINOR)  # an orchestrator of this release
+
+
+def producer(role: Role) -> RoleSwitch:
+    """A launched ``kv_producer`` engine: prefill as it runs, decode after a restart; never both."""
+    if role == "decode":
+        return RoleSwitch("restart", "launched as a producer")
+    return RoleSwitch("refuse", "no connector for both") if role == "both" else RoleSwitch("live")
+
+
+async def test_set_role_is_acked_and_the_hello_says_it_from_then_on_unless_the_engine_cannot(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    session = new_session(pair[1])
+    session.role_switch = producer
+    commands = [Command(1, "set_role", {"role": "both"}), Command(2, "set_role", {"role": "chef"})]
+    acks = await acks_of(pair, session, WELCOME, *commands, Command(3, "set_role", {"role": "prefill"}))
     assert acks == [
-        Ack(1, False, "it was launched as a producer"),
+        Ack(1, False, "no connector for both"),
         Ack(2, False, "unknown role 'chef'; one of ['prefill', 'decode', 'both']"),
         Ack(3, True),
     ]
     assert session.instance.role == "prefill" and session.registered, "no new Hello: the session goes on"
+
+
+async def test_a_role_that_needs_a_restart_is_answered_restart_required_then_restarted_when_asked(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    session = new_session(pair[1])
+    session.role_switch = producer
+    restarted: list[Role] = []
+    session.restart_as = restarted.append
+    ask, restart = {"role": "decode"}, {"role": "decode", "restart": "yes"}
+    acks = await acks_of(pair, session, CURRENT, Command(1, "set_role", ask))
+    assert acks == [Ack(1, False, "launched as a producer", code=RESTART_REQUIRED)]
+    assert session.instance.role == "both" and not restarted, "nothing changes until the orchestrator says"
+    acks = await acks_of(pair, session, CURRENT, Command(2, "set_role", restart))
+    assert acks == [Ack(2, True)] and restarted == ["decode"] and session.instance.role == "decode"
+
+
+async def test_an_orchestrator_of_1_1_gets_a_plain_refusal_and_an_agent_that_cannot_restart_refuses(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    session = new_session(pair[1])
+    session.role_switch = producer
+    session.restart_as = lambda role: None
+    old = dataclasses.replace(WELCOME, protocol_minor=1)  # it would not know the Ack's code
+    assert await acks_of(pair, session, old, Command(1, "set_role", {"role": "decode"})) == [
+        Ack(1, False, "launched as a producer")
+    ]
+    session.restart_as = None  # e.g. an attached engine: not ours to restart
+    restart = {"role": "decode", "restart": "yes"}
+    assert await acks_of(pair, session, CURRENT, Command(2, "set_role", restart)) == [
+        Ack(2, False, "launched as a producer")
+    ]
+    assert session.instance.role == "both"

@@ -15,7 +15,7 @@ from vllm_disagg.agent.discover import (
     parse_metrics,
     parse_models,
     parse_server_info,
-    role_refusal,
+    role_switch,
 )
 from vllm_disagg.config import AgentConfig
 
@@ -171,35 +171,40 @@ def test_an_attached_simulator_says_no_connector_as_a_launched_one_does() -> Non
 
 
 @pytest.mark.parametrize(
-    ("overrides", "facts", "role", "refusal"),
+    ("overrides", "facts", "role", "how", "why"),
     [
-        (dict(engine="sim"), None, "decode", ""),
-        (dict(attach_url=""), None, "decode", "launched with kv_role kv_producer; restart it as decode"),
-        (dict(attach_url="", role="both"), None, "decode", ""),
-        (dict(attach_url="", kv_connector=""), None, "decode", "without a KV connector"),
+        (dict(engine="sim"), None, "decode", "live", ""),
+        (dict(engine="sim", attach_url="", role_switch="restart"), None, "decode", "restart", "role_switch"),
+        (dict(attach_url=""), None, "decode", "restart", "launched with kv_role kv_producer: it restarts"),
+        (dict(attach_url="", role="both"), None, "decode", "live", ""),
+        (dict(attach_url="", role="both", role_switch="restart"), None, "decode", "restart", "role_switch"),
+        (dict(attach_url="", kv_connector=""), None, "decode", "refuse", "without a KV connector"),
         (
             dict(),
             dataclasses.replace(FACTS, kv_role="kv_producer"),
             "decode",
+            "refuse",
             "it can serve as prefill, not decode",
         ),
-        (dict(), dataclasses.replace(FACTS, kv_role="kv_both"), "decode", ""),
-        (dict(), FACTS, "decode", ""),  # kv_role unknown (no dev mode): allowed
-        (dict(), None, "prefill", ""),  # the role it has
+        (dict(role_switch="restart"), dataclasses.replace(FACTS, kv_role="kv_both"), "decode", "live", ""),
+        (dict(), FACTS, "decode", "live", ""),  # kv_role unknown (no dev mode): allowed
+        (dict(), None, "prefill", "live", ""),  # the role it has
     ],
     ids=[
-        "the simulator serves any role",
-        "a launched producer cannot decode",
-        "a launched kv_both engine can",
+        "the simulator serves any role as it runs",
+        "role_switch restart restarts even the simulator",
+        "a launched producer restarts to decode",
+        "a launched kv_both engine switches by routing",
+        "unless role_switch says restart",
         "a launched engine without a connector serves whole requests only",
-        "an attached producer says it cannot decode",
-        "an attached kv_both engine can",
+        "an attached producer says it cannot decode: not ours to restart",
+        "an attached kv_both engine can (role_switch is for launched engines)",
         "an attached engine that does not say is trusted",
         "no change",
     ],
 )
-def test_whether_the_engine_can_take_a_new_role(
-    overrides: dict[str, object], facts: EngineFacts | None, role: str, refusal: str
+def test_how_the_engine_can_take_a_new_role(
+    overrides: dict[str, object], facts: EngineFacts | None, role: str, how: str, why: str
 ) -> None:
-    why = role_refusal(cfg(**overrides), role, facts)  # type: ignore[arg-type]
-    assert (refusal in why) if refusal else why == "", why
+    switch = role_switch(cfg(**overrides), role, facts)  # type: ignore[arg-type]
+    assert switch.how == how and (why in switch.why if why else switch.why == ""), switch

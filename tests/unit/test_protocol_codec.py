@@ -27,6 +27,7 @@ from vllm_disagg.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
+    RESTART_REQUIRED,
     Ack,
     Command,
     Goodbye,
@@ -407,3 +408,8 @@ def test_fields_added_after_1_0_are_left_out_while_they_hold_their_default() -> 
     assert decode(encode(old)) == old and decode(encode(new)) == new
     welcome = Welcome(protocol_version=1, agent_id="a", heartbeat_interval_s=0.25, heartbeat_timeout_s=1.0)
     assert "protocol_minor" not in msgpack.unpackb(encode(welcome))[1]
+    refused = Ack(id=1, ok=False, error="no")
+    assert msgpack.unpackb(encode(refused))[1] == {"id": 1, "ok": False, "error": "no"}
+    restart = Ack(id=1, ok=False, error="no", code=RESTART_REQUIRED)  # 1.2, only to an orchestrator of 1.2
+    assert msgpack.unpackb(encode(restart))[1]["code"] == RESTART_REQUIRED
+    assert decode(encode(restart)) == restart

@@ -31,7 +31,7 @@ import yarl
 
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.engine import tokenizer_source
-from vllm_disagg.agent.session import AgentSession
+from vllm_disagg.agent.session import AgentSession, RoleSwitch
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.messages import InstanceInfo, Role
 
@@ -81,29 +81,36 @@ def check_role(role: Role, facts: EngineFacts) -> None:
         )
 
 
-def role_refusal(cfg: AgentConfig, role: Role, facts: EngineFacts | None) -> str:
-    """Why this agent's engine cannot serve ``role`` ("" when it can): the ``set_role`` check.
+def role_switch(cfg: AgentConfig, role: Role, facts: EngineFacts | None) -> RoleSwitch:
+    """How the engine can serve ``role``: the ``set_role`` check.
 
-    The simulator serves any role. A vLLM's ``kv_role`` is fixed when it starts: one the agent launched
-    has the one its role gave it, an attached one the one it says (in dev mode; unknown is allowed).
+    The simulator serves any role as it runs. A vLLM's ``kv_role`` is fixed when it starts: one the
+    agent launched serves another role by routing if it is ``kv_both``, else the agent restarts it with
+    the new role's ``kv_role``; an attached one (the agent cannot restart it) only the role it says (in
+    dev mode; unknown is allowed). ``role_switch: restart`` restarts any launched engine.
     """
-    if cfg.engine != "vllm" or role == cfg.role:
-        return ""
-    if not cfg.attach_url:
-        from vllm_disagg.agent.vllm_command import KV_ROLES  # it imports the agent's engine module
+    if role == cfg.role:
+        return RoleSwitch("live")
+    if cfg.attach_url:
+        if facts is not None:
+            try:
+                check_role(role, facts)
+            except DiscoveryError as exc:
+                return RoleSwitch("refuse", str(exc))
+        return RoleSwitch("live")
+    if cfg.engine == "vllm" and not cfg.kv_connector:
+        why = "the engine runs without a KV connector: it can only serve whole requests (role both)"
+        return RoleSwitch("refuse", why)
+    if cfg.role_switch == "restart":
+        return RoleSwitch("restart", f"role_switch is restart: the engine restarts as {role}")
+    if cfg.engine != "vllm":
+        return RoleSwitch("live")
+    from vllm_disagg.agent.vllm_command import KV_ROLES  # it imports the agent's engine module
 
-        kv_role = KV_ROLES[cfg.role] if cfg.kv_connector else ""
-        if not kv_role:
-            return "the engine runs without a KV connector: it can only serve whole requests (role both)"
-        if kv_role != "kv_both":
-            return f"the engine was launched with kv_role {kv_role}; restart it as {role} to change its role"
-        return ""
-    if facts is not None:
-        try:
-            check_role(role, facts)
-        except DiscoveryError as exc:
-            return str(exc)
-    return ""
+    kv_role = KV_ROLES[cfg.role]
+    if kv_role != "kv_both":
+        return RoleSwitch("restart", f"the engine was launched with kv_role {kv_role}: it restarts as {role}")
+    return RoleSwitch("live")
 
 
 def attached_instance_info(cfg: AgentConfig, facts: EngineFacts) -> tuple[InstanceInfo, list[str]]:

@@ -32,7 +32,7 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.procfs import group_members
-from vllm_disagg.protocol.messages import EngineState, InstanceInfo
+from vllm_disagg.protocol.messages import EngineState, InstanceInfo, Role
 from vllm_disagg.runtime import SELF_ARGV, child_env, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
@@ -242,10 +242,27 @@ class EngineSupervisor:
         self._failed_checks = 0  # consecutive failed health checks
         self.state: EngineState = "starting"
         self.restarts = 0
+        self._relaunch_as: AgentConfig | None = None  # a role change's restart, for the loop to do
+        self._wake = asyncio.Event()
         # Called once a dead or stuck engine is gone, before its replacement starts (its cache is lost).
         self.on_restart: Callable[[], None] | None = None
         # Called on every state change: the agent reports it at once, not at the next heartbeat.
         self.on_state: Callable[[EngineState], None] | None = None
+
+    @property
+    def config(self) -> AgentConfig:
+        """The config the engine runs with now (its role changes with a restart for a role change)."""
+        return self._relaunch_as or self._cfg
+
+    def relaunch(self, role: Role) -> None:
+        """Restart the engine as ``role`` (its role's ``kv_role``). The state says ``restarting`` from
+        now on, so no heartbeat after the ``set_role`` Ack still says ``ready``; the loop does the rest."""
+        assert not self.attached, "an attached engine is not ours to restart"
+        if self.state == "stopped":
+            return
+        self._relaunch_as = dataclasses.replace(self.config, role=role)
+        self._set_state("restarting")
+        self._wake.set()
 
     @property
     def attached(self) -> bool:
@@ -292,6 +309,8 @@ class EngineSupervisor:
         """Observe the engine once, update ``state``, and return the decision."""
         alive = self.attached or (self._proc is not None and self._proc.poll() is None)
         healthy = alive and await self._healthy()
+        if self._relaunch_as is not None:  # asked while we looked: the engine seen is going away
+            return Decision(self.state)
         self._failed_checks = 0 if healthy else self._failed_checks + 1
         obs = Observation(
             state=self.state,
@@ -316,9 +335,15 @@ class EngineSupervisor:
         if not self.attached:
             self._spawn()
         while True:
+            if self._relaunch_as is not None:
+                await self._relaunch()
             decision = await self.tick()
             if decision.action == "none":
-                await asyncio.sleep(self._interval_s)
+                # asyncio.timeout, not wait_for (see AgentSession._talk_loop): woken by ``relaunch``.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._interval_s):
+                        await self._wake.wait()
+                self._wake.clear()
                 continue
             if decision.action == "kill":
                 log.warning("engine not ready after %.0f s; killing it", self._cfg.startup_timeout_s)
@@ -337,6 +362,19 @@ class EngineSupervisor:
             self._spawn()
             self.restarts += 1
             self._set_state("starting")
+
+    async def _relaunch(self) -> None:
+        """Stop the engine and start it again with the new role's config (not a failure: no backoff)."""
+        cfg = self._relaunch_as
+        assert cfg is not None
+        log.info("restarting the engine as %s", cfg.role)
+        await self._terminate()
+        if self.on_restart is not None:
+            self.on_restart()
+        self._cfg, self._relaunch_as = cfg, None
+        self._spawn()
+        self.restarts += 1
+        self._set_state("starting")
 
     async def _terminate(self) -> None:
         """SIGTERM the engine's process group, SIGKILL it after ``stop_grace_s``; nothing survives."""

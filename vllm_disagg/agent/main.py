@@ -12,7 +12,7 @@ import sys
 
 import aiohttp
 
-from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_refusal
+from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch
 from vllm_disagg.agent.engine import EngineSupervisor, instance_info
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
 from vllm_disagg.agent.scraper import MetricsScraper
@@ -57,6 +57,12 @@ _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--stop-grace-s", "stop_grace_s", float, "SIGTERM to the engine, then SIGKILL after this"),
     ("--health-timeout-s", "health_timeout_s", float, "one /health check; 3 failed in a row: unhealthy"),
     ("--engine-nice", "engine_nice", int, "niceness added to the launched engine (0..19)"),
+    (
+        "--role-switch",
+        "role_switch",
+        str,
+        "a new role: auto (by routing where the engine serves both, else restart it), restart (always)",
+    ),
 )
 # Real vLLM (--engine vllm): see docs/engine.md.
 _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
@@ -176,7 +182,12 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
                 attached.engine_state(state)
 
         engine.on_state = on_state
-        session.role_refusal = lambda role: role_refusal(cfg, role, attached.facts if attached else None)
+        # Asked of the engine's config now: a restart for a role change gives it the new role's.
+        session.role_switch = lambda role: role_switch(
+            engine.config, role, attached.facts if attached else None
+        )
+        if attached is None:
+            session.restart_as = engine.relaunch
         if attached is not None:
             attached.session = session
         endpoint = forwarder_endpoint(cfg)

@@ -15,11 +15,13 @@ import random
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from vllm_disagg.errors import FieldTypeError, VersionMismatch
 from vllm_disagg.protocol.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
+    RESTART_REQUIRED,
     ROLES,
     Ack,
     Command,
@@ -55,6 +57,15 @@ def hello_delay(attempt: int, jitter: float) -> float:
     """
     base = min(HELLO_BACKOFF_MAX_S, HELLO_BACKOFF_START_S * 2.0 ** min(attempt, 32))
     return base * (0.5 + 0.5 * jitter)
+
+
+@dataclass(frozen=True, slots=True)
+class RoleSwitch:
+    """How this agent's engine can take a new role: at once (``live``: routing alone), by restarting
+    with the role's ``kv_role`` (``restart``), or not at all (``refuse``); ``why`` says why not live."""
+
+    how: Literal["live", "restart", "refuse"]
+    why: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,8 +110,11 @@ class AgentSession:
         self.seq = 0  # of the last heartbeat sent; grows for the agent's whole life
         self.hellos_sent = 0
         self.welcomes = 0  # sessions started (a repeated Welcome counts: each may follow a new Hello)
-        # Why the engine cannot serve a role ("" when it can): asked before a ``set_role`` is obeyed.
-        self.role_refusal: Callable[[Role], str] = lambda _role: ""
+        # How the engine can serve a role: asked before a ``set_role`` is obeyed; ``restart_as`` restarts
+        # it as one (a ``set_role`` that says ``restart`` after the orchestrator drained the instance).
+        self.role_switch: Callable[[Role], RoleSwitch] = lambda _role: RoleSwitch("live")
+        self.restart_as: Callable[[Role], None] | None = None
+        self.peer_minor = 0  # the orchestrator's protocol minor, from its Welcome
         # Called on every Welcome, registered already: the orchestrator has just dropped (or never had)
         # what it knew of this instance beyond the Hello, e.g. its KV index entries.
         self.on_welcome: Callable[[], None] | None = None
@@ -176,6 +190,7 @@ class AgentSession:
                     )
                 self.registered = True
                 self.welcomes += 1
+                self.peer_minor = message.protocol_minor
                 if message.heartbeat_interval_s > 0:
                     self.interval_s = message.heartbeat_interval_s
                 self._poke()
@@ -229,17 +244,26 @@ class AgentSession:
         """Take the role the orchestrator asks for, if the engine can serve it; the Ack says which.
 
         No new Hello: the orchestrator applies the role when the Ack says yes (the session, and the
-        requests on it, go on), and the Hello says it from now on (a reconnect resumes the session)."""
+        requests on it, go on), and the Hello says it from now on (a reconnect resumes the session).
+        An engine that must restart for it answers ``RESTART_REQUIRED`` first; the orchestrator drains
+        the instance and asks again with ``restart``, and the engine restarts after the Ack."""
         role = command.args.get("role", "")
         if role not in ROLES:
             return Ack(id=command.id, ok=False, error=f"unknown role {role!r}; one of {list(ROLES)}")
-        why = self.role_refusal(role)
-        if why:
-            log.warning("refusing to become %s: %s", role, why)
-            return Ack(id=command.id, ok=False, error=why)
+        switch = self.role_switch(role)
+        if switch.how == "refuse" or (switch.how == "restart" and self.restart_as is None):
+            log.warning("refusing to become %s: %s", role, switch.why)
+            return Ack(id=command.id, ok=False, error=switch.why)
+        if switch.how == "restart" and command.args.get("restart") != "yes":
+            # An orchestrator of 1.0 refuses fields it does not know; one of 1.1 reads a refusal.
+            code = RESTART_REQUIRED if self.peer_minor >= 2 else ""
+            return Ack(id=command.id, ok=False, error=switch.why, code=code)
         instance = dataclasses.replace(self._hello.instance, role=role)
         self._hello = dataclasses.replace(self._hello, instance=instance)
-        log.info("now serving as %s", role)
+        if switch.how == "restart":
+            assert self.restart_as is not None
+            self.restart_as(role)
+        log.info("now serving as %s%s", role, " (the engine restarts)" if switch.how == "restart" else "")
         return Ack(id=command.id, ok=True)
 
     async def _talk_loop(self) -> None:

@@ -233,9 +233,10 @@ class Admin:
 
     async def set_role(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances/{agent_id}/role``: ``{"role": "prefill|decode|both"}``; its agent
-        checks that the engine can serve it (409 with the reason if not), then it serves so at once,
-        its session and in-flight requests untouched. The role is pinned: the planner leaves the
-        instance there until ``{"role": "auto"}`` lifts the pin."""
+        checks that the engine can serve it (409 with the reason if not), then it serves so, by routing
+        at once or after a drain and a restart of its engine (``roles``; the answer says ``how``, with
+        the steps' ``timeline``). The role is pinned: the planner leaves the instance there until
+        ``{"role": "auto"}`` lifts the pin."""
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
             return _error(404, f"no instance {agent_id!r}", "NotFoundError")
@@ -243,19 +244,22 @@ class Admin:
         if isinstance(body, web.Response):
             return body
         role = body.get("role") if isinstance(body, dict) else None
+        how, timeline = "none", dict[str, float]()
         if role == "auto":
             view = self._registry.set_role_pin(agent_id, False)
             old = view.info.role
         elif role in ROLES:
             try:
-                old, view = await self._roles.change(agent_id, role)
+                change = await self._roles.change(agent_id, role)
             except RoleChangeError as exc:
                 return _error(exc.status, exc.message, exc.kind)
+            old, how, timeline = change.old, change.how, change.timeline
             view = self._registry.set_role_pin(agent_id, True)
         else:
             return _error(400, f"'role' must be one of {[*ROLES, 'auto']}, got {role!r}", "BadRequestError")
         snap = self._registry.snapshot()
         body = {"agent_id": agent_id, "from": old, "role": view.info.role, "pinned": view.role_pinned}
+        body |= {"how": how, "timeline": timeline}
         return _json({**body, "instance": self._instance(view, snap, self._clock.monotonic())})
 
     async def _cordon(self, request: web.Request, cordoned: bool) -> web.Response:

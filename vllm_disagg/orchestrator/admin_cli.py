@@ -23,6 +23,7 @@ from vllm_disagg.protocol.messages import ROLES
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 _TIMEOUT_S = 15.0
+_ROLE_TIMEOUT_S = 1800.0  # above the orchestrator's default drain (30 s) and restart (600 s) timeouts
 _COLUMNS = (
     ("AGENT", "agent_id"),
     ("STATE", "state"),
@@ -89,14 +90,16 @@ def add_arguments_for(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--limit", type=int, default=20, help="how many recent requests (newest first)")
 
 
-def _call(method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
+def _call(
+    method: str, url: str, token: str, body: Any = None, timeout_s: float = _TIMEOUT_S
+) -> tuple[int, Any]:
     headers = admin_headers(token) if token else {}
     data = jsonutil.dumps(body) if body is not None else b"" if method == "POST" else None
     if body is not None:
         headers["Content-Type"] = "application/json"
     req = urllib.request.Request(url, method=method, data=data, headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=_TIMEOUT_S) as resp:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
             return resp.status, jsonutil.loads(resp.read())
     except urllib.error.HTTPError as exc:
         body = exc.read()
@@ -239,9 +242,13 @@ def _role(base: str, token: str, args: argparse.Namespace) -> int:
     """``role``: change what an instance serves (its agent may refuse: 409 with its reason), pinning
     it there; ``auto`` hands it back to the planner."""
     url = f"{base}/admin/v1/instances/{args.agent_id}/role"
-    body = _expect(*_call("POST", url, token, {"role": args.role}))
+    # An engine that restarts for its new role answers once it is ready: minutes, for a large model.
+    body = _expect(*_call("POST", url, token, {"role": args.role}, timeout_s=_ROLE_TIMEOUT_S))
     pin = "pinned" if body.get("pinned") else "the planner may move it"
-    print(f"role {args.agent_id}: {body['from']} -> {body['role']} ({pin})")
+    restart = ""
+    if body.get("how") == "restart":
+        restart = f", its engine restarted: ready after {body['timeline'].get('ready', '?')} s"
+    print(f"role {args.agent_id}: {body['from']} -> {body['role']} ({pin}{restart})")
     return 0
 
 

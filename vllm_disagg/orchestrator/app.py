@@ -133,7 +133,15 @@ def build_app(
     on_hello = gateway.instance_joined if hub is None else _both(gateway.instance_joined, hub.instance_joined)
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=on_hello)
     spawner = AgentSpawner(control, registry)
-    roles = RoleChanger(registry, control, metrics, clock)
+    roles = RoleChanger(
+        registry,
+        control,
+        metrics,
+        clock,
+        events,
+        drain_timeout_s=config.role_drain_timeout_s,
+        restart_timeout_s=config.role_restart_timeout_s,
+    )
     planner_config = load_planner_config_file(config.planner_config)
     gateway.slo_window = SloWindow(planner_config.window_s, clock.monotonic)
     planner = PlannerRunner(planner_config, registry, gateway.slo_window, roles, metrics, events, clock)

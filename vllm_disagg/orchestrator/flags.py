@@ -27,6 +27,18 @@ SHARED_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         float,
         "no heartbeat this long: stop routing to the instance before it is dead (default: off)",
     ),
+    (
+        "--role-drain-timeout-s",
+        "role_drain_timeout_s",
+        float,
+        "a role change that restarts the engine waits this long for the requests on it (then they fail over)",
+    ),
+    (
+        "--role-restart-timeout-s",
+        "role_restart_timeout_s",
+        float,
+        "and this long for the restarted engine to be ready",
+    ),
     ("--prefill-attempts", "prefill_attempts", int, "prefill instances tried before running colocated"),
     ("--decode-attempts", "decode_attempts", int, "decode instances tried before the first byte"),
     ("--max-resumes", "max_resumes", int, "mid-stream resumes of one request on another instance"),

@@ -33,6 +33,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 # The gateway's own work per request: the target is well under a millisecond.
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+# A role change: routing alone takes milliseconds, a restart of vLLM seconds to minutes.
+_ROLE_CHANGE_BUCKETS = (0.001, 0.01, 0.1, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
@@ -265,6 +267,13 @@ class OrchestratorMetrics:
             ["instance", "from_role", "to_role"],
             registry=r,
         )
+        self._role_change_seconds = Histogram(
+            "vllm_disagg_role_change_seconds",
+            "A role change from its request to the instance serving the new role, by how (routing, restart)",
+            ["how"],
+            buckets=_ROLE_CHANGE_BUCKETS,
+            registry=r,
+        )
         self._slo_requests = Counter(
             "vllm_disagg_slo_requests",
             "Requests with latency targets (x-slo-ttft-ms, x-slo-tpot-ms or the defaults), by target "
@@ -374,9 +383,10 @@ class OrchestratorMetrics:
         """Count a leg tried again elsewhere."""
         self._retry_children[leg, cause].inc()
 
-    def role_changed(self, agent_id: str, old: str, new: str) -> None:
-        """Count an instance's change of role."""
+    def role_changed(self, agent_id: str, old: str, new: str, how: str, seconds: float) -> None:
+        """Count an instance's change of role, and how long it took (``how``: routing or restart)."""
         self._role_changes.labels(agent_id, old, new).inc()
+        self._role_change_seconds.labels(how).observe(seconds)
 
     def slo_request(self, slo: str, outcome: str) -> None:
         """Count a request with latency targets by its class and whether it met them."""

@@ -507,6 +507,16 @@ class Registry(SnapshotSource):
             self.on_event("role", {"instance": agent_id, "from": old, "to": role})
         return self._views[agent_id]
 
+    def engine_restarting(self, agent_id: str, reason: str) -> InstanceView:
+        """Its agent is restarting the engine (a role change): until a heartbeat says ready again, it
+        is not routed to, and requests still on it fail over."""
+        inst = self._instances[agent_id]
+        lost = inst.engine_state not in _ENGINE_LOST
+        inst.engine_state = "restarting"
+        if inst.state != "dead":
+            self._update(inst, reason if lost else "")
+        return self._views[agent_id]
+
     def set_role_pin(self, agent_id: str, pinned: bool) -> InstanceView:
         """An operator pins the instance's role (the planner leaves it), or lifts the pin."""
         inst = self._instances[agent_id]

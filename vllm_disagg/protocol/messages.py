@@ -19,10 +19,15 @@ from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 PROTOCOL_VERSION = 1  # the major version: peers must agree on it
-PROTOCOL_MINOR = 1  # 1: unknown fields are ignored, Hello and Welcome say their minor
+# 1: unknown fields are ignored, Hello and Welcome say their minor. 2: ``Ack.code``.
+PROTOCOL_MINOR = 2
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
+SINCE_MINOR_2 = {"since_minor": 2}
+# ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
+# orchestrator drains the instance, then asks again with ``args["restart"] = "yes"``.
+RESTART_REQUIRED = "restart_required"
 
 Role = Literal["prefill", "decode", "both"]
 EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -150,6 +155,8 @@ class Ack:
     id: int
     ok: bool
     error: str = ""
+    # Machine-readable reason of a refusal (``RESTART_REQUIRED``); sent only to an orchestrator of 1.2+.
+    code: str = field(default="", metadata=SINCE_MINOR_2)
 
 
 @dataclass(frozen=True, slots=True)

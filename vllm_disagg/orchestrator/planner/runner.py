@@ -114,12 +114,13 @@ class PlannerRunner:
     async def _shift(self, record: dict[str, Any]) -> None:
         started = self._clock.monotonic()
         try:
-            await self._roles.change(record["instance"], record["to"])
+            change = await self._roles.change(record["instance"], record["to"])
         except RoleChangeError as exc:
             record["outcome"], record["error"] = "failed", exc.message
             log.warning("planner: moving %s to %s failed: %s", record["instance"], record["to"], exc.message)
         else:
-            record["outcome"] = "done"
+            record["outcome"], record["how"] = "done", change.how
+            record["timeline"].update(change.timeline)
         record["timeline"]["ended"] = round(self._clock.monotonic() - started, 6)
         self._metrics.planner_shift(record["from"], record["to"], record["outcome"])
         self._events.publish("planner_shift", **record)
@@ -151,6 +152,7 @@ class PlannerRunner:
         }
 
     async def close(self) -> None:
-        """Wait for a shift under way (it is one command to one agent, bounded by its timeout)."""
+        """Stop a shift under way (a restart's drain is undone as it stops)."""
         if self._shifting is not None:
+            self._shifting.cancel()
             await asyncio.gather(self._shifting, return_exceptions=True)

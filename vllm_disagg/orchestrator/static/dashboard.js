@@ -329,7 +329,7 @@
     if (!current || wanted === role.current) return;
     role.button.dataset.busy = "1";
     syncRole(role, null);
-    showAction(`Asking ${id} to serve as ${wanted}…`, "info");
+    showAction(`Asking ${id} to serve as ${wanted} (an engine that must restart for it is drained first)…`, "info");
     try {
       const body = await api(`/admin/v1/instances/${encodeURIComponent(id)}/role`, {
         method: "POST",
@@ -337,7 +337,8 @@
         body: JSON.stringify({ role: wanted }),
       });
       if (body.instance) role.current = body.instance.role;
-      showAction(`role ${id}: ${body.from} → ${body.role}.`, "ok");
+      const restarted = body.how === "restart" ? ` (its engine restarted: ready after ${body.timeline.ready} s)` : "";
+      showAction(`role ${id}: ${body.from} → ${body.role}${restarted}.`, "ok");
     } catch (err) {
       if (err instanceof AuthError) return authFailed(current, err.message);
       // 409: the engine cannot serve that role (the agent's reason is in the message); it keeps its own.
@@ -709,6 +710,11 @@
       case "role": return `${e.instance}: role ${e.from} → ${e.to}`;
       case "rollout":
         return `rollout of ${e.model} ${e.from} → ${e.to}: ${e.what}${e.instance ? ` ${e.instance}` : ""}`;
+      case "role_restart": {
+        const steps = Object.entries(e.timeline || {}).map(([k, v]) => `${k} ${v} s`).join(", ");
+        const left = e.left_in_flight ? `, ${e.left_in_flight} request(s) failed over` : "";
+        return `${e.instance}: role ${e.from} → ${e.to} by restart: ${e.step}${steps ? ` (${steps})` : ""}${left}${e.error ? `: ${e.error}` : ""}`;
+      }
       case "planner_shift":
         return `planner${e.dry_run ? " (dry run)" : ""}: ${e.instance} ${e.from} → ${e.to}, ${e.outcome}: ${e.reason}`;
       default: {
@@ -737,7 +743,7 @@
     list.prepend(item);
     while (list.children.length > MAX_EVENTS) list.lastElementChild.remove();
     $("events-empty").hidden = true;
-    if (["joined", "state", "breaker", "removed", "role"].includes(kind)) refreshSoon();
+    if (["joined", "state", "breaker", "removed", "role", "role_restart"].includes(kind)) refreshSoon();
   }
 
   // ---- Start ---------------------------------------------------------------------------------
