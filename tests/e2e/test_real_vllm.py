@@ -45,10 +45,10 @@ from tests.helpers import (
     stop_process_group,
 )
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.kv_events import BlockRemoved, BlockStored, decode_frames
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
 from vllm_disagg.procfs import engine_servers, group_members
+from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -21,12 +21,12 @@ from tests.helpers import eventually, free_port
 from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, sample, scrape
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.kv_events import BlockRemoved, BlockStored, decode_frames
 from vllm_disagg.agent.main import serve
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer
 from vllm_disagg.protocol.messages import Heartbeat, KvEvent, KvEvents
 from vllm_disagg.sim.textgen import tokenize
+from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames
 
 AGENT = "agent-kv"
 BLOCK = 16

@@ -11,11 +11,11 @@ import zmq.asyncio
 
 from tests.helpers import eventually, free_port
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.kv_events import BlockStored, KvEventBatch, apply, decode_frames
 from vllm_disagg.config import SimEngineConfig, SimTiming
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, prompt_block_hashes
+from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, apply_batch, prompt_block_hashes
 from vllm_disagg.sim.engine import ENGINE_KEY, SimServer, start_engine
 from vllm_disagg.sim.textgen import tokenize
+from vllm_disagg.wire.kv_events import BlockStored, KvEventBatch, decode_frames
 
 BLOCK = 16
 PROMPT = "The quick brown fox jumps over the lazy dog; " * 2 + "and then?"  # 99 tokens: 6 full blocks
@@ -65,7 +65,7 @@ async def test_block_stored_events_feed_a_prefix_index(
                 while await sock.poll(timeout=20):
                     batch = decode_frames(await sock.recv_multipart())
                     received.append(batch)
-                    apply(index, server.url, batch)
+                    apply_batch(index, server.url, batch)
                     got += 1
                 return got
 

@@ -7,19 +7,18 @@ from typing import Any
 import msgpack
 import pytest
 
-from vllm_disagg.agent.kv_events import (
+from vllm_disagg.config import SimEngineConfig
+from vllm_disagg.errors import ConfigError, KvEventsError, ProtocolError
+from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, apply_batch, prompt_block_hashes
+from vllm_disagg.sim.kv import PrefixCache, chain_hashes
+from vllm_disagg.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KvEventBatch,
-    apply,
     decode_frames,
     encode_batch,
 )
-from vllm_disagg.config import SimEngineConfig
-from vllm_disagg.errors import ConfigError, KvEventsError, ProtocolError
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, prompt_block_hashes
-from vllm_disagg.sim.kv import PrefixCache, chain_hashes
 
 BS = 4
 PROMPT = list(range(100, 114))  # three full blocks of 4 and a partial tail
@@ -146,19 +145,21 @@ def test_encode_then_decode_is_identity() -> None:
 def test_applied_events_give_the_prompts_matched_blocks() -> None:
     index = PrefixIndex(BS)
     keys = prompt_block_hashes(PROMPT, BS)
-    apply(index, "a", decode_frames(frames([0.0, [stored_map()]])))  # blocks 0-1
-    apply(
+    apply_batch(index, "a", decode_frames(frames([0.0, [stored_map()]])))  # blocks 0-1
+    apply_batch(
         index,
         "a",
         decode_frames(
             frames([0.0, [stored_map(block_hashes=[3], parent_block_hash=BIG2, token_ids=PROMPT[8:12])]])
         ),
     )
-    apply(index, "b", decode_frames(frames([0.0, [stored_map(block_hashes=[1], token_ids=PROMPT[:4])]])))
+    apply_batch(
+        index, "b", decode_frames(frames([0.0, [stored_map(block_hashes=[1], token_ids=PROMPT[:4])]]))
+    )
     assert index.match(keys) == {"a": 3, "b": 1}
-    apply(index, "a", KvEventBatch(1, 0.0, (BlockRemoved((BIG2,)),)))
+    apply_batch(index, "a", KvEventBatch(1, 0.0, (BlockRemoved((BIG2,)),)))
     assert index.match(keys) == {"a": 1, "b": 1}
-    apply(index, "b", KvEventBatch(2, 0.0, (AllBlocksCleared(),)))
+    apply_batch(index, "b", KvEventBatch(2, 0.0, (AllBlocksCleared(),)))
     assert index.match(keys) == {"a": 1}
 
 
@@ -170,7 +171,7 @@ def test_a_block_size_the_index_does_not_use_is_refused_before_any_change() -> N
         (BlockStored((1,), None, tuple(PROMPT[:4]), BS), BlockStored((2,), None, tuple(PROMPT[:8]), 8)),
     )
     with pytest.raises(KvEventsError, match="8-token blocks"):
-        apply(index, "a", batch)
+        apply_batch(index, "a", batch)
     assert len(index) == 0
 
 

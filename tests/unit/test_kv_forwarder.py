@@ -16,8 +16,6 @@ import pytest
 import zmq
 
 from tests.helpers import eventually, free_port
-from vllm_disagg.agent import kv_events
-from vllm_disagg.agent.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, _items, forwarder_endpoint, to_protocol
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.session import AgentSession
@@ -33,6 +31,8 @@ from vllm_disagg.protocol.messages import (
     Welcome,
 )
 from vllm_disagg.protocol.transport import DealerTransport, RouterTransport
+from vllm_disagg.wire import kv_events
+from vllm_disagg.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 
 BS = 4
 TOKENS = list(range(500, 540))  # ten blocks of 4

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
-from vllm_disagg.agent import kv_events
 from vllm_disagg.agent.kv_mirror import KvMirror
 from vllm_disagg.agent.session import AgentSession
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
 from vllm_disagg.protocol.messages import KvEvent, KvEvents
+from vllm_disagg.wire import kv_events
 
 log = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ from vllm_disagg.sim.kv import PrefixCache, PullOutcome, TransferHolds
 from vllm_disagg.sim.metrics import EngineMetrics, GaugeValues
 from vllm_disagg.sim.openai_api import SimRequest
 from vllm_disagg.sim.prompts import PromptInfo
+from vllm_disagg.wire.kv_transfer import producer_handle
 
 ABORTED = -1  # queued to a streaming handler when the engine gives up on its request
 
@@ -135,19 +136,15 @@ class EngineCore:
         if req.remote_decode:
             # The whole prompt, its partial last block included, as vLLM 0.32's NixlConnector moves it.
             block_ids = self.holds.hold(req.request_id, seq.prompt.token_ids, now)
-            seq.kv_params = {
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "remote_block_ids": list(block_ids),
-                "remote_engine_id": self.engine_id,
-                "remote_host": self.advertised_host,
-                "remote_port": self.advertised_port,
-                "tp_size": 1,
-                "remote_request_id": req.request_id,
-            }
-            if self.config.prefill_cache_in_handle:
+            seq.kv_params = producer_handle(
+                block_ids=list(block_ids),
+                engine_id=self.engine_id,
+                host=self.advertised_host,
+                port=self.advertised_port,
+                request_id=req.request_id,
                 # vLLM 0.32: P's own prefix-cache hits, which D then reports as its cached tokens.
-                seq.kv_params["remote_prefill_cached_tokens"] = seq.cached_tokens
+                prefill_cached_tokens=seq.cached_tokens if self.config.prefill_cache_in_handle else None,
+            )
         m.request_success["length"] += 1
         m.request_generation_tokens.observe(n)
         m.e2e.observe(now - seq.arrival)

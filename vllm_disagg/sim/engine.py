@@ -24,13 +24,13 @@ from vllm_disagg.sim.metrics import CONTENT_TYPE
 from vllm_disagg.sim.openai_api import (
     DONE,
     Kind,
-    RemotePrefill,
     ResponseEncoder,
     check_length,
     parse_request,
     random_request_id,
 )
 from vllm_disagg.sim.prompts import PromptInfo, PromptTable
+from vllm_disagg.wire.kv_transfer import RemotePrefill
 
 SIM_VERSION = "0.32.0+sim"
 KV_PULL_PATH = "/sim/kv/pull"

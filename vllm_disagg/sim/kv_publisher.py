@@ -11,8 +11,8 @@ from collections.abc import Sequence
 
 import zmq
 
-from vllm_disagg.agent.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 from vllm_disagg.clock import Clock
+from vllm_disagg.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, encode_batch
 
 _SEND_HWM = 10_000  # batches queued for a subscriber before new ones are dropped
 

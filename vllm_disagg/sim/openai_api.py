@@ -17,23 +17,13 @@ from typing import Any, Literal
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import BadRequest, ModelNotFound
 from vllm_disagg.sim import textgen
+from vllm_disagg.wire.kv_transfer import RemotePrefill, remote_prefill, reused_prompt_ids
+from vllm_disagg.wire.openai import check_vocab, messages_of, prompt_of
 
 Kind = Literal["completion", "chat"]
 DONE = b"data: [DONE]\n\n"
 FINISH_REASON = "length"  # the sim never emits EOS, so every request runs to max_tokens
 _NULL = b"null"
-
-
-@dataclass(frozen=True, slots=True)
-class RemotePrefill:
-    """Where a decode request's KV waits: the prefill engine's ``kv_transfer_params``."""
-
-    engine_id: str
-    host: str
-    port: int
-    block_ids: tuple[int, ...]
-    request_id: str | None
-    prefill_cached_tokens: int | None = None  # vLLM 0.32's remote_prefill_cached_tokens: D reports it
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,99 +56,9 @@ def _as_tuple(kinds: type | tuple[type, ...]) -> tuple[type, ...]:
     return kinds if isinstance(kinds, tuple) else (kinds,)
 
 
-def _prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
-    prompt = body.get("prompt")
-    if prompt is None:
-        raise BadRequest("'prompt' is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one is the same request
-    if isinstance(prompt, str):
-        if not prompt:
-            raise BadRequest("prompt cannot be empty", param="prompt")
-        return prompt
-    if isinstance(prompt, list):
-        if not prompt:
-            raise BadRequest("prompt cannot be empty", param="prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt):
-            return tuple(prompt)
-        if all(isinstance(p, str | list) for p in prompt):
-            raise BadRequest("batched prompts are not supported by the simulated engine", param="prompt")
-        raise BadRequest("'prompt' must be a string or a list of non-negative token ids", param="prompt")
-    raise BadRequest("'prompt' must be a string or a list of token ids", param="prompt")
-
-
-def _messages(body: Mapping[str, Any]) -> str:
-    messages = body.get("messages")
-    if messages is None:
-        raise BadRequest("'messages' is required", param="messages")
-    if not isinstance(messages, list) or not messages:
-        raise BadRequest("'messages' must be a non-empty list", param="messages")
-    for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest("each message must be an object with a 'role'", param="messages")
-    return textgen.apply_chat_template(messages)
-
-
-def _remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
-    host = params.get("remote_host")
-    port = params.get("remote_port")
-    block_ids = params.get("remote_block_ids") or []
-    engine_id = params.get("remote_engine_id")
-    request_id = params.get("remote_request_id")
-    if not isinstance(host, str) or not host:
-        raise BadRequest("kv_transfer_params.remote_host is required to pull KV", param="kv_transfer_params")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise BadRequest("kv_transfer_params.remote_port must be a TCP port", param="kv_transfer_params")
-    if not isinstance(block_ids, list) or not all(
-        isinstance(b, int) and not isinstance(b, bool) for b in block_ids
-    ):
-        raise BadRequest(
-            "kv_transfer_params.remote_block_ids must be a list of ints", param="kv_transfer_params"
-        )
-    if not isinstance(engine_id, str):
-        raise BadRequest("kv_transfer_params.remote_engine_id must be a string", param="kv_transfer_params")
-    if request_id is not None and not isinstance(request_id, str):
-        raise BadRequest("kv_transfer_params.remote_request_id must be a string", param="kv_transfer_params")
-    cached = params.get("remote_prefill_cached_tokens")
-    if not isinstance(cached, int):
-        cached = None  # vLLM ignores a figure that is not an int
-    return RemotePrefill(engine_id, host, port, tuple(block_ids), request_id, cached)
-
-
 def random_request_id() -> str:
     """vLLM's ``random_uuid()``: 16 hex digits, the request id when the client gives none."""
     return f"{uuid.uuid4().int & ((1 << 64) - 1):016x}"
-
-
-def _check_vocab(ids: tuple[int, ...], param: str | None) -> None:
-    top = max(ids)
-    if top >= textgen.VOCAB_SIZE:
-        raise BadRequest(f"Token id {top} is out of vocabulary", param=param)
-
-
-def _reused_prompt_ids(body: Mapping[str, Any], params: Mapping[str, Any] | None) -> tuple[int, ...] | None:
-    """Chat's ``kv_transfer_params.prompt_token_ids``: vLLM 0.32 runs these ids instead of the template."""
-    ids = params.get("prompt_token_ids") if params else None
-    if ids is None or _has_non_text_content(body["messages"]):
-        return None  # vLLM renders the messages then, to keep their media
-    if not isinstance(ids, list) or not ids or any(type(t) is not int or t < 0 for t in ids):
-        raise BadRequest(
-            "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of non-negative integers.",
-            param="kv_transfer_params.prompt_token_ids",
-        )
-    reused = tuple(ids)
-    _check_vocab(reused, "kv_transfer_params.prompt_token_ids")
-    return reused
-
-
-def _has_non_text_content(messages: list[Any]) -> bool:
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type", "text") not in ("text", "input_text") for p in content
-        ):
-            return True
-    return False
 
 
 def parse_request(
@@ -180,12 +80,12 @@ def parse_request(
     params = _field(body, "kv_transfer_params", dict)
     prompt: str | tuple[int, ...]
     if kind == "completion":
-        prompt = _prompt(body)
+        prompt = prompt_of(body)
         if isinstance(prompt, tuple):
-            _check_vocab(prompt, None)
+            check_vocab(prompt, textgen.VOCAB_SIZE, None)
     else:
-        prompt = _messages(body)
-        prompt = _reused_prompt_ids(body, params) or prompt
+        prompt = textgen.apply_chat_template(messages_of(body))
+        prompt = reused_prompt_ids(body, params, textgen.VOCAB_SIZE) or prompt
     max_tokens = _field(body, "max_tokens", int)
     if kind == "chat":
         max_tokens = _field(body, "max_completion_tokens", int, max_tokens)
@@ -207,7 +107,7 @@ def parse_request(
         body_id = body.get("request_id")
         request_id = body_id if isinstance(body_id, str) and body_id else random_request_id()
     remote_decode = bool(params and params.get("do_remote_decode"))
-    remote_prefill = _remote_prefill(params) if params and params.get("do_remote_prefill") else None
+    remote = remote_prefill(params) if params and params.get("do_remote_prefill") else None
     return SimRequest(
         kind,
         request_id,
@@ -216,7 +116,7 @@ def parse_request(
         stream,
         include_usage,
         remote_decode,
-        remote_prefill,
+        remote,
         return_token_ids,
         continuous_usage,
     )

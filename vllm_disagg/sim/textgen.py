@@ -14,38 +14,19 @@ import sys
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 
-# Each output token is one word with a leading space; 64 words so text stays readable.
-WORDS: tuple[str, ...] = tuple(
-    """alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar
-    papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu amber basil cedar dune
-    ember fern grove heath iris jade kelp lotus maple nectar opal pine quartz reed sage thyme umber
-    vale willow yarrow zinnia acorn birch clover daisy elm flax gorse hazel ivy juniper kale larch""".split()
-)
-FIRST_WORD_ID = 256  # ids 0..255 are the UTF-8 bytes; word i is token 256 + i
-VOCAB_SIZE = FIRST_WORD_ID + len(WORDS)
+# The model's vocabulary, tokenizer and chat template live where the gateway's tokenizer can read them.
+from vllm_disagg.model.sim import FIRST_WORD_ID as FIRST_WORD_ID
+from vllm_disagg.model.sim import VOCAB_SIZE as VOCAB_SIZE
+from vllm_disagg.model.sim import WORDS as WORDS
+from vllm_disagg.model.sim import apply_chat_template as apply_chat_template
+from vllm_disagg.model.sim import tokenize as tokenize
+
 _MASK = (1 << 64) - 1
 # A prime near sqrt(2) * 2**63: 2**64 mod it (the hash's base) is a large, irregular number.
 _MODULUS = 0xB504F333F9DE6471
 # The context's first "digit": without it, leading zero tokens would not change the hash.
 _START = 0x9E3779B97F4A7C15
 _SWAP = sys.byteorder == "little"
-
-
-def tokenize(text: str) -> list[int]:
-    """The simulated tokenizer: one token per UTF-8 byte (ids 0..255)."""
-    return list(text.encode("utf-8"))
-
-
-def apply_chat_template(messages: Iterable[Mapping[str, object]]) -> str:
-    """The simulated chat template: each message as ``<|role|>\\ncontent\\n``, then the assistant cue."""
-    parts = []
-    for m in messages:
-        content = m.get("content", "")
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-        parts.append(f"<|{m.get('role', 'user')}|>\n{content}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
 
 
 def context_state(token_ids: Sequence[int]) -> int:

@@ -19,6 +19,7 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import BadRequest, EngineRejected, UpstreamError, UpstreamTimeout
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineConnectError, EngineHTTPError
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.wire.kv_transfer import PREFILL_LEG
 
 # Longest engine error text quoted back to a client.
 _MAX_QUOTE = 300
@@ -63,14 +64,7 @@ def one_token_body(request: dict[str, Any]) -> dict[str, Any]:
 def prefill_body(request: dict[str, Any]) -> bytes:
     """The prefill leg's body: one token, no stream, asking the engine to keep the KV for a remote decode."""
     body = one_token_body(request)
-    body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    body["kv_transfer_params"] = dict(PREFILL_LEG)
     return dumps_leg(body)
 
 

@@ -31,6 +31,7 @@ from typing import Any, Literal, Protocol
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import BadRequest
+from vllm_disagg.model import sim as sim_model
 from vllm_disagg.orchestrator.gateway.content_format import ContentFormat, content_format
 from vllm_disagg.orchestrator.gateway.tokenize_worker import (
     DEFAULT_MAX_PENDING,
@@ -38,7 +39,8 @@ from vllm_disagg.orchestrator.gateway.tokenize_worker import (
     TokenizeWorker,
 )
 from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
-from vllm_disagg.sim import openai_api, textgen
+from vllm_disagg.wire.kv_transfer import reused_prompt_ids
+from vllm_disagg.wire.openai import messages_of, prompt_of
 
 log = logging.getLogger(__name__)
 
@@ -89,20 +91,21 @@ class _SimTokenizer:
 
     def completions(self, body: Mapping[str, Any]) -> list[int] | None:
         try:
-            prompt = openai_api._prompt(body)
+            prompt = prompt_of(body)
         except BadRequest:
             return None
-        return textgen.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        return sim_model.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
 
     def chat_completions(self, body: Mapping[str, Any]) -> list[int] | None:
         try:
-            templated = openai_api._messages(body)
+            templated = sim_model.apply_chat_template(messages_of(body))
             params = body.get("kv_transfer_params")
-            reused = openai_api._reused_prompt_ids(body, params if isinstance(params, dict) else None)
+            mapping = params if isinstance(params, dict) else None
+            reused = reused_prompt_ids(body, mapping, sim_model.VOCAB_SIZE)
         except BadRequest:
             return None
         # As vLLM 0.32: ids forwarded in kv_transfer_params run instead of the templated messages.
-        return list(reused) if reused else textgen.tokenize(templated)
+        return list(reused) if reused else sim_model.tokenize(templated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,7 @@ class _HfTokenizer:
         ):
             return None
         try:
-            prompt = openai_api._prompt(body)  # one prompt: text, token ids, or a batch of one
+            prompt = prompt_of(body)  # one prompt: text, token ids, or a batch of one
         except BadRequest:
             return None
         return (self._encode(prompt, add_special_tokens) or None) if isinstance(prompt, str) else list(prompt)

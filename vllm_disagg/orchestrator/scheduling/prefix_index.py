@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vllm_disagg.errors import KvEventsError
+from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, KvEventBatch
+
 ROOT = 0  # the parent of a prompt's first block
 
 
@@ -224,3 +227,20 @@ class PrefixIndex:
             low = gone & -gone
             matched[ids[low.bit_length() - 1]] = depth
             gone ^= low
+
+
+def apply_batch(index: PrefixIndex, instance_id: str, batch: KvEventBatch) -> None:
+    """Feed a batch to the index; ``KvEventsError`` (before any change) on a block size it does not use."""
+    for event in batch.events:
+        if isinstance(event, BlockStored) and event.block_size != index.block_size:
+            raise KvEventsError(
+                f"instance {instance_id!r} stores {event.block_size}-token blocks, "
+                f"the index uses {index.block_size}"
+            )
+    for event in batch.events:
+        if isinstance(event, BlockStored):
+            index.stored(instance_id, event.block_hashes, event.parent_block_hash, event.token_ids)
+        elif isinstance(event, BlockRemoved):
+            index.removed(instance_id, event.block_hashes)
+        else:
+            index.cleared(instance_id)

@@ -1,4 +1,4 @@
-"""vLLM's KV-cache events: typed events, the ZeroMQ wire format both ways, and feeding a ``PrefixIndex``.
+"""vLLM's KV-cache events: typed events and the ZeroMQ wire format both ways.
 
 vLLM (``--kv-events-config``, publisher ``zmq``) sends 3 frames per batch: the topic, the sequence
 number as 8 big-endian bytes, and msgpack of ``[ts, [event, ...], data_parallel_rank]``. An event is a
@@ -17,7 +17,6 @@ from typing import Any
 import msgpack
 
 from vllm_disagg.errors import KvEventsError
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex
 
 TOPIC = b"kv-events"
 
@@ -192,20 +191,3 @@ def encode_batch(seq: int, ts: float, events: Sequence[KvEvent]) -> list[bytes]:
     """The 3 frames vLLM would publish for these events (maps, data-parallel rank 0)."""
     payload = msgpack.packb([ts, [_to_wire(e) for e in events], 0])
     return [TOPIC, seq.to_bytes(8, "big"), payload]
-
-
-def apply(index: PrefixIndex, instance_id: str, batch: KvEventBatch) -> None:
-    """Feed a batch to the index; ``KvEventsError`` (before any change) on a block size it does not use."""
-    for event in batch.events:
-        if isinstance(event, BlockStored) and event.block_size != index.block_size:
-            raise KvEventsError(
-                f"instance {instance_id!r} stores {event.block_size}-token blocks, "
-                f"the index uses {index.block_size}"
-            )
-    for event in batch.events:
-        if isinstance(event, BlockStored):
-            index.stored(instance_id, event.block_hashes, event.parent_block_hash, event.token_ids)
-        elif isinstance(event, BlockRemoved):
-            index.removed(instance_id, event.block_hashes)
-        else:
-            index.cleared(instance_id)
