@@ -55,6 +55,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "vllm_disagg.bench.planner",
         "a workload shift on a sim cluster: the planner vs a static split",
     ),
+    (
+        "bench calibrate",
+        "vllm_disagg.bench.calibrate",
+        "real vLLM: measure prefill and decode step costs, fit the cluster simulator's profile",
+    ),
     ("model tiny", "vllm_disagg.model.tiny", "build the tiny offline test model"),
 )
 

@@ -4,7 +4,8 @@
   (vLLM's formats) and ``model`` (test models, the simulated model's tokenizer) import only the
   package root and the plain utilities (errors, clock, jsonutil);
 - **engines and services**: ``sim`` (the simulated engine) sees the base; ``agent`` the base and
-  ``sim`` (it launches one); ``orchestrator`` the base only;
+  ``sim`` (it launches one); ``orchestrator`` the base only; ``cluster_sim`` (the discrete-event
+  simulator) the base, ``sim`` (its timing model) and ``orchestrator`` (whose code decides in it);
 - **tools** (``up``, ``cli``, ``bench``, ``chaos``) see everything.
 
 Without it a cycle crept in once: sim → agent (KV-event frames) → orchestrator (the prefix index) →
@@ -37,6 +38,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "sim": BASE | CORE,
     "agent": BASE | CORE | {"sim"},
     "orchestrator": BASE | CORE,
+    "cluster_sim": BASE | CORE | {"sim", "orchestrator"},
 }
 TOOLS = frozenset({"up", "cli", "bench", "chaos", "__init__"})
 

@@ -29,7 +29,6 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import (
     BadRequest,
-    NoCapacity,
     PayloadTooLarge,
     RequestError,
     UpstreamError,
@@ -54,7 +53,7 @@ from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.signals import SloWindow
-from vllm_disagg.orchestrator.registry import GatewayRegistry, RegistrySnapshot
+from vllm_disagg.orchestrator.registry import GatewayRegistry
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
     Decision,
@@ -62,6 +61,7 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     Scheduler,
     SchedulingRequest,
 )
+from vllm_disagg.orchestrator.scheduling.routing import route_request
 from vllm_disagg.protocol.messages import InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -153,28 +153,6 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
         raise BadRequest(f"'{PIN_FIELD}' must be a non-empty string, got {_quote(pinned)}", param=PIN_FIELD)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
     return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class _LastResort:
-    """The explanation of a request no decode instance could take, served by a prefill instance."""
-
-    reason: str
-    pick: str
-
-    def to_json(self) -> dict[str, object]:
-        return {"scheduler": "last-resort", "reason": self.reason, "pick": self.pick}
-
-
-def last_resort(request: SchedulingRequest, snapshot: RegistrySnapshot, no_decode: NoCapacity) -> Decision:
-    """No decode instance is ready: the least busy ready prefill instance serves the request by itself
-    (colocated; a vLLM KV producer serves a request without ``kv_transfer_params`` like any engine).
-    Re-raises ``no_decode`` when there is none either."""
-    spare = snapshot.ready_prefill.get(request.model, ())
-    if not spare:
-        raise no_decode
-    pick = min(spare, key=lambda v: (snapshot.in_flight_of(v.agent_id), v.agent_id)).agent_id
-    return Decision("colocated", None, pick, _LastResort(no_decode.message, pick))
 
 
 class Gateway:
@@ -459,10 +437,7 @@ class Gateway:
             # The registry and the clock moved on meanwhile.
             snapshot, now = self.registry.snapshot(), self.clock.monotonic()
         scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo)
-        try:
-            decision = self.scheduler.decide(scheduling, snapshot, now)
-        except NoCapacity as exc:
-            decision = last_resort(scheduling, snapshot, exc)
+        decision = route_request(self.scheduler, scheduling, snapshot, now)
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))
         return scheduling, decision

@@ -1,0 +1,446 @@
+"""A simulated cluster: engines on virtual time, and the orchestrator's own parts deciding everything.
+
+What is the orchestrator's code, not a copy: the ``Registry`` (instance states, heartbeats, timeouts,
+breakers, in-flight counts), the ``KvIndex`` fed by the engines' KV events as agents forward them,
+the scheduler (``route_request``: the plugin scheduler, or a baseline policy), its retry picks
+(``pick_prefill``/``pick_decode``), and the planner's pure decision (``planner.decide.plan`` on
+``pool_signals`` of an ``SloWindow``). What is modelled: the engines (``engine.Engine``), the network
+(a KV transfer's time; every other hop is free) and the gateway's I/O, which follows
+``orchestrator.gateway.flow`` step for step:
+
+- a prefill leg that fails is retried on another prefill instance, up to ``prefill_attempts``; then
+  the request runs colocated on its decode instance;
+- a decode leg that fails before its first token is retried on another decode instance, up to
+  ``decode_attempts``, after a new prefill (the failed one may have pulled the KV);
+- a stream cut after its first token resumes colocated elsewhere, up to ``max_resumes``, carrying
+  the tokens it had (its TPOT includes the gap).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vllm_disagg.cluster_sim.engine import Engine, Leg
+from vllm_disagg.cluster_sim.events import EventLoop, VirtualClock
+from vllm_disagg.cluster_sim.profile import EngineProfile
+from vllm_disagg.cluster_sim.trace import Trace, TraceRequest, prompt_token_ids
+from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.errors import RequestError
+from vllm_disagg.orchestrator.health import BreakerPolicy
+from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.planner.config import PlannerConfig
+from vllm_disagg.orchestrator.planner.decide import Memory
+from vllm_disagg.orchestrator.planner.decide import plan as plan_shift
+from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
+from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
+from vllm_disagg.orchestrator.scheduling.routing import route_request
+from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, KvEvent, Role
+
+MODEL = "sim-model"
+FaultKind = Literal["engine", "node", "slow-link"]
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """Something that goes wrong at ``at_s`` and, with ``for_s``, comes right again.
+
+    ``engine``: the engine dies, its agent reports it at once; ``node``: engine and agent vanish (the
+    registry notices by the heartbeat timeout); ``slow-link``: KV transfers from or to the instance
+    take ``slowdown`` times as long.
+    """
+
+    at_s: float
+    kind: FaultKind
+    instance: str
+    for_s: float | None = None
+    slowdown: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterSpec:
+    """The cluster's shape and the orchestrator's settings."""
+
+    prefill: int
+    decode: int
+    profile: EngineProfile
+    config: OrchestratorConfig = field(default_factory=OrchestratorConfig)
+    planner: PlannerConfig | None = None  # None: roles stay as they are
+    slo_ttft_s: float | None = None  # every request's targets (``x-slo-*`` headers), if any
+    slo_tpot_s: float | None = None
+    faults: tuple[Fault, ...] = ()
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One request as its client saw it."""
+
+    request_id: str
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ok: bool = False
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    end_s: float | None = None
+    mode: str = ""
+    prefill: str | None = None
+    decode: str = ""
+    retries: int = 0
+    resumes: int = 0
+    fallback: bool = False
+    error: str = ""
+
+
+class _Request:
+    """A request's state in the gateway (``flow.Flow``'s, without the I/O)."""
+
+    __slots__ = (
+        "decode",
+        "decode_tries",
+        "failed",
+        "had",
+        "kv",
+        "out",
+        "prefill",
+        "prefill_tries",
+        "sched",
+        "tokens",
+    )
+
+    def __init__(self, out: Outcome, tokens: PromptTokens, sched: SchedulingRequest) -> None:
+        self.out = out
+        self.tokens = tokens
+        self.sched = sched
+        self.prefill: str | None = None
+        self.decode = ""
+        self.failed: set[str] = set()
+        self.prefill_tries = 0
+        self.decode_tries = 0
+        self.kv = False  # a prefill's KV waits for the decode leg
+        self.had = 0  # output tokens the client has from legs cut before (a resume goes on from them)
+
+
+class Cluster:
+    """Engines, the orchestrator's parts, and the gateway's flow, on one event loop."""
+
+    def __init__(self, spec: ClusterSpec, scheduler: Scheduler) -> None:
+        self.spec = spec
+        self.config = spec.config
+        self.clock = VirtualClock()
+        self.loop = EventLoop(self.clock)
+        self.scheduler = scheduler
+        cfg = self.config
+        self.registry = Registry(
+            cfg.heartbeat_timeout_s,
+            suspect_after_s=cfg.suspect_after_s,
+            breaker=BreakerPolicy(failures_to_open=cfg.breaker_failures, open_s=cfg.breaker_open_s),
+        )
+        self.kv_index = KvIndex()
+        self.engines: dict[str, Engine] = {}
+        self.agent_alive: dict[str, bool] = {}
+        self.slowdown: dict[str, float] = {}
+        self.outcomes: list[Outcome] = []
+        self.shifts: list[tuple[float, str, Role, Role]] = []
+        self.window = SloWindow(spec.planner.window_s if spec.planner else 60.0, self.clock.monotonic)
+        self._memory = Memory()
+        self._beats = 0
+        self._unfinished = 0  # requests of the trace not yet answered (arrived or not)
+        self._rng = random.Random(spec.seed)
+        for i in range(spec.prefill):
+            self._join(f"prefill-{i}", "prefill")
+        for i in range(spec.decode):
+            self._join(f"decode-{i}", "decode")
+
+    # --- instances --------------------------------------------------------------------------------
+
+    def _join(self, agent_id: str, role: Role) -> None:
+        engine = self.engines.get(agent_id) or Engine(agent_id, self.spec.profile, self.loop, self._kv_events)
+        self.engines[agent_id] = engine
+        self.agent_alive[agent_id] = True
+        p = self.spec.profile
+        info = InstanceInfo(
+            url=f"http://{agent_id}", role=role, model=MODEL, engine="sim", block_size=p.block_size,
+            max_model_len=p.max_model_len,
+        )  # fmt: skip
+        self.registry.hello(agent_id, info, self.clock.now)
+        self.kv_index.drop(agent_id)  # a new session: the index starts empty, as the control plane does
+        self._heartbeat(agent_id)
+
+    def _kv_events(self, agent_id: str, events: list[KvEvent]) -> None:
+        if self.agent_alive.get(agent_id):
+            self.kv_index.apply(agent_id, events)
+
+    def _heartbeat(self, agent_id: str) -> None:
+        engine = self.engines[agent_id]
+        state: EngineState = "ready" if engine.alive else "restarting"
+        self._beats += 1
+        beat = Heartbeat(seq=self._beats, engine_state=state, metrics=engine.snapshot(self.clock.now))
+        self.registry.heartbeat(agent_id, beat, self.clock.now)
+
+    def _beat_all(self) -> None:
+        for agent_id, alive in self.agent_alive.items():
+            if alive:
+                self._heartbeat(agent_id)
+        self.loop.after(self.config.heartbeat_interval_s, self._beat_all)
+
+    def _tick(self) -> None:
+        for agent_id in self.registry.tick(self.clock.now):
+            self.kv_index.drop(agent_id)
+        self.loop.after(self.config.heartbeat_interval_s / 2, self._tick)
+
+    # --- faults -----------------------------------------------------------------------------------
+
+    def _fault(self, fault: Fault) -> None:
+        name = fault.instance
+        if fault.kind == "slow-link":
+            self.slowdown[name] = fault.slowdown
+            if fault.for_s is not None:
+                self.loop.after(fault.for_s, lambda: self._link_restored(name))
+            return
+        engine = self.engines[name]
+        if fault.kind == "node":
+            self.agent_alive[name] = False  # silent from now: the registry's timeout finds out
+        engine.kill()
+        if fault.kind == "engine":
+            self._heartbeat(name)  # the agent reports its engine at once
+        if fault.for_s is not None:
+            self.loop.after(fault.for_s, lambda: self._recover(name))
+
+    def _link_restored(self, name: str) -> None:
+        self.slowdown.pop(name, None)
+
+    def _recover(self, name: str) -> None:
+        engine = self.engines[name]
+        engine.revive()
+        view = self.registry.get(name)
+        role: Role = view.info.role if view is not None else "decode"
+        if not self.agent_alive[name] or view is None or view.state == "dead":
+            self._join(name, role)  # a new session, as an agent's Hello after a restart
+        else:
+            self.kv_index.drop(name)  # a new engine behind the same session: its cache is empty
+            self._heartbeat(name)
+
+    # --- the planner ------------------------------------------------------------------------------
+
+    def _look(self) -> None:
+        planner = self.spec.planner
+        assert planner is not None
+        prefill, decode = pool_signals(self.registry.snapshot(), self.window)
+        result = plan_shift(prefill, decode, self._memory, planner, self.clock.now)
+        self._memory = result.memory
+        shift = result.shift
+        if shift is not None and not planner.dry_run:
+            self.registry.set_role(shift.agent_id, shift.to_role)  # routing alone: the sim serves both
+            self.shifts.append((self.clock.now, shift.agent_id, shift.from_role, shift.to_role))
+        self.loop.after(planner.interval_s, self._look)
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def run(self, trace: Trace, on_progress: Callable[[float], None] | None = None) -> list[Outcome]:
+        """Replay ``trace``; every request's outcome, in arrival order."""
+        self.loop.after(0.0, self._beat_all)
+        self.loop.after(0.0, self._tick)
+        if self.spec.planner is not None and self.spec.planner.enabled:
+            self.loop.after(self.spec.planner.interval_s, self._look)
+        for fault in self.spec.faults:
+            self.loop.at(fault.at_s, lambda f=fault: self._fault(f))  # type: ignore[misc]
+        start = trace.requests[0].at_s if trace.requests else 0.0
+        self._unfinished = len(trace.requests)
+        for i, req in enumerate(trace.requests):
+            self.loop.at(req.at_s - start, lambda r=req, n=i: self._arrive(r, n))  # type: ignore[misc]
+        end = (trace.requests[-1].at_s - start if trace.requests else 0.0) + 3600.0
+        self.loop.run(until=end, on_progress=on_progress)
+        return self.outcomes
+
+    def _arrive(self, trace_req: TraceRequest, n: int) -> None:
+        now = self.clock.now
+        tokens = PromptTokens(prompt_token_ids(trace_req))
+        out = Outcome(f"req-{n}", now, len(tokens), trace_req.output_tokens)
+        self.outcomes.append(out)
+        spec = self.spec
+        sched = SchedulingRequest(
+            out.request_id, MODEL, len(tokens), False, True, self.kv_index.cached_tokens(tokens), True,
+            max_tokens=trace_req.output_tokens, slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
+        )  # fmt: skip
+        try:
+            decision = route_request(self.scheduler, sched, self.registry.snapshot(), now)
+        except RequestError as exc:
+            out.error, out.end_s = exc.message, now
+            self._answered()
+            return
+        r = _Request(out, tokens, sched)
+        out.mode, out.prefill, out.decode = decision.mode, decision.prefill, decision.decode
+        r.prefill, r.decode = decision.prefill, decision.decode
+        if r.prefill is not None:
+            self._prefill(r)
+        else:
+            self._decode(r)
+
+    def _excluding(self, r: _Request) -> SchedulingRequest:
+        return SchedulingRequest(
+            r.sched.request_id, MODEL, r.sched.prompt_len, False, True, r.sched.cached_tokens, True,
+            max_tokens=r.sched.max_tokens, exclude=frozenset(r.failed), slo_ttft_s=r.sched.slo_ttft_s,
+            slo_tpot_s=r.sched.slo_tpot_s,
+        )  # fmt: skip
+
+    def _usable(self, agent_id: str) -> bool:
+        view = self.registry.get(agent_id)
+        return view is not None and view.state != "dead"
+
+    def _prefill(self, r: _Request) -> None:
+        """One prefill attempt on ``r.prefill`` (``Flow._prefill``)."""
+        p = r.prefill
+        assert p is not None
+        engine = self.engines[p]
+        r.prefill_tries += 1
+        if not engine.alive or not self._usable(p):  # connect refused: fails at once
+            self._prefill_failed(r, p)
+            return
+        self.registry.acquire(p)
+
+        def done(leg: Leg, now: float) -> None:
+            self.registry.release(p)
+            self.registry.leg_succeeded(p)
+            r.kv = True
+            self._decode(r)
+
+        def failed(leg: Leg, produced: int) -> None:
+            self.registry.release(p)
+            self._prefill_failed(r, p)
+
+        engine.submit(Leg(r.out.request_id, r.tokens, 1, hold=True, on_done=done, on_fail=failed))
+
+    def _prefill_failed(self, r: _Request, p: str) -> None:
+        self.registry.leg_failed(p, self.clock.now)
+        r.failed.add(p)
+        nxt = None
+        if r.prefill_tries < self.config.prefill_attempts:
+            nxt = self.scheduler.pick_prefill(
+                self._excluding(r), self.registry.snapshot(), self.clock.now, r.decode
+            )
+        if nxt is not None:
+            r.out.retries += 1
+            r.prefill = r.out.prefill = nxt
+            self._prefill(r)
+            return
+        # No prefill instance could do it: the decode instance computes the prompt itself.
+        r.out.fallback = True
+        r.prefill, r.out.prefill, r.out.mode, r.kv = None, None, "colocated", False
+        self._decode(r)
+
+    def _decode(self, r: _Request) -> None:
+        """One decode attempt on ``r.decode`` (``Flow._decode``): KV pulled first when prefilled."""
+        d, p = r.decode, r.prefill
+        engine = self.engines[d]
+        r.decode_tries += 1
+        if not engine.alive or not self._usable(d):
+            self._decode_failed(r, d, 0, connected=False)
+            return
+        self.registry.acquire(d)
+        out = r.out
+        external = 0
+        delay = 0.0
+        if r.kv and p is not None:
+            external = len(r.tokens)
+            delay = self.spec.profile.transfer_s(
+                external, max(self.slowdown.get(p, 1.0), self.slowdown.get(d, 1.0))
+            )
+
+        def first(leg: Leg, now: float) -> None:
+            if out.ttft_s is None:
+                out.ttft_s = now - out.arrival_s
+                if out.mode == "disaggregated":
+                    self.window.ttft(out.ttft_s)
+
+        def done(leg: Leg, now: float) -> None:
+            self.registry.release(d)
+            self.registry.leg_succeeded(d, partner=p)
+            self._finished(r, now)
+
+        def failed(leg: Leg, produced: int) -> None:
+            self.registry.release(d)
+            self._decode_failed(r, d, produced, connected=True)
+
+        tokens = r.tokens
+        if r.had:  # a resume: the prompt and the output so far, computed anew (``resume.StreamState``)
+            tokens = PromptTokens([*r.tokens, *range(1, r.had + 1)])
+        leg = Leg(out.request_id, tokens, out.output_tokens - r.had, external=external,
+                  on_first=first, on_done=done, on_fail=failed)  # fmt: skip
+
+        def arrive() -> None:
+            if p is not None and r.kv:
+                prefill_engine = self.engines[p]
+                if prefill_engine.alive:
+                    prefill_engine.release_hold(out.request_id)
+                r.kv = False
+            if not engine.alive:
+                self.registry.release(d)
+                self._decode_failed(r, d, 0, connected=False)
+                return
+            engine.submit(leg)
+
+        if delay > 0:
+            self.loop.after(delay, arrive)
+        else:
+            arrive()
+
+    def _decode_failed(self, r: _Request, d: str, produced: int, *, connected: bool) -> None:
+        now = self.clock.now
+        self.registry.leg_failed(d, now, r.prefill, instance_fault=True)
+        r.failed.add(d)
+        if produced > 0 or r.out.ttft_s is not None:
+            self._resume(r, produced)
+            return
+        nxt = None
+        if r.decode_tries < self.config.decode_attempts:
+            nxt = self.scheduler.pick_decode(self._excluding(r), self.registry.snapshot(), now, r.prefill)
+        if nxt is None:
+            self._fail(r, "no decode instance could serve it")
+            return
+        r.out.retries += 1
+        r.decode = r.out.decode = nxt
+        if r.prefill is not None and connected:
+            r.prefill_tries = 0
+            self._prefill(r)  # the failed instance may have pulled the KV, and the prefill freed it
+        else:
+            self._decode(r)
+
+    def _resume(self, r: _Request, produced: int) -> None:
+        """A stream cut after its first token goes on colocated elsewhere (``Flow._resume``)."""
+        out = r.out
+        had = r.had + produced
+        if out.resumes >= self.config.max_resumes or had >= out.output_tokens:
+            self._fail(r, "stream cut")
+            return
+        nxt = self.scheduler.pick_decode(self._excluding(r), self.registry.snapshot(), self.clock.now, None)
+        if nxt is None:
+            self._fail(r, "stream cut, no instance to resume on")
+            return
+        out.resumes += 1
+        r.prefill, r.decode, out.decode, out.mode = None, nxt, nxt, "colocated"
+        r.kv, r.had = False, had
+        self._decode(r)
+
+    def _answered(self) -> None:
+        self._unfinished -= 1
+        if not self._unfinished:
+            self.loop.stop()  # heartbeats and the planner would tick on for ever
+
+    def _finished(self, r: _Request, now: float) -> None:
+        self._answered()
+        out = r.out
+        out.ok, out.end_s = True, now
+        n = out.output_tokens
+        if out.ttft_s is not None and n > 1:
+            out.tpot_s = (now - out.arrival_s - out.ttft_s) / (n - 1)
+            self.window.tpot(out.tpot_s)
+
+    def _fail(self, r: _Request, why: str) -> None:
+        r.out.ok, r.out.error, r.out.end_s = False, why, self.clock.now
+        self._answered()
