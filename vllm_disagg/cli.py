@@ -25,6 +25,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "attach a running vLLM: discover what it is, then run its agent",
     ),
     ("sim-engine", "vllm_disagg.sim.cli", "run one simulated vLLM engine"),
+    (
+        "sim",
+        "vllm_disagg.cluster_sim.cli",
+        "replay a trace on a simulated cluster: goodput of routing policies, in virtual time",
+    ),
     ("status", "vllm_disagg.orchestrator.admin_cli", "show the cluster's instances"),
     ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
     ("remove", "vllm_disagg.orchestrator.admin_cli", "forget a dead instance"),
