@@ -470,11 +470,21 @@ def preset_shift(rate: float, h: _Horizon) -> Trace:
     return independent_trace(Independent(arrivals=Poisson(rate), phases=phases, **h.run), "shift")
 
 
+PREFIX_DOCUMENTS = 2000
+PREFIX_DOCUMENT = Lengths(2048, sigma=0.4, low=512, high=4096)
+PREFIX_ZIPF_S = 0.9
+
+
 @_preset
 def preset_prefix(rate: float, h: _Horizon) -> Trace:
-    """Poisson arrivals; each prompt = one of 100 documents (median 1024 tokens; Zipf s=1.1, so the top
-    one is read by about a fifth of requests) + a question of median 64 tokens; outputs median 128."""
-    return prefix_trace(PrefixShared(arrivals=Poisson(rate), **h.run), "prefix")
+    """Poisson arrivals; each prompt = one of 2,000 documents (median 2,048 tokens, about 4.5M tokens in
+    all: more than one engine's KV cache holds, on a GPU as on the simulated engine; Zipf s=0.9, a long
+    tail) + a question of median 64 tokens; outputs median 128. Where a document's KV is matters."""
+    spec = PrefixShared(
+        arrivals=Poisson(rate), documents=PREFIX_DOCUMENTS, document=PREFIX_DOCUMENT, zipf_s=PREFIX_ZIPF_S,
+        **h.run,
+    )  # fmt: skip
+    return prefix_trace(spec, "prefix")
 
 
 @_preset
