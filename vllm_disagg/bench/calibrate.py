@@ -42,12 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default="tiny")
     parser.add_argument("--port", type=int, default=19300, help="the engine's port")
     parser.add_argument("--prompt-lengths", type=int, nargs="+", default=[32, 64, 128, 256, 384])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument(
+        "--batches", type=int, nargs="+", default=[1, 2, 4, 8], help="at most the engine's batch (8 here)"
+    )
     parser.add_argument("--decode-tokens", type=int, default=48, help="output tokens of a decode stream")
     parser.add_argument("--repeats", type=int, default=5, help="measurements per point (median)")
     parser.add_argument("--block-size", type=int, default=128, help="vLLM's block size here (CPU: 128)")
     parser.add_argument("--num-blocks", type=int, default=0, help="KV capacity to put in the profile")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=8, help="the engine's batch, as the agent launches it"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 

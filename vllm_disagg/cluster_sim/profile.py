@@ -11,7 +11,8 @@ A KV transfer from a prefill engine to a decode engine takes ``link_latency_s + 
 kv_transfer_s_per_token + tokens * kv_bytes_per_token / link bandwidth``.
 
 Profiles (``PROFILES``): ``sim`` is the real-time simulated engine's own model (``SimTiming``, for
-the fidelity check), ``h100-llama3-8b`` is derived from published figures (docs/sim.md cites them).
+the fidelity check), ``cpu-tiny`` was fitted to real vLLM on this machine (``bench calibrate``),
+``h100-llama3-8b`` is derived from published figures (docs/sim.md cites them).
 """
 
 from __future__ import annotations
@@ -107,7 +108,23 @@ H100_LLAMA3_8B = EngineProfile(
     max_model_len=131_072,
 )
 
+# The tiny offline model on vLLM 0.32's CPU build on this 2-core machine, as the agent launches it (one
+# core, 1 GiB of KV: 1,048,576 tokens in 128-token blocks, 8 sequences, eager mode), fitted by
+# ``vllm-disagg bench calibrate`` on 2026-11-26 (docs/sim.md, "Profiles"): prompts of 32-384 tokens
+# took 6.1-11.0 ms with max_tokens 1, streams 2.7-4.1 ms a token at batches 1-8.
+CPU_TINY = EngineProfile(
+    name="cpu-tiny",
+    block_size=128,
+    num_blocks=8192,
+    max_num_seqs=8,
+    prefill_s_per_token=2.8e-5,
+    decode_step_s=2.37e-3,
+    decode_step_s_per_seq=2.0e-4,
+    max_model_len=512,
+)
+
 PROFILES: dict[str, EngineProfile] = {
+    CPU_TINY.name: CPU_TINY,
     "sim": from_sim_timing(
         SimTiming(prefill_s_per_token=0.0002, decode_step_s=0.01, decode_step_s_per_seq=0.001)
     ),
