@@ -61,6 +61,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "a workload shift on a sim cluster: the planner vs a static split",
     ),
     (
+        "bench goodput",
+        "vllm_disagg.bench.goodput",
+        "goodput vs offered load on a sim cluster: today's scheduler vs the planner and SLO-aware path",
+    ),
+    (
         "bench calibrate",
         "vllm_disagg.bench.calibrate",
         "real vLLM: measure prefill and decode step costs, fit the cluster simulator's profile",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from vllm_disagg.errors import ConfigError
@@ -119,6 +121,43 @@ def test_a_recovering_pool_waits() -> None:
     assert shifts(plans) == [(4, "d0", "decode", "prefill")]
 
 
+def test_a_move_that_would_press_the_giver_more_than_it_relieves_the_short_pool_waits() -> None:
+    """A closed loop: each pool's p90 goes as its fixed work over its size. 4P4D with the prefill pool
+    at 1.6x moves two decode instances (5P3D, then 6P2D); at 6P2D the prefill pool is still short
+    (1.07x against 0.8x), but a 7th would leave one decode instance at 1.6x: the split stays."""
+    sizes, memory, moves = (4, 4), Memory(), []
+    for i in range(30):
+        p, d = sizes
+        result = plan(*pools(6.4 / p, 0.05 * 1.6 / d, sizes=sizes), memory, CONFIG, now=1000.0 + i * 30)
+        memory = result.memory
+        if result.shift is not None:
+            moves.append(i)
+            sizes = (p + 1, d - 1)
+    assert sizes == (6, 2) and len(moves) == 2
+    assert "moving one would press the decode pool more than it relieves the prefill pool" in result.reason
+    assert "6P2D" in result.reason
+
+
+@pytest.mark.parametrize(
+    ("kv_usage", "moves"),
+    [
+        pytest.param(0.15, True, id="2D-at-15%-leaves-1D-at-about-60%"),
+        pytest.param(0.3, False, id="2D-at-30%-would-leave-1D-at-about-120%"),
+    ],
+)
+def test_a_move_that_would_fill_the_givers_kv_cache_waits(kv_usage: float, moves: bool) -> None:
+    """The one decode instance left would take twice the requests and, at twice the TPOT, keep each
+    twice as long: four times the KV (over the scheduler's kv-usage-filter, it would turn them away)."""
+    prefill, decode = pools(3.0, 0.01, sizes=(2, 2))
+    decode = dataclasses.replace(decode, kv_usage=kv_usage)
+    plans = run([(prefill, decode)] * 3)
+    assert bool(shifts(plans)) is moves
+    if not moves:
+        assert "the decode pool's KV cache would fill: 30% in use now, about 120% on one instance fewer" in (
+            plans[-1].reason
+        )
+
+
 def test_an_operators_role_change_starts_the_cooldown() -> None:
     memory = Memory(short="prefill", streak=5, last_shift_at=990.0)
     result = plan(*pools(3.0, 0.01), memory, CONFIG, now=1000.0)
@@ -173,6 +212,7 @@ def test_the_yaml_config_is_read_in_camel_case_and_every_field_is_checked() -> N
         ("ttftTargetS: 0", "ttftTargetS: a number > 0"),
         ("sustain: 0", "sustain: an integer >= 1"),
         ("minDecode: -1", "minDecode: an integer >= 0"),
+        ("kvUsageCeiling: 1.5", "kvUsageCeiling: a number in (0, 1]"),
         ("kind: SchedulerConfig", "expected apiVersion"),
         ("- 1", "a planner config is a mapping"),
     ],

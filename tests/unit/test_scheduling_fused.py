@@ -27,6 +27,9 @@ METRICS = st.builds(
     queue_s=MAYBE,
     prefill_tokens_per_s=MAYBE | st.floats(min_value=-5.0, max_value=0.0),
     mean_prompt_tokens=MAYBE,
+    # the ttft-scorer falls back to its default rate where more prompt tokens came over KV transfer
+    prompt_tokens_computed=st.none() | st.integers(0, 3),
+    prompt_tokens_transferred=st.none() | st.integers(0, 3),
 )
 # Every scorer type with random parameters; a profile is any of them, in any order, any weight.
 SCORERS = st.one_of(

@@ -13,7 +13,9 @@ from vllm_disagg.orchestrator.gateway.slo import attainment, best_effort, reques
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.filters.slo import Params, SloFilter
-from vllm_disagg.orchestrator.scheduling.predict import predicted_tpot, predicted_ttft
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import Params as TtftParams
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
+from vllm_disagg.orchestrator.scheduling.predict import predicted_tpot, predicted_ttft, prefill_rate
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
@@ -134,3 +136,69 @@ def test_the_slo_filter_runs_only_for_requests_with_targets() -> None:
 
     assert "slo-filter" not in stages(with_slo())
     assert "slo-filter" in stages(with_slo(tpot_s=0.05))
+
+
+@pytest.mark.parametrize(
+    ("metrics", "rate"),
+    [
+        pytest.param(MetricsSnapshot(prefill_tokens_per_s=3000.0), 3000.0, id="measured"),
+        pytest.param(MetricsSnapshot(), 4096.0, id="unmeasured-default"),
+        pytest.param(MetricsSnapshot(prefill_tokens_per_s=0.0), 4096.0, id="zero-default"),
+        pytest.param(
+            MetricsSnapshot(
+                prefill_tokens_per_s=150_000.0, prompt_tokens_computed=0, prompt_tokens_transferred=90_000
+            ),
+            4096.0,
+            id="decode-instance-whose-prompts-came-over-kv-transfer-default",
+        ),
+        pytest.param(
+            MetricsSnapshot(
+                prefill_tokens_per_s=3000.0, prompt_tokens_computed=90_001, prompt_tokens_transferred=90_000
+            ),
+            3000.0,
+            id="moved-to-prefill-and-computed-more-than-it-was-handed-measured",
+        ),
+    ],
+)
+def test_a_prefill_rate_is_trusted_only_where_the_engine_computed_its_prompts(
+    metrics: MetricsSnapshot, rate: float
+) -> None:
+    assert prefill_rate(metrics, 4096.0) == rate
+    # The ttft-scorer predicts with the same rate (score = slo / (slo + predicted)).
+    scorer = TtftScorer("ttft", TtftParams(slo_s=1.0))
+    one = view("x", metrics=metrics)
+    score = scorer.score(context(snapshot(one), profile="prefill", req=with_slo(prompt_len=1000)), [one])[0]
+    assert score == pytest.approx(1.0 / (1.0 + 1000 / rate))
+
+
+# A decode instance that has only decoded: its measured "prefill rate" is the KV transfer's.
+DECODING = MetricsSnapshot(
+    prefill_tokens_per_s=150_000.0,
+    tpot_s=0.02,
+    num_running=20,
+    prompt_tokens_computed=0,
+    prompt_tokens_transferred=200_000,
+)
+
+
+@pytest.mark.parametrize(
+    ("cached_on_d", "mode"),
+    [
+        pytest.param(1950, "colocated", id="D-caches-the-document-its-question-fits-a-step"),
+        pytest.param(0, "disaggregated", id="D-would-compute-the-whole-document-stalling-its-batch"),
+    ],
+)
+def test_with_a_tpot_target_a_busy_prefill_pool_hands_d_only_what_it_computes_within_that_target(
+    cached_on_d: int, mode: str
+) -> None:
+    p, d = view("p", role="prefill", metrics=BUSY), view("d", role="decode", metrics=DECODING)
+    snap = snapshot(p, d, in_flight={"d": 20})  # the 20 it decodes are no prefill backlog
+    req = dataclasses.replace(
+        with_slo(ttft_s=1.0, tpot_s=0.05, prompt_len=2000), cached_tokens={"d": cached_on_d}
+    )
+    decision = PluginScheduler().decide(req, snap, 0.0)
+    assert decision.mode == mode
+    if mode == "colocated":
+        reason = decision.explanation.to_json()["decider"]["reason"]  # type: ignore[union-attr]
+        # 50 tokens at the default 4,096/s, not at the 150,000/s the decode legs "measured"
+        assert "50 uncached tokens add 0.012 s to one of d's steps" in reason

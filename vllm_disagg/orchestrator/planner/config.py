@@ -46,6 +46,9 @@ class PlannerConfig:
     min_prefill: int = 1
     min_decode: int = 1
     min_samples: int = 20  # requests in the window below which a pool is not judged
+    # No move that would leave the giving pool's mean KV cache usage above this (the same use over one
+    # instance fewer): its instances would turn requests away (the scheduler's kv-usage-filter, 0.95).
+    kv_usage_ceiling: float = 0.8
     source: str = "<default>"
 
     def __post_init__(self) -> None:
@@ -53,6 +56,8 @@ class PlannerConfig:
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value > 0 and math.isfinite(value)):
                 raise ConfigError(f"planner {_camel(name)}: a number > 0, got {value!r}")
+        if not (isinstance(self.kv_usage_ceiling, int | float) and 0 < self.kv_usage_ceiling <= 1):
+            raise ConfigError(f"planner kvUsageCeiling: a number in (0, 1], got {self.kv_usage_ceiling!r}")
         for name in ("margin", "cooldown_s"):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and value >= 0 and math.isfinite(value)):

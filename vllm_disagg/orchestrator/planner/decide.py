@@ -6,9 +6,14 @@ A pool's **pressure** is its p90 over its target: the prefill pool's TTFT, the d
 by more than ``margin``. An instance moves from the other pool to the short one only when the same
 pool was short at ``sustain`` looks in a row (a pool whose pressure fell by more than ``margin`` since
 the last look is recovering: its streak waits), no shift happened in the last ``cooldown_s``, the
-giving pool keeps its minimum, and one of its instances may move (ready, single-role, not drained or
-pinned by an operator: ``PoolSignals.movable``, least busy first). Noise around the line therefore
-moves nothing, and a step change moves one instance, then waits to see its effect.
+giving pool keeps its minimum, one of its instances may move (ready, single-role, not drained or
+pinned by an operator: ``PoolSignals.movable``, least busy first), and the move helps: the split that
+evens the pools' work per instance (``suggest_ratio``) has more instances in the short pool than now,
+and the giver's KV cache does not fill on one instance fewer (its mean usage, projected, stays within
+``kv_usage_ceiling``). Without these a pool just over its target would take instances until the giver
+was over its own target, or out of KV blocks and turning requests away (two pools missing instead of
+one), and then want one back. Noise around the line therefore moves nothing, and a step change
+moves one instance, then waits to see its effect.
 """
 
 from __future__ import annotations
@@ -163,9 +168,36 @@ def plan(
         return hold(
             f"{said}, but no {giver} instance may move (pinned, drained or serving both roles)", short, streak
         )
+    more_prefill = ratio[0] - prefill.size
+    if not (more_prefill > 0 if short == "prefill" else more_prefill < 0):
+        # The split that evens the pools' work per instance is this one or on the giver's side: the
+        # move would press the giver more than it relieves the short pool (two pools over their
+        # targets instead of one), and the next look would want the instance back.
+        return hold(
+            f"{said}, but moving one would press the {giver} pool more than it relieves the {short} pool "
+            f"(the split that evens their work: {ratio[0]}P{ratio[1]}D)",
+            short,
+            streak,
+        )
+    kv_after = _kv_after_giving(pool)
+    if kv_after > config.kv_usage_ceiling:
+        return hold(
+            f"{said}, but the {giver} pool's KV cache would fill: {pool.kv_usage:.0%} in use now, about "
+            f"{kv_after:.0%} on one instance fewer (ceiling {config.kv_usage_ceiling:.0%})",
+            short,
+            streak,
+        )
     shift = Shift(pool.movable[0], giver, short)
     reason = f"{said} at {streak} looks in a row: {shift.agent_id} moves from {giver} to {short}"
     return Plan(shift, reason, figures, ratio, Memory(None, 0, now, seen))
+
+
+def _kv_after_giving(pool: PoolSignals) -> float:
+    """The pool's mean KV usage projected onto one instance fewer. Each of the rest takes n / (n - 1)
+    times the requests and, at the pressure ``suggest_ratio`` projects (p90 up by the same factor),
+    holds each one that much longer: usage grows by the square (2P at 40% -> 1P at 160%, not 80%)."""
+    n = pool.size
+    return pool.kv_usage * (n / (n - 1)) ** 2 if n > 1 else 0.0
 
 
 def _round(value: float | None) -> float | None:

@@ -7,10 +7,12 @@ For each candidate::
     predicted = (queue_s, else 0) + (backlog + uncached) / (prefill_tokens_per_s, else the default)
     score     = slo_s / (slo_s + predicted)
 
-"else" applies when the metric is unmeasured (None) or zero. A candidate predicted to meet the SLO
-exactly scores 0.5; an idle one with the whole prompt cached scores 1. The metrics come from the
-instance's last heartbeat; ``in_flight`` is the gateway's own count, which covers requests sent since.
-Running requests add nothing: they are past prefill, and chunked prefill interleaves with decode.
+"else" applies when the metric is unmeasured (None) or zero, and to the prefill rate of an engine
+handed more prompt tokens over KV transfer than it computed (``predict.prefill_rate`` says why). A
+candidate predicted to meet the SLO exactly scores 0.5; an idle one with the whole prompt cached
+scores 1. The metrics come from the instance's last heartbeat; ``in_flight`` is the gateway's own
+count, which covers requests sent since. Running requests add nothing: they are past prefill, and
+chunked prefill interleaves with decode.
 """
 
 from __future__ import annotations
@@ -67,7 +69,13 @@ class TtftScorer:
                         (m.num_waiting + in_flight(c.agent_id, 0)) * (m.mean_prompt_tokens or prompt_len)
                         + prompt_len
                     )
-                    / (t if (t := m.prefill_tokens_per_s) and t > 0.0 else default)
+                    / (
+                        t
+                        if (t := m.prefill_tokens_per_s)
+                        and t > 0.0
+                        and (m.prompt_tokens_transferred or 0) <= (m.prompt_tokens_computed or 0)
+                        else default
+                    )
                 )
                 for c in candidates
             ]
@@ -81,7 +89,13 @@ class TtftScorer:
                     (m.num_waiting + in_flight(a := c.agent_id, 0)) * (m.mean_prompt_tokens or prompt_len)
                     + (u if (u := prompt_len - cached(a, 0)) > 0 else 0)
                 )
-                / (t if (t := m.prefill_tokens_per_s) and t > 0.0 else default)
+                / (
+                    t
+                    if (t := m.prefill_tokens_per_s)
+                    and t > 0.0
+                    and (m.prompt_tokens_transferred or 0) <= (m.prompt_tokens_computed or 0)
+                    else default
+                )
             )
             for c in candidates
         ]
@@ -91,7 +105,8 @@ class TtftScorer:
         return (
             "{slo} / ({slo} + (m.queue_s or 0.0)"
             " + ((m.num_waiting + f) * (m.mean_prompt_tokens or n) + (u if (u := n - k) > 0 else 0))"
-            " / (t if (t := m.prefill_tokens_per_s) and t > 0.0 else {default}))",
+            " / (t if (t := m.prefill_tokens_per_s) and t > 0.0"
+            " and (m.prompt_tokens_transferred or 0) <= (m.prompt_tokens_computed or 0) else {default}))",
             {"slo": self.params.slo_s, "default": self.params.default_prefill_tokens_per_s},
         )
 
