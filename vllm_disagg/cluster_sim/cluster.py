@@ -374,15 +374,15 @@ class Cluster:
                   on_first=first, on_done=done, on_fail=failed)  # fmt: skip
 
         def arrive() -> None:
+            if not engine.alive:  # died during the pull: the prefill engine still holds the KV
+                self.registry.release(d)
+                self._decode_failed(r, d, 0, connected=False)
+                return
             if p is not None and r.kv:
                 prefill_engine = self.engines[p]
                 if prefill_engine.alive:
                     prefill_engine.release_hold(out.request_id)
                 r.kv = False
-            if not engine.alive:
-                self.registry.release(d)
-                self._decode_failed(r, d, 0, connected=False)
-                return
             engine.submit(leg)
 
         if delay > 0:
