@@ -6,7 +6,7 @@ the scheduler (``route_request``: the plugin scheduler, or a baseline policy), i
 (``pick_prefill``/``pick_decode``), and the planner's pure decision (``planner.decide.plan`` on
 ``pool_signals`` of an ``SloWindow``). What is modelled: the engines (``engine.Engine``), the network
 (a KV transfer's time; every other hop is free) and the gateway's I/O, which follows
-``orchestrator.gateway.flow`` step for step:
+``orchestrator.gateway.flow`` step for step, with its recovery decisions (``orchestrator.recovery``):
 
 - a prefill leg that fails is retried on another prefill instance, up to ``prefill_attempts``; then
   the request runs colocated on its decode instance;
@@ -35,6 +35,13 @@ from vllm_disagg.orchestrator.planner.config import PlannerConfig
 from vllm_disagg.orchestrator.planner.decide import Memory
 from vllm_disagg.orchestrator.planner.decide import plan as plan_shift
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
+from vllm_disagg.orchestrator.recovery import (
+    colocated_pick,
+    may_resume,
+    may_retry_decode,
+    may_retry_prefill,
+    next_decode,
+)
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
@@ -320,7 +327,7 @@ class Cluster:
         self.registry.leg_failed(p, self.clock.now)
         r.failed.add(p)
         nxt = None
-        if r.prefill_tries < self.config.prefill_attempts:
+        if may_retry_prefill(r.prefill_tries, False, self.config):
             nxt = self.scheduler.pick_prefill(
                 self._excluding(r), self.registry.snapshot(), self.clock.now, r.decode
             )
@@ -397,14 +404,17 @@ class Cluster:
         if produced > 0 or r.out.ttft_s is not None:
             self._resume(r, produced)
             return
-        nxt = None
-        if r.decode_tries < self.config.decode_attempts:
-            nxt = self.scheduler.pick_decode(self._excluding(r), self.registry.snapshot(), now, r.prefill)
-        if nxt is None:
+        picked = None
+        if may_retry_decode(r.decode_tries, self.config):
+            picked = next_decode(self.scheduler, self._excluding(r), self.registry.snapshot(), now, r.prefill)
+        if picked is None:
             self._fail(r, "no decode instance could serve it")
             return
         r.out.retries += 1
-        r.decode = r.out.decode = nxt
+        r.decode, prefill = picked
+        r.out.decode = r.decode
+        if prefill is None and r.prefill is not None:  # none can take KV from it: colocated
+            r.prefill, r.out.prefill, r.out.mode, r.kv = None, None, "colocated", False
         if r.prefill is not None and connected:
             r.prefill_tries = 0
             self._prefill(r)  # the failed instance may have pulled the KV, and the prefill freed it
@@ -415,10 +425,10 @@ class Cluster:
         """A stream cut after its first token goes on colocated elsewhere (``Flow._resume``)."""
         out = r.out
         had = r.had + produced
-        if out.resumes >= self.config.max_resumes or had >= out.output_tokens:
+        if not may_resume(out.resumes, self.config) or had >= out.output_tokens:
             self._fail(r, "stream cut")
             return
-        nxt = self.scheduler.pick_decode(self._excluding(r), self.registry.snapshot(), self.clock.now, None)
+        nxt = colocated_pick(self.scheduler, self._excluding(r), self.registry.snapshot(), self.clock.now)
         if nxt is None:
             self._fail(r, "stream cut, no instance to resume on")
             return

@@ -33,6 +33,13 @@ from vllm_disagg.orchestrator.gateway.records import Attempt
 from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming, continue_stream, end_with_error, run_decode
+from vllm_disagg.orchestrator.recovery import (
+    colocated_pick,
+    may_resume,
+    may_retry_decode,
+    may_retry_prefill,
+    next_decode,
+)
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -134,7 +141,7 @@ class Flow:
                 path_cause = exc.cause
                 gw.registry.leg_failed(p, gw.clock.monotonic())
                 self.failed.add(p)
-                if self.pinned or self.prefill_tries >= gw.config.prefill_attempts:
+                if not may_retry_prefill(self.prefill_tries, self.pinned, gw.config):
                     break
                 p = gw.scheduler.pick_prefill(
                     self._excluding(), gw.registry.snapshot(), gw.clock.monotonic(), self.decode_id
@@ -206,7 +213,7 @@ class Flow:
                 fault = self.prefill_id is None or exc.cause != "status"
                 gw.registry.leg_failed(d, gw.clock.monotonic(), self.prefill_id, instance_fault=fault)
                 self.failed.add(d)
-                if tries >= gw.config.decode_attempts or not self._next_decode():
+                if not may_retry_decode(tries, gw.config) or not self._next_decode():
                     raise
                 gw.metrics.retry("decode", exc.cause)
                 if self.prefill_id is None:
@@ -295,7 +302,7 @@ class Flow:
     async def _resume(self, out: ClientStream) -> bool:
         """Go on with a cut stream on other instances (``max_resumes`` in all); True once complete."""
         gw, state, timing = self.gw, self.state, self.timing
-        while state is not None and state.can_resume() and state.resumes < gw.config.max_resumes:
+        while state is not None and state.can_resume() and may_resume(state.resumes, gw.config):
             cause = timing.cut_cause
             body = state.resume_body(self.parsed.body)
             d = self._pick_colocated()
@@ -338,31 +345,20 @@ class Flow:
         return False
 
     def _pick_colocated(self) -> str | None:
-        """An instance to run the rest of a request by itself: a decode instance, else (the last one
-        standing) any ready instance that serves the model."""
+        """An instance to run the rest of a request by itself (``recovery.colocated_pick``)."""
         gw = self.gw
-        snapshot = gw.registry.snapshot()
-        d = gw.scheduler.pick_decode(self._excluding(), snapshot, gw.clock.monotonic(), None)
-        if d is not None:
-            return d
-        spare = [
-            v for v in snapshot.ready_prefill.get(self.parsed.model, ()) if v.agent_id not in self.failed
-        ]
-        return min(spare, key=lambda v: snapshot.in_flight_of(v.agent_id)).agent_id if spare else None
+        return colocated_pick(gw.scheduler, self._excluding(), gw.registry.snapshot(), gw.clock.monotonic())
 
     def _next_decode(self) -> bool:
         """Pick another decode instance (able to take KV from our prefill instance, else colocated)."""
         gw = self.gw
         snapshot, now = gw.registry.snapshot(), gw.clock.monotonic()
-        request = self._excluding()
-        d = gw.scheduler.pick_decode(request, snapshot, now, self.prefill_id)
-        if d is None:
-            d = self._pick_colocated()
-            if d is not None:
-                self.mode, self.prefill_id = "colocated", None
-        if d is None:
+        picked = next_decode(gw.scheduler, self._excluding(), snapshot, now, self.prefill_id)
+        if picked is None:
             return False
-        self.decode_id = d
+        self.decode_id, prefill = picked
+        if prefill is None:
+            self.mode, self.prefill_id = "colocated", None
         self._set_headers()
         return True
 
