@@ -404,3 +404,12 @@ def test_describe_counts_prefix_hits_from_the_start_of_each_prompt() -> None:
 def test_describe_an_empty_trace() -> None:
     stats = describe(Trace("empty", []))
     assert stats["requests"] == 0 and stats["prefix_hit_ratio"] == 0 and stats["rate_per_s"] == 0
+
+
+def test_blocks_of_different_ids_never_have_the_same_tokens() -> None:
+    from vllm_disagg.cluster_sim.trace import block_token_ids
+
+    ids = [0, 1, 31_999, 32_000, 32_001, 64_000, 10**6, 10**6 + 32_000, 987_654_321]
+    blocks = [tuple(block_token_ids(i, 16)) for i in ids]
+    assert len(set(blocks)) == len(ids) and all(len(b) == 16 for b in blocks)
+    assert block_token_ids(5, 1) == [5] and block_token_ids(7, 16) == block_token_ids(7, 16)

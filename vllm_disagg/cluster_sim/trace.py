@@ -45,13 +45,15 @@ class Trace:
 
 
 def block_token_ids(block_id: int, n: int) -> list[int]:
-    """The ``n`` token ids of block ``block_id``: a function of the id alone."""
-    base = (block_id * 2_654_435_761) % _VOCAB
-    return [(base + 7 * k) % _VOCAB for k in range(n)]
+    """The ``n`` token ids of block ``block_id``: a function of the id alone, and different for any two
+    ids below ``_VOCAB ** 2`` (the first two tokens spell the id), so that blocks of different
+    prefixes never look alike to a prefix cache."""
+    high, low = divmod(block_id, _VOCAB)
+    return [low, high % _VOCAB, *range(low + 1, low + n - 1)][:n]  # a range: built at C speed
 
 
 _MEMO: dict[tuple[int, int], list[int]] = {}  # shared blocks recur: their ids are made once
-_MEMO_MAX = 1 << 18
+_MEMO_MAX = 1 << 19
 
 
 def prompt_token_ids(request: TraceRequest) -> list[int]:
