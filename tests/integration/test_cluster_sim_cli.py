@@ -10,8 +10,9 @@ import pytest
 
 from vllm_disagg import jsonutil
 from vllm_disagg.cli import main
+from vllm_disagg.cluster_sim.mooncake import dump_mooncake
 from vllm_disagg.cluster_sim.policies import POLICIES
-from vllm_disagg.cluster_sim.traces import SYNTHETIC, dump_mooncake
+from vllm_disagg.cluster_sim.traces import SYNTHETIC
 
 SMALL = ["sim", "--synthetic", "prefix", "--prefill", "2", "--decode", "2", "--requests", "200"]
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from vllm_disagg.cluster_sim import traces
+from vllm_disagg.cluster_sim.mooncake import dump_mooncake, load_mooncake
 from vllm_disagg.cluster_sim.trace import Trace, TraceRequest, prompt_token_ids
 from vllm_disagg.cluster_sim.traces import (
     SYNTHETIC,
@@ -26,8 +27,6 @@ from vllm_disagg.cluster_sim.traces import (
     Poisson,
     PrefixShared,
     describe,
-    dump_mooncake,
-    load_mooncake,
 )
 
 PRESETS = sorted(SYNTHETIC)

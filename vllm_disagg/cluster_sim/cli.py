@@ -21,12 +21,13 @@ from typing import Any, TextIO, cast
 
 from vllm_disagg import jsonutil
 from vllm_disagg.cluster_sim.cluster import Cluster, ClusterSpec, Fault, FaultKind
+from vllm_disagg.cluster_sim.mooncake import load_mooncake
 from vllm_disagg.cluster_sim.plot import Series, line_chart
 from vllm_disagg.cluster_sim.policies import POLICIES, make_scheduler
 from vllm_disagg.cluster_sim.profile import PROFILES
 from vllm_disagg.cluster_sim.report import RunResult, Slo, medians, summarise, table
 from vllm_disagg.cluster_sim.trace import Trace
-from vllm_disagg.cluster_sim.traces import DEFAULT_RATE_PER_S, SYNTHETIC, describe, load_mooncake
+from vllm_disagg.cluster_sim.traces import DEFAULT_RATE_PER_S, SYNTHETIC, describe
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, default_config, load_config_file

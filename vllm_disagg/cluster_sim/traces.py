@@ -1,4 +1,5 @@
-"""The simulator's trace library: synthetic workloads, the Mooncake loader and writer, and ``describe``.
+"""The simulator's trace library: synthetic workloads and ``describe`` (the Mooncake loader and writer
+are in ``mooncake``).
 
 Synthetic workloads are pure functions of a frozen spec: the same spec (seed included) gives the same
 trace, and a longer horizon extends a shorter one rather than reshuffling it, because requests are
@@ -22,19 +23,16 @@ import math
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
-from vllm_disagg import jsonutil
 from vllm_disagg.cluster_sim.trace import Trace, TraceRequest
 
-MOONCAKE_BLOCK_TOKENS = 512  # the block size of Mooncake's hash_ids
 DEFAULT_RATE_PER_S = 4.0
 DEFAULT_DURATION_S = 300.0
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
 
 
-def _check(ok: bool, what: str) -> None:
+def check(ok: bool, what: str) -> None:
     if not ok:
         raise ValueError(what)
 
@@ -57,7 +55,7 @@ class Poisson:
     rate_per_s: float
 
     def __post_init__(self) -> None:
-        _check(self.rate_per_s > 0, f"poisson: rate_per_s must be > 0, got {self.rate_per_s}")
+        check(self.rate_per_s > 0, f"poisson: rate_per_s must be > 0, got {self.rate_per_s}")
 
     def times(self, rng: random.Random) -> Iterator[float]:
         """Memoryless, so starting with an arrival at 0 biases nothing."""
@@ -82,10 +80,10 @@ class Bursty:
     mean_burst_s: float = 5.0
 
     def __post_init__(self) -> None:
-        _check(self.rate_per_s > 0, f"bursty: rate_per_s must be > 0, got {self.rate_per_s}")
-        _check(self.burst_ratio >= 1, f"bursty: burst_ratio must be >= 1, got {self.burst_ratio}")
-        _check(0 < self.burst_fraction < 1, f"bursty: burst_fraction not in (0, 1): {self.burst_fraction}")
-        _check(self.mean_burst_s > 0, f"bursty: mean_burst_s must be > 0, got {self.mean_burst_s}")
+        check(self.rate_per_s > 0, f"bursty: rate_per_s must be > 0, got {self.rate_per_s}")
+        check(self.burst_ratio >= 1, f"bursty: burst_ratio must be >= 1, got {self.burst_ratio}")
+        check(0 < self.burst_fraction < 1, f"bursty: burst_fraction not in (0, 1): {self.burst_fraction}")
+        check(self.mean_burst_s > 0, f"bursty: mean_burst_s must be > 0, got {self.mean_burst_s}")
 
     def times(self, rng: random.Random) -> Iterator[float]:
         """Within a state arrivals are Poisson; at a state change the pending gap is redrawn, which
@@ -118,9 +116,9 @@ class Diurnal:
     peak_at_s: float = DEFAULT_DURATION_S / 2
 
     def __post_init__(self) -> None:
-        _check(self.rate_per_s > 0, f"diurnal: rate_per_s must be > 0, got {self.rate_per_s}")
-        _check(self.period_s > 0, f"diurnal: period_s must be > 0, got {self.period_s}")
-        _check(0 <= self.amplitude <= 1, f"diurnal: amplitude must be in [0, 1], got {self.amplitude}")
+        check(self.rate_per_s > 0, f"diurnal: rate_per_s must be > 0, got {self.rate_per_s}")
+        check(self.period_s > 0, f"diurnal: period_s must be > 0, got {self.period_s}")
+        check(0 <= self.amplitude <= 1, f"diurnal: amplitude must be in [0, 1], got {self.amplitude}")
 
     def rate_at(self, t: float) -> float:
         """The instantaneous rate at ``t``."""
@@ -152,8 +150,8 @@ class Lengths:
     high: int = 4096
 
     def __post_init__(self) -> None:
-        _check(1 <= self.low <= self.median <= self.high, f"lengths: need 1 <= low <= median <= high: {self}")
-        _check(self.sigma >= 0, f"lengths: sigma must be >= 0, got {self.sigma}")
+        check(1 <= self.low <= self.median <= self.high, f"lengths: need 1 <= low <= median <= high: {self}")
+        check(self.sigma >= 0, f"lengths: sigma must be >= 0, got {self.sigma}")
 
     def sample(self, rng: random.Random) -> int:
         """One length."""
@@ -163,7 +161,7 @@ class Lengths:
         return min(self.high, max(self.low, drawn))
 
 
-def _blocks(tokens: int, block_tokens: int) -> int:
+def blocks_of(tokens: int, block_tokens: int) -> int:
     return -(-tokens // block_tokens)
 
 
@@ -206,11 +204,11 @@ class Run:
         self._check_run()
 
     def _check_run(self) -> None:
-        _check(self.block_tokens >= 1, f"block_tokens must be >= 1, got {self.block_tokens}")
+        check(self.block_tokens >= 1, f"block_tokens must be >= 1, got {self.block_tokens}")
         n, duration = self.n_requests, self.duration_s
-        _check(n is not None or duration is not None, "a trace needs n_requests or duration_s to end")
-        _check(n is None or n >= 1, f"n_requests must be >= 1, got {n}")
-        _check(duration is None or duration >= 0, f"duration_s must be >= 0, got {duration}")
+        check(n is not None or duration is not None, "a trace needs n_requests or duration_s to end")
+        check(n is None or n >= 1, f"n_requests must be >= 1, got {n}")
+        check(duration is None or duration >= 0, f"duration_s must be >= 0, got {duration}")
 
 
 DEFAULT_PROMPT = Lengths(512, sigma=0.8, low=32, high=4096)
@@ -236,8 +234,8 @@ class Independent(Run):
     def __post_init__(self) -> None:
         self._check_run()
         starts = [p.start_s for p in self.phases]
-        _check(bool(starts) and starts[0] == 0, f"independent: the first phase must start at 0: {starts}")
-        _check(starts == sorted(set(starts)), f"independent: phase starts must increase: {starts}")
+        check(bool(starts) and starts[0] == 0, f"independent: the first phase must start at 0: {starts}")
+        check(starts == sorted(set(starts)), f"independent: phase starts must increase: {starts}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,8 +252,8 @@ class PrefixShared(Run):
 
     def __post_init__(self) -> None:
         self._check_run()
-        _check(self.documents >= 1, f"prefix: documents must be >= 1, got {self.documents}")
-        _check(self.zipf_s >= 0, f"prefix: zipf_s must be >= 0, got {self.zipf_s}")
+        check(self.documents >= 1, f"prefix: documents must be >= 1, got {self.documents}")
+        check(self.zipf_s >= 0, f"prefix: zipf_s must be >= 0, got {self.zipf_s}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -277,12 +275,12 @@ class MultiTurn(Run):
 
     def __post_init__(self) -> None:
         self._check_run()
-        _check(1 <= self.turns_low <= self.turns_high, f"multiturn: turns_low/high: {self}")
-        _check(self.think_s > 0, f"multiturn: think_s must be > 0, got {self.think_s}")
+        check(1 <= self.turns_low <= self.turns_high, f"multiturn: turns_low/high: {self}")
+        check(self.think_s > 0, f"multiturn: think_s must be > 0, got {self.think_s}")
         # The system prompt is whole blocks and must leave room for a first question.
-        system = _blocks(self.system_tokens, self.block_tokens) * self.block_tokens
+        system = blocks_of(self.system_tokens, self.block_tokens) * self.block_tokens
         fits = self.system_tokens >= 0 and system < self.max_prompt_tokens
-        _check(fits, f"multiturn: system_tokens must leave room in max_prompt_tokens: {self}")
+        check(fits, f"multiturn: system_tokens must leave room in max_prompt_tokens: {self}")
 
 
 # --- generators
@@ -309,7 +307,7 @@ def _independent_requests(spec: Independent) -> Iterator[TraceRequest]:
             phase += 1
         prompt = spec.phases[phase].prompt.sample(rng)
         output = spec.phases[phase].output.sample(rng)
-        yield TraceRequest(t, prompt, output, ids.take(_blocks(prompt, size)), size)
+        yield TraceRequest(t, prompt, output, ids.take(blocks_of(prompt, size)), size)
 
 
 def independent_trace(spec: Independent, name: str = "independent") -> Trace:
@@ -320,7 +318,7 @@ def independent_trace(spec: Independent, name: str = "independent") -> Trace:
 def _prefix_requests(spec: PrefixShared) -> Iterator[TraceRequest]:
     arrival_rng, rng = _rngs(spec.seed)
     ids, size = _Ids(), spec.block_tokens
-    docs = [ids.take(_blocks(spec.document.sample(rng), size)) for _ in range(spec.documents)]
+    docs = [ids.take(blocks_of(spec.document.sample(rng), size)) for _ in range(spec.documents)]
     cumulative: list[float] = []
     total = 0.0
     for rank in range(1, spec.documents + 1):
@@ -329,7 +327,7 @@ def _prefix_requests(spec: PrefixShared) -> Iterator[TraceRequest]:
     for t in spec.arrivals.times(arrival_rng):
         doc = docs[min(bisect.bisect_right(cumulative, rng.random() * total), spec.documents - 1)]
         question = spec.question.sample(rng)
-        blocks = doc + ids.take(_blocks(question, size))
+        blocks = doc + ids.take(blocks_of(question, size))
         yield TraceRequest(t, len(doc) * size + question, spec.output.sample(rng), blocks, size)
 
 
@@ -351,7 +349,7 @@ def _multiturn_requests(spec: MultiTurn) -> Iterator[TraceRequest]:
     """Session starts and later turns merged in time order through a heap, drawn lazily."""
     arrival_rng, rng = _rngs(spec.seed)
     ids, size = _Ids(), spec.block_tokens
-    system = ids.take(_blocks(spec.system_tokens, size))
+    system = ids.take(blocks_of(spec.system_tokens, size))
     starts = spec.arrivals.times(arrival_rng)
     next_start = next(starts)
     pending: list[tuple[float, int, _Session]] = []  # (next turn's time, push order, session)
@@ -364,14 +362,14 @@ def _multiturn_requests(spec: MultiTurn) -> Iterator[TraceRequest]:
                 continue
             # Full blocks carry over; the old partial block is refilled, so it gets a fresh id.
             full = session.prompt_tokens // size
-            session.blocks = session.blocks[:full] + ids.take(_blocks(grown, size) - full)
+            session.blocks = session.blocks[:full] + ids.take(blocks_of(grown, size) - full)
             session.prompt_tokens = grown
         else:
             t, next_start = next_start, next(starts)
             session = _Session(f"s{sessions}", rng.randint(spec.turns_low, spec.turns_high))
             sessions += 1
             first = min(spec.first.sample(rng), spec.max_prompt_tokens - len(system) * size)
-            session.blocks = system + ids.take(_blocks(first, size))
+            session.blocks = system + ids.take(blocks_of(first, size))
             session.prompt_tokens = len(system) * size + first
         session.output_tokens = spec.output.sample(rng)
         session.turns_left -= 1
@@ -422,7 +420,7 @@ def _preset(build: Callable[[float, _Horizon], Trace]) -> Preset:
         seed: int = 0,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
     ) -> Trace:
-        _check(rate_per_s > 0, f"rate_per_s must be > 0, got {rate_per_s}")
+        check(rate_per_s > 0, f"rate_per_s must be > 0, got {rate_per_s}")
         if duration_s is None and n_requests is None:
             duration_s = DEFAULT_DURATION_S
         span = duration_s if duration_s is not None else (n_requests or 1) / rate_per_s
@@ -503,145 +501,6 @@ SYNTHETIC: dict[str, Preset] = {
     "prefix": preset_prefix,
     "multiturn": preset_multiturn,
 }
-
-
-# --- Mooncake traces
-
-
-def mooncake_sub_blocks(block_tokens: int, length_scale: float) -> int:
-    """How many simulated blocks one 512-token Mooncake block becomes."""
-    _check(block_tokens >= 1, f"block_tokens must be >= 1, got {block_tokens}")
-    _check(length_scale > 0, f"length_scale must be > 0, got {length_scale}")
-    k = round(MOONCAKE_BLOCK_TOKENS * length_scale / block_tokens)
-    _check(k >= 1, f"length_scale {length_scale}: a Mooncake block is under one {block_tokens}-token block")
-    return k
-
-
-@dataclass(frozen=True, slots=True)
-class _Line:
-    timestamp_ms: float
-    input_length: int
-    output_length: int
-    hash_ids: list[int]
-    session: str
-
-
-def _int_field(obj: dict[str, Any], key: str, low: int, where: str) -> int:
-    value = obj.get(key)
-    if type(value) is not int or value < low:
-        raise ValueError(f"{where}: {key!r} must be an integer >= {low}, got {value!r}")
-    return value
-
-
-def _parse_line(raw: bytes, where: str) -> _Line:
-    try:
-        obj = jsonutil.loads(raw)
-    except jsonutil.JSONDecodeError as exc:
-        raise ValueError(f"{where}: not JSON ({exc})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    timestamp = obj.get("timestamp")
-    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float) or not 0 <= timestamp < math.inf:
-        raise ValueError(f"{where}: 'timestamp' must be a number of ms >= 0, got {timestamp!r}")
-    input_length = _int_field(obj, "input_length", 1, where)
-    output_length = _int_field(obj, "output_length", 0, where)
-    hash_ids = obj.get("hash_ids")
-    if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
-        raise ValueError(f"{where}: 'hash_ids' must be a list of integers")
-    if len(hash_ids) * MOONCAKE_BLOCK_TOKENS < input_length:
-        raise ValueError(
-            f"{where}: input_length {input_length} needs {_blocks(input_length, MOONCAKE_BLOCK_TOKENS)} "
-            f"blocks of {MOONCAKE_BLOCK_TOKENS} tokens, hash_ids has {len(hash_ids)}"
-        )
-    session = obj.get("session", "")
-    if not isinstance(session, str):
-        raise ValueError(f"{where}: 'session' must be a string, got {session!r}")
-    return _Line(float(timestamp), input_length, output_length, hash_ids, session)
-
-
-def load_mooncake(
-    path: str | Path,
-    *,
-    block_tokens: int = DEFAULT_BLOCK_TOKENS,
-    length_scale: float = 1.0,
-    max_input_tokens: int | None = None,
-    time_scale: float = 1.0,
-    output_scale: float = 1.0,
-    limit: int | None = None,
-) -> Trace:
-    """A Mooncake JSONL trace, scaled to the simulated model.
-
-    Each line holds ``timestamp`` (ms), ``input_length``, ``output_length`` and ``hash_ids`` (one id per
-    512-token block; an optional ``session`` string, which ``dump_mooncake`` writes, is kept). Scaling:
-
-    - Blocks: each Mooncake block becomes ``k = round(512 * length_scale / block_tokens)`` simulated
-      blocks (``k >= 1`` or ``ValueError``); sub-block ``j`` of Mooncake id ``h`` gets id ``h * k + j``,
-      which is injective, so two prompts share a simulated id at a position exactly when they share the
-      Mooncake id it comes from.
-    - Input: lengths scale by the effective ``k * block_tokens / 512`` (``length_scale`` rounded so a
-      Mooncake block is a whole number of simulated blocks; exact when ``512 * length_scale`` is a
-      multiple of ``block_tokens``), at least 1 token, then are cut to ``max_input_tokens``; the
-      prompt keeps the ``ceil(input_tokens / block_tokens)`` first block ids (surplus ids are dropped).
-    - Output: ``max(1, round(output_length * output_scale))``; kept as is by default, as decode length
-      does not depend on the model's size the way a document's does.
-    - Time: ``at_s = (timestamp - first timestamp) / 1000 / time_scale`` (``time_scale`` 2 replays twice
-      as fast); lines are ordered by timestamp, ties kept in file order.
-
-    ``limit`` keeps the first ``limit`` lines. A malformed line raises ``ValueError`` naming its number.
-    """
-    k = mooncake_sub_blocks(block_tokens, length_scale)
-    _check(time_scale > 0, f"time_scale must be > 0, got {time_scale}")
-    _check(output_scale > 0, f"output_scale must be > 0, got {output_scale}")
-    _check(max_input_tokens is None or max_input_tokens >= 1, f"max_input_tokens < 1: {max_input_tokens}")
-    _check(limit is None or limit >= 0, f"limit must be >= 0, got {limit}")
-    path = Path(path)
-    lines: list[_Line] = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            if limit is not None and len(lines) >= limit:
-                break
-            if raw.strip():
-                lines.append(_parse_line(raw, f"{path}, line {number}"))
-    lines.sort(key=lambda line: line.timestamp_ms)
-    scale = k * block_tokens / MOONCAKE_BLOCK_TOKENS
-    cap = max_input_tokens if max_input_tokens is not None else math.inf
-    start_ms = lines[0].timestamp_ms if lines else 0.0
-    requests: list[TraceRequest] = []
-    for line in lines:
-        input_tokens = int(min(cap, max(1, round(line.input_length * scale))))
-        n_blocks = _blocks(input_tokens, block_tokens)
-        blocks = tuple(h * k + j for h in line.hash_ids[: _blocks(n_blocks, k)] for j in range(k))
-        at_s = (line.timestamp_ms - start_ms) / 1000 / time_scale
-        output_tokens = max(1, round(line.output_length * output_scale))
-        requests.append(
-            TraceRequest(at_s, input_tokens, output_tokens, blocks[:n_blocks], block_tokens, line.session)
-        )
-    description = (
-        f"{path.name}: {k} blocks of {block_tokens} tokens per Mooncake block (length x{scale:g}), "
-        f"time /{time_scale:g}, output x{output_scale:g}, input cap {max_input_tokens}"
-    )
-    return Trace(f"mooncake:{path.stem}", requests, description)
-
-
-def dump_mooncake(trace: Trace, path: str | Path) -> None:
-    """Write ``trace`` as Mooncake JSONL, one 512-token Mooncake block per simulated block (lengths
-    scaled up by ``512 / block_tokens``), sessions kept in a ``session`` key. For ``block_tokens``
-    B <= 512, ``load_mooncake(path, block_tokens=B, length_scale=B / 512)`` gives the requests back
-    (timestamps to float rounding)."""
-    sizes = {r.block_tokens for r in trace.requests}
-    _check(len(sizes) <= 1, f"dump_mooncake: one block size per trace, got {sorted(sizes)}")
-    start_s = trace.requests[0].at_s if trace.requests else 0.0
-    with Path(path).open("wb") as f:
-        for r in trace.requests:
-            row: dict[str, Any] = {
-                "timestamp": (r.at_s - start_s) * 1000,
-                "input_length": round(r.input_tokens * MOONCAKE_BLOCK_TOKENS / r.block_tokens),
-                "output_length": r.output_tokens,
-                "hash_ids": list(r.block_ids),
-            }
-            if r.session:
-                row["session"] = r.session
-            f.write(jsonutil.dumps(row) + b"\n")
 
 
 # --- statistics
