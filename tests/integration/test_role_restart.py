@@ -127,25 +127,44 @@ async def engine_requests(http: aiohttp.ClientSession, url: str) -> float:
     )
 
 
+@dataclass
+class Streaming:
+    """A 1P2D cluster with a stream under way on one decode instance, ``mover``."""
+
+    c: Cluster
+    http: aiohttp.ClientSession
+    resp: aiohttp.ClientResponse
+    first: bytes  # the stream's first line, read
+    mover: str
+
+    async def rest(self) -> str:
+        """The stream's whole text, once it ends."""
+        return await rest_of(self.resp, self.first)
+
+
+@contextlib.asynccontextmanager
+async def a_stream_on_a_decode_instance(max_tokens: int, **overrides: Any) -> AsyncIterator[Streaming]:
+    async with (
+        cluster({"p0": "prefill", "d0": "decode", "d1": "decode"}, **overrides) as c,
+        aiohttp.ClientSession() as http,
+    ):
+        await ready(c.orch, 1, 2)
+        async with stream(http, c.orch, max_tokens) as resp:
+            first = await resp.content.readline()
+            mover = await eventually(lambda: decoding(c.orch), what="the stream on a decode instance")
+            yield Streaming(c, http, resp, first, mover)
+
+
 async def test_a_restart_drains_the_instance_restarts_its_engine_as_the_new_role_and_no_stream_fails() -> (
     None
 ):
-    async with (
-        cluster({"p0": "prefill", "d0": "decode", "d1": "decode"}) as c,
-        aiohttp.ClientSession() as http,
-    ):
-        orch = c.orch
-        await ready(orch, 1, 2)
-        async with stream(http, orch, 100) as resp:
-            first = await resp.content.readline()
-            mover = await eventually(lambda: decoding(orch), what="the stream on a decode instance")
-            session = orch.registry.get(mover).session  # type: ignore[union-attr]
-            change = asyncio.create_task(post_role(http, orch, mover, "prefill"))
-            await eventually(lambda: orch.registry.get(mover).state == "draining", what="drained")  # type: ignore[union-attr]
-            assert not change.done(), "the restart waits for the stream"
-            assert await rest_of(resp, first) == expected_text(PROMPT, 100), (
-                "the stream finished where it was"
-            )
+    async with a_stream_on_a_decode_instance(100) as s:
+        c, http, orch, mover = s.c, s.http, s.c.orch, s.mover
+        session = orch.registry.get(mover).session  # type: ignore[union-attr]
+        change = asyncio.create_task(post_role(http, orch, mover, "prefill"))
+        await eventually(lambda: orch.registry.get(mover).state == "draining", what="drained")  # type: ignore[union-attr]
+        assert not change.done(), "the restart waits for the stream"
+        assert await s.rest() == expected_text(PROMPT, 100), "the stream finished where it was"
         status, body = await change
         assert status == 200 and (body["from"], body["role"], body["how"]) == (
             "decode",
@@ -188,18 +207,11 @@ async def test_a_restart_drains_the_instance_restarts_its_engine_as_the_new_role
 
 
 async def test_a_stream_that_outlives_the_drain_is_resumed_elsewhere_and_finishes() -> None:
-    async with (
-        cluster({"p0": "prefill", "d0": "decode", "d1": "decode"}, role_drain_timeout_s=0.3) as c,
-        aiohttp.ClientSession() as http,
-    ):
-        orch = c.orch
-        await ready(orch, 1, 2)
-        async with stream(http, orch, 150) as resp:
-            first = await resp.content.readline()
-            mover = await eventually(lambda: decoding(orch), what="the stream on a decode instance")
-            status, body = await post_role(http, orch, mover, "prefill")
-            assert status == 200 and body["how"] == "restart", body
-            assert await rest_of(resp, first) == expected_text(PROMPT, 150), "resumed, not failed"
+    async with a_stream_on_a_decode_instance(150, role_drain_timeout_s=0.3) as s:
+        http, orch = s.http, s.c.orch
+        status, body = await post_role(http, orch, s.mover, "prefill")
+        assert status == 200 and body["how"] == "restart", body
+        assert await s.rest() == expected_text(PROMPT, 150), "resumed, not failed"
         restarts = await events_of(http, orch, "role_restart")
         assert [e.get("left_in_flight", 0) for e in restarts if e["step"] == "restarting"] == [1]
         async with http.get(f"{orch.admin_url}/admin/v1/events?follow=false", headers=ADMIN) as resp:
@@ -207,19 +219,12 @@ async def test_a_stream_that_outlives_the_drain_is_resumed_elsewhere_and_finishe
 
 
 async def test_an_instance_mid_change_refuses_another_change() -> None:
-    async with (
-        cluster({"p0": "prefill", "d0": "decode", "d1": "decode"}, role_drain_timeout_s=30.0) as c,
-        aiohttp.ClientSession() as http,
-    ):
-        orch = c.orch
-        await ready(orch, 1, 2)
-        async with stream(http, orch, 100) as resp:
-            first = await resp.content.readline()
-            mover = await eventually(lambda: decoding(orch), what="the stream on a decode instance")
-            change = asyncio.create_task(post_role(http, orch, mover, "prefill"))
-            await eventually(lambda: orch.registry.get(mover).state == "draining", what="drained")  # type: ignore[union-attr]
-            status, body = await post_role(http, orch, mover, "both")
-            assert status == 409 and "under way" in body["error"]["message"], body
-            await rest_of(resp, first)
+    async with a_stream_on_a_decode_instance(100, role_drain_timeout_s=30.0) as s:
+        http, orch, mover = s.http, s.c.orch, s.mover
+        change = asyncio.create_task(post_role(http, orch, mover, "prefill"))
+        await eventually(lambda: orch.registry.get(mover).state == "draining", what="drained")  # type: ignore[union-attr]
+        status, body = await post_role(http, orch, mover, "both")
+        assert status == 409 and "under way" in body["error"]["message"], body
+        await s.rest()
         status, body = await change
         assert status == 200 and body["role"] == "prefill"

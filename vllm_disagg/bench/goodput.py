@@ -31,6 +31,7 @@ import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.compare import percentile
+from vllm_disagg.bench.streams import time_stream
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.runtime import asyncio_run
 from vllm_disagg.up import ClusterSpec, LocalCluster, spawn
@@ -314,8 +315,6 @@ async def one(
     """(ok, TTFT, TPOT, mode) of one streamed completion."""
     body = {"model": "sim-model", "prompt": request.prompt, "max_tokens": request.max_tokens, "stream": True}
     t0 = time.perf_counter()
-    first = last = 0.0
-    tokens = 0
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with session.post(
         f"{url}/v1/completions", data=jsonutil.dumps(body), headers=_JSON, timeout=timeout
@@ -324,20 +323,8 @@ async def one(
         if resp.status != 200:
             await resp.read()
             return False, 0.0, 0.0, mode
-        buffer = b""
-        async for chunk in resp.content.iter_any():
-            now = time.perf_counter()
-            buffer += chunk
-            if b"\n\n" in buffer:
-                *done, buffer = buffer.split(b"\n\n")
-                fresh = sum(1 for e in done if e.startswith(b"data: {") and b'"text"' in e)
-                if fresh and not tokens:
-                    first = now
-                tokens += fresh
-                last = now if fresh else last
-    ttft = first - t0 if tokens else 0.0
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    return tokens == request.max_tokens, ttft, tpot, mode
+        timing = await time_stream(resp, t0)
+    return timing.tokens == request.max_tokens, timing.ttft_s, timing.tpot_s, mode
 
 
 async def play(

@@ -25,6 +25,7 @@ import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.compare import percentile
+from vllm_disagg.bench.streams import time_stream
 from vllm_disagg.runtime import asyncio_run
 from vllm_disagg.up import ClusterSpec, LocalCluster
 
@@ -92,27 +93,12 @@ async def one(
     """(ok, TTFT, TPOT) of one streamed completion."""
     body = {"model": "sim-model", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     t0 = time.perf_counter()
-    first = last = 0.0
-    tokens = 0
     async with session.post(f"{url}/v1/completions", data=jsonutil.dumps(body), headers=_JSON) as resp:
         if resp.status != 200:
             await resp.read()
             return False, 0.0, 0.0
-        buffer = b""
-        async for chunk in resp.content.iter_any():
-            now = time.perf_counter()
-            buffer += chunk
-            events = buffer.count(b"\n\n")
-            if events:
-                *done, buffer = buffer.split(b"\n\n")
-                fresh = sum(1 for e in done if e.startswith(b"data: {") and b'"text"' in e)
-                if fresh and not tokens:
-                    first = now
-                tokens += fresh
-                last = now if fresh else last
-    ttft = first - t0 if tokens else 0.0
-    tpot = (last - first) / (tokens - 1) if tokens > 1 else 0.0
-    return tokens > 0, ttft, tpot
+        timing = await time_stream(resp, t0)
+    return timing.tokens > 0, timing.ttft_s, timing.tpot_s
 
 
 async def run_arm(arm: str, args: argparse.Namespace, config: str) -> ArmResult:
