@@ -66,6 +66,11 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "goodput vs offered load on a sim cluster: today's scheduler vs the planner and SLO-aware path",
     ),
     (
+        "bench kv",
+        "vllm_disagg.bench.kv",
+        "agent-to-agent KV transfer GB/s vs a loopback socket; a pool under churn (RSS, capacity)",
+    ),
+    (
         "bench calibrate",
         "vllm_disagg.bench.calibrate",
         "real vLLM: measure prefill and decode step costs, fit the cluster simulator's profile",

@@ -152,6 +152,11 @@ class OrchestratorConfig:
     heartbeat_timeout_s: float = 1.0  # no heartbeat for this long: the instance is dead
     max_body_bytes: int = 16 << 20
     connect_timeout_s: float = 2.0  # to an engine
+    # Moving KV between agents' pools (docs/kv-pool.md): how long a holder pins granted blocks, and
+    # how long the gateway waits for the holder's grant and for the receiver's fetch to start.
+    kv_grant_ttl_s: float = 30.0
+    kv_grant_timeout_s: float = 1.0
+    kv_fetch_timeout_s: float = 2.0
     # No byte from an engine for this long fails the leg (a prefill's or a non-streamed answer's whole
     # wait counts as one gap). Never a total: a healthy stream may run for hours.
     idle_timeout_s: float = 300.0
@@ -217,6 +222,9 @@ class OrchestratorConfig:
             heartbeat_timeout_s=self.heartbeat_timeout_s,
             max_body_bytes=self.max_body_bytes,
             connect_timeout_s=self.connect_timeout_s,
+            kv_grant_ttl_s=self.kv_grant_ttl_s,
+            kv_grant_timeout_s=self.kv_grant_timeout_s,
+            kv_fetch_timeout_s=self.kv_fetch_timeout_s,
             idle_timeout_s=self.idle_timeout_s,
             max_frame_bytes=self.max_frame_bytes,
             command_timeout_s=self.command_timeout_s,
@@ -288,6 +296,11 @@ class AgentConfig:
     # blocks for a decode engine that never pulls them. 0: the engine's default (30 s). With a connector.
     kv_lease_s: int = 0
     nixl_side_channel_port: int = 0  # 0: engine_port + 1000
+    # The node's prefix pool, with kv_connector "vllm-disagg" (docs/kv-pool.md): its size as blocks
+    # ("4096"), bytes ("2GiB") or a share of the host's memory ("10%"), and the TCP port other agents
+    # fetch its blocks on (0: engine_port + 3000).
+    kv_pool_capacity: str = "2GiB"
+    kv_pool_port: int = 0
     kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
@@ -321,6 +334,7 @@ class AgentConfig:
             raise ConfigError(f"agent.engine_nice must be 0..19, got {self.engine_nice}")
         _port("agent", "nixl_side_channel_port", self.nixl_side_channel_port)
         _port("agent", "kv_events_port", self.kv_events_port)
+        _port("agent", "kv_pool_port", self.kv_pool_port)
         _positive("agent", max_model_len=self.max_model_len, kv_cache_space_gib=self.kv_cache_space_gib)
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(

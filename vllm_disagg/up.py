@@ -64,6 +64,10 @@ class ClusterSpec:
     engine_args: str = ""  # more vLLM flags for every instance
     kv_load_failure_policy: str = ""  # a decode engine's failed KV pull: "fail", "recompute"; "": default
     kv_lease_s: int = 0  # how long P keeps KV that no decode pulls (vLLM's kv_lease_duration); 0: default
+    # The engines' KV connector: NIXL (vLLM's), or "vllm-disagg", the project's over each agent's
+    # prefix pool (docs/kv-pool.md), with the pool's capacity.
+    kv_connector: str = "NixlConnector"
+    kv_pool_capacity: str = ""  # "": the agent's default
     engine_startup_timeout_s: float = 900.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -156,6 +160,10 @@ class ClusterSpec:
             argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]
         if self.kv_lease_s:
             argv += ["--kv-lease-s", str(self.kv_lease_s)]
+        if self.engine == "vllm" and self.kv_connector != ClusterSpec.kv_connector:
+            argv += ["--kv-connector", self.kv_connector]
+        if self.kv_pool_capacity:
+            argv += ["--kv-pool-capacity", self.kv_pool_capacity]
         if self.role_switch != "auto":
             argv += ["--role-switch", self.role_switch]
         if self.keys_dir:
@@ -314,6 +322,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a prefill engine keeps a prompt's KV that no decode engine pulls (vLLM's "
         "kv_lease_duration); 0: the engine's default (30)",
     )
+    parser.add_argument(
+        "--kv-connector",
+        choices=("NixlConnector", "vllm-disagg"),
+        default=d.kv_connector,
+        help="how KV moves from prefill to decode: NIXL (vLLM's, the default), or vllm-disagg (the "
+        "project's connector over each agent's prefix pool: a prefix computed once serves every "
+        "instance; docs/kv-pool.md)",
+    )
+    parser.add_argument(
+        "--kv-pool-capacity",
+        default=d.kv_pool_capacity,
+        help="with --kv-connector vllm-disagg: each agent's pool, as blocks (4096), bytes (2GiB) or a "
+        "share of memory (10%%); default 2GiB",
+    )
     parser.add_argument("--host", default=d.host, help="gateway host")
     parser.add_argument("--port", type=int, default=d.port, help="gateway port")
     parser.add_argument("--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents")
@@ -374,6 +396,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         engine_args=args.engine_args,
         kv_load_failure_policy=args.kv_load_failure_policy or "",
         kv_lease_s=args.kv_lease_s,
+        kv_connector=args.kv_connector,
+        kv_pool_capacity=args.kv_pool_capacity,
         host=args.host,
         port=args.port,
         zmq_port=args.zmq_port,

@@ -25,13 +25,14 @@ from tests.e2e.vllm_support import (
     BLOCK,
     JSON,
     MAX_TOKENS,
-    MODEL,
     START_TIMEOUT_S,
+    Answers,
     Case,
     ask,
+    colocated_answers,
     free_engine_ports,
     prompts_for,
-    running_vllm,
+    running_up,
     up_1p1d_argv,
 )
 from tests.helpers import (
@@ -45,7 +46,6 @@ from tests.helpers import (
     stop_process_group,
 )
 from vllm_disagg import jsonutil
-from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
 from vllm_disagg.procfs import engine_servers, group_members
 from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames
@@ -73,35 +73,10 @@ def prompts(tiny_model: Path) -> list[str]:
     return prompts_for(tiny_model, 16, first_tokens=2 * BLOCK + 20)
 
 
-@dataclass
-class Reference:
-    """What one colocated vLLM answered for each case, and its prompt token counts."""
-
-    texts: dict[str, str]
-    prompt_tokens: dict[str, int]
-
-
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory) -> Reference:
-    port = free_engine_ports(1)
-    cfg = AgentConfig(
-        agent_id="reference", role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
-        engine_port=port, kv_connector="",
-    )  # fmt: skip
-    log = tmp_path_factory.mktemp("reference") / "vllm.log"
-    with running_vllm(cfg, log) as base:
-
-        async def collect() -> Reference:
-            ref = Reference({}, {})
-            async with aiohttp.ClientSession() as session:
-                for case in _cases(prompts) + _concurrent_cases(prompts):
-                    text, usage, _ = await ask(session, base, case)
-                    ref.texts[case.name] = text
-                    if usage:
-                        ref.prompt_tokens[case.name] = usage["prompt_tokens"]
-            return ref
-
-        return asyncio.run(collect())
+def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory) -> Answers:
+    cases = _cases(prompts) + _concurrent_cases(prompts)
+    return colocated_answers(tiny_model, cases, tmp_path_factory.mktemp("reference") / "vllm.log")
 
 
 def _concurrent_cases(prompts: list[str]) -> list[Case]:
@@ -182,27 +157,15 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(
-    tiny_model: Path, reference: Reference, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, reference: Answers, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Cluster]:
     port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
     prefill_blocks = EngineBlocks(f"tcp://127.0.0.1:{engine_base + 2000}")  # prefill-0's KV events
     argv = up_1p1d_argv(tiny_model, port, zmq_port, engine_base)
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    running = Cluster(proc, f"http://127.0.0.1:{port}", log, prefill_blocks)
     try:
-        try:
-            eventually_sync(
-                lambda: proc.poll() is not None or "instances ready" in log.read_text(),
-                timeout=START_TIMEOUT_S + 60, interval=0.5, what="up ready",
-            )  # fmt: skip
-            assert proc.poll() is None, f"up exited with {proc.returncode}"
-        except AssertionError:
-            _stop(running)
-            raise AssertionError(log.read_text()[-5000:]) from None
-        yield running
-        _stop(running)
+        with running_up(argv, log) as proc:
+            yield Cluster(proc, f"http://127.0.0.1:{port}", log, prefill_blocks)
     finally:
         prefill_blocks.close()
 
@@ -211,13 +174,13 @@ def _stop(cluster: Cluster) -> int | None:
     return stop_process_group(cluster.proc, timeout=120)
 
 
-def test_reference_prompts_are_longer_than_two_kv_blocks(reference: Reference) -> None:
+def test_reference_prompts_are_longer_than_two_kv_blocks(reference: Answers) -> None:
     assert len(reference.prompt_tokens) >= 4 + 16
     assert all(n > 2 * BLOCK for n in reference.prompt_tokens.values()), reference.prompt_tokens
 
 
 async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
-    cluster: Cluster, reference: Reference, prompts: list[str]
+    cluster: Cluster, reference: Answers, prompts: list[str]
 ) -> None:
     decode_url = cluster.instances()["decode-0"]["url"]
     async with aiohttp.ClientSession() as session:
@@ -417,7 +380,7 @@ async def test_the_index_follows_the_prefill_engines_kv_events_and_scores_a_repe
 
 
 async def test_producer_and_consumer_swap_roles_by_restart_and_stay_token_identical(
-    cluster: Cluster, reference: Reference, prompts: list[str]
+    cluster: Cluster, reference: Answers, prompts: list[str]
 ) -> None:
     """``up`` launches prefill as ``kv_producer`` and decode as ``kv_consumer``: a role change drains
     the instance and its agent restarts vLLM with the other kv_role, in the same session."""

@@ -29,13 +29,13 @@ import pytest
 from tests.e2e.vllm_support import (
     BLOCK,
     JSON,
-    MODEL,
     START_TIMEOUT_S,
     Case,
     ask,
+    colocated_answers,
     free_engine_ports,
     prompts_for,
-    running_vllm,
+    running_up,
     up_1p1d_argv,
 )
 from tests.helpers import (
@@ -47,10 +47,8 @@ from tests.helpers import (
     metric_sum,
     parse_prometheus,
     sse_text,
-    stop_process_group,
 )
 from vllm_disagg import jsonutil
-from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import engine_servers, group_members
 
 pytestmark = pytest.mark.timeout(1800)
@@ -89,19 +87,8 @@ def _short_cases(prompts: list[str]) -> list[Case]:
 def reference(
     tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, str]:
-    port = free_engine_ports(1)
-    cfg = AgentConfig(
-        agent_id="reference", role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
-        engine_port=port, kv_connector="",
-    )  # fmt: skip
-    with running_vllm(cfg, tmp_path_factory.mktemp("reference") / "vllm.log") as base:
-
-        async def collect() -> dict[str, str]:
-            async with aiohttp.ClientSession() as session:
-                cases: list[Case] = [*_long_cases(prompts), *_short_cases(prompts)]
-                return {case.name: (await ask(session, base, case))[0] for case in cases}
-
-        return asyncio.run(collect())
+    cases: list[Case] = [*_long_cases(prompts), *_short_cases(prompts)]
+    return colocated_answers(tiny_model, cases, tmp_path_factory.mktemp("reference") / "vllm.log").texts
 
 
 @dataclass
@@ -145,18 +132,8 @@ def up(tiny_model: Path, reference: dict[str, str], tmp_path_factory: pytest.Tem
     port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
     argv = [*up_1p1d_argv(tiny_model, port, zmq_port, engine_base), "--kv-lease-s", str(KV_LEASE_S)]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    running = Up(proc, f"http://127.0.0.1:{port}", log)
-    try:
-        eventually_sync(
-            lambda: proc.poll() is not None or "instances ready" in log.read_text(),
-            timeout=START_TIMEOUT_S + 60, interval=0.5, what="up ready",
-        )  # fmt: skip
-        assert proc.poll() is None, f"up exited with {proc.returncode}: {log.read_text()[-5000:]}"
-        yield running
-    finally:
-        stop_process_group(proc, timeout=120)
+    with running_up(argv, log) as proc:
+        yield Up(proc, f"http://127.0.0.1:{port}", log)
 
 
 def _metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

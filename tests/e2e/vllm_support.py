@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.helpers import cli_argv, eventually_sync, free_ports, http_json, sse_text
+from tests.helpers import cli_argv, eventually_sync, free_ports, http_json, sse_text, stop_process_group
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
@@ -176,3 +177,50 @@ def up_1p1d_argv(model_dir: Path, port: int, zmq_port: int, engine_base: int) ->
         # engine is reported by its agent at once whatever the heartbeat timeout.
         "--heartbeat-timeout-s", "60", "--connect-timeout-s", "60", "--health-timeout-s", "20",
     )  # fmt: skip
+
+
+@dataclass
+class Answers:
+    """What one plain vLLM answered for each case, and each non-streamed case's prompt tokens."""
+
+    texts: dict[str, str]
+    prompt_tokens: dict[str, int]
+
+
+def colocated_answers(model_dir: Path, cases: list[Case], log: Path) -> Answers:
+    """Every case asked, one at a time, of one plain vLLM (no KV connector): the reference that
+    disaggregated serving must match token for token."""
+    cfg = AgentConfig(
+        agent_id="reference", role="both", engine="vllm", model=MODEL, model_path=str(model_dir),
+        engine_port=free_engine_ports(1), kv_connector="",
+    )  # fmt: skip
+    with running_vllm(cfg, log) as base:
+
+        async def collect() -> Answers:
+            answers = Answers({}, {})
+            async with aiohttp.ClientSession() as session:
+                for case in cases:
+                    text, usage, _ = await ask(session, base, case)
+                    answers.texts[case.name] = text
+                    if usage:
+                        answers.prompt_tokens[case.name] = usage["prompt_tokens"]
+            return answers
+
+        return asyncio.run(collect())
+
+
+@contextlib.contextmanager
+def running_up(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``vllm-disagg up`` with ``argv``, once it says every instance is ready; stopped on exit (its
+    whole process group, engines included). A start that fails raises with the log's last lines."""
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        eventually_sync(
+            lambda: proc.poll() is not None or "instances ready" in log.read_text(),
+            timeout=START_TIMEOUT_S + 60, interval=0.5, what="up ready",
+        )  # fmt: skip
+        assert proc.poll() is None, f"up exited with {proc.returncode}: {log.read_text()[-5000:]}"
+        yield proc
+    finally:
+        stop_process_group(proc, timeout=120)

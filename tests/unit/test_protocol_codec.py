@@ -388,7 +388,7 @@ def test_every_example_in_the_protocol_doc_decodes_and_every_message_has_one() -
             Heartbeat(seq=1, engine_state="ready", metrics=MetricsSnapshot(num_running=2)),
         ),
         (
-            frame("kv_events", {"seq": 1, "events": [{"kind": "cleared", "medium": "GPU"}]}),
+            frame("kv_events", {"seq": 1, "events": [{"kind": "cleared", "tier": "host"}]}),
             KvEvents(seq=1, events=[KvEvent(kind="cleared")]),
         ),
         (frame("ack", {"id": 1, "ok": True, **{f"f{i}": 0 for i in range(10_000)}}), Ack(id=1, ok=True)),

@@ -133,7 +133,7 @@ DELETE = object()
             id="weight-not-a-number",
         ),
         pytest.param(
-            _edit("profiles.0.plugins.5", {"pluginRef": "uncached-tokens-decider"}),
+            _edit("profiles.0.plugins.5", {"pluginRef": "kv-pool-decider"}),
             "a decider cannot be part of a profile",
             id="decider-in-profile",
         ),

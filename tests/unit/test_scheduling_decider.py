@@ -128,6 +128,7 @@ def test_the_catalog_holds_every_plugin_type() -> None:
             "power-of-two-picker",
             "weighted-random-picker",
             "uncached-tokens-decider",
+            "kv-pool-decider",
         ]
     )
     assert all(name == spec.type for name, spec in PLUGIN_SPECS.items())

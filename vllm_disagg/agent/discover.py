@@ -105,9 +105,9 @@ def role_switch(cfg: AgentConfig, role: Role, facts: EngineFacts | None) -> Role
         return RoleSwitch("restart", f"role_switch is restart: the engine restarts as {role}")
     if cfg.engine != "vllm":
         return RoleSwitch("live")
-    from vllm_disagg.agent.vllm_command import KV_ROLES  # it imports the agent's engine module
+    from vllm_disagg.agent.vllm_command import KV_ROLES, uses_pool  # it imports the engine module
 
-    kv_role = KV_ROLES[cfg.role]
+    kv_role = "kv_both" if uses_pool(cfg) else KV_ROLES[cfg.role]
     if kv_role != "kv_both":
         return RoleSwitch("restart", f"the engine was launched with kv_role {kv_role}: it restarts as {role}")
     return RoleSwitch("live")

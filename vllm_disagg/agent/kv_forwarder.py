@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import zmq
@@ -123,6 +123,8 @@ class KvEventForwarder:
         self._last_seq: int | None = None  # the engine's, of the last batch read
         self._sub: zmq.Socket[bytes] | None = None  # a blocking view of the SUB socket, for draining
         self.mirror = mirror if mirror is not None else KvMirror()
+        # Other sources' whole state, appended to each resync (the KV pool's ``pool_snapshot``).
+        self.snapshots: list[Callable[[], list[KvEvent]]] = []
         self.seq = 0  # of the last KvEvents sent; grows for the agent's whole life
         self.batches = 0  # engine batches decoded
         self.bad_batches = 0  # engine batches that did not decode
@@ -221,8 +223,16 @@ class KvEventForwarder:
         self._missed += batches
         self.missed_total += batches
 
+    def forward(self, events: list[KvEvent]) -> None:
+        """Queue events of another source (the agent's KV pool, medium ``pool``) with the engine's:
+        never mirrored; every resync asks ``snapshots`` for that source's whole state instead."""
+        self._enqueue(events)
+
     def _record(self, events: list[KvEvent]) -> None:
         self.mirror.apply(events)
+        self._enqueue(events)
+
+    def _enqueue(self, events: list[KvEvent]) -> None:
         if self._resync:
             return  # the resync is built from the mirror when it starts: it will hold these
         self._queue.append(_Batch(events))
@@ -244,6 +254,8 @@ class KvEventForwarder:
 
     def _start_resync(self) -> None:
         events = self.mirror.snapshot(self._max_items)
+        for snapshot in self.snapshots:
+            events += snapshot()
         self._discard()
         self._queue.append(_Batch(events, counted=False))
         self._resync = False

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import shlex
 import sys
@@ -14,9 +15,12 @@ import aiohttp
 
 from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch
 from vllm_disagg.agent.engine import EngineSupervisor, instance_info
+from vllm_disagg.agent.kv.agent_pool import KvPool
+from vllm_disagg.agent.kv.arena import Capacity
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.agent.session import EXIT_REFUSED, AgentSession, SessionEnd
+from vllm_disagg.agent.vllm_command import uses_pool
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public
@@ -71,7 +75,20 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--max-model-len", "max_model_len", int, "context length"),
     ("--engine-device", "engine_device", str, "cpu, cuda or auto"),
     ("--engine-python", "engine_python", str, "interpreter of the venv holding vLLM (default: this one)"),
-    ("--kv-connector", "kv_connector", str, "KV connector for P/D transfer; empty for none"),
+    (
+        "--kv-connector",
+        "kv_connector",
+        str,
+        "KV connector: NixlConnector, vllm-disagg (the project's, over this agent's prefix pool; "
+        "docs/kv-pool.md), or empty for none",
+    ),
+    (
+        "--kv-pool-capacity",
+        "kv_pool_capacity",
+        str,
+        "with --kv-connector vllm-disagg: the pool as blocks (4096), bytes (2GiB) or a share (10%%)",
+    ),
+    ("--kv-pool-port", "kv_pool_port", int, "TCP port other agents fetch pool blocks on (0: engine+3000)"),
     (
         "--kv-load-failure-policy",
         "kv_load_failure_policy",
@@ -140,6 +157,7 @@ def run_config(cfg: AgentConfig, log_level: str = "INFO") -> int:
     """Run the agent ``cfg`` describes (as ``run``; ``connect`` builds its config from the engine)."""
     instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
     client_curve(cfg)  # and key files that will not do
+    Capacity.parse(cfg.kv_pool_capacity)  # and a pool size that means nothing
     logging.basicConfig(
         level=log_level.upper(),
         stream=sys.stderr,
@@ -170,9 +188,17 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             except DiscoveryError as exc:
                 print(f"vllm-disagg agent {cfg.agent_id}: {exc}", file=sys.stderr, flush=True)
                 return EXIT_REFUSED
+        pool = await KvPool.start(cfg) if uses_pool(cfg) else None
+        if pool is not None:
+            info = dataclasses.replace(info, kv_pool_endpoint=pool.transfer.endpoint)
         transport = DealerTransport(cfg.orchestrator, curve=client_curve(cfg))
         session = AgentSession(
-            transport, cfg.agent_id, info, engine_state=lambda: engine.state, metrics=scraper.latest
+            transport,
+            cfg.agent_id,
+            info,
+            engine_state=lambda: engine.state,
+            metrics=scraper.latest,
+            kv_plane=pool.transfer if pool else None,
         )
 
         def on_state(state: EngineState) -> None:
@@ -197,6 +223,8 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
         if forwarder is not None:
             engine.on_restart = forwarder.engine_restarted
             session.on_welcome = forwarder.session_started  # rebuild the orchestrator's KV index
+            if pool is not None:
+                pool.report_to(forwarder)
         try:
             end = await _until_done(engine, scraper, session, forwarder, stop)
             if end is None:  # a signal: tell the orchestrator first so it stops routing to us
@@ -213,6 +241,8 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             if attached is not None:
                 await attached.close()
             await engine.stop()
+            if pool is not None:
+                await pool.close()
             transport.close(linger_ms=GOODBYE_LINGER_MS)
 
 

@@ -3,6 +3,9 @@
 One reader task owns the socket's receiving side; one talker task sends Hello (with backoff) or
 heartbeats (at the interval the orchestrator chose). The session ends with a ``SessionEnd`` when the
 orchestrator says ``shutdown`` or refuses our protocol version; the caller stops the engine.
+
+An agent that runs a KV pool (``kv_plane``) also obeys ``kv_grant`` (at once) and ``kv_fetch`` (in a
+task of its own, Acked once the transfer has started: the reader never waits on another agent).
 """
 
 from __future__ import annotations
@@ -17,8 +20,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from vllm_disagg.agent.kv.plane import FetchStarted, KvPlane
 from vllm_disagg.errors import FieldTypeError, VersionMismatch
+from vllm_disagg.protocol.codec import for_minor
+from vllm_disagg.protocol.kv_pool import FetchArgs, GrantArgs
 from vllm_disagg.protocol.messages import (
+    MEDIUM_GPU,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     RESTART_REQUIRED,
@@ -47,6 +54,8 @@ HELLO_BACKOFF_MAX_S = 2.0
 REHELLO_CODES = frozenset({"unknown_agent", "not_registered"})
 EXIT_OK = 0
 EXIT_REFUSED = 3  # the orchestrator will never accept this agent (protocol version)
+NO_POOL = "this agent has no KV pool (run it with --kv-connector vllm-disagg)"
+POOL_MINOR = 3  # the protocol minor that knows KV pools (``KvEvent.medium``, ``Ack.detail``)
 
 
 def hello_delay(attempt: int, jitter: float) -> float:
@@ -90,8 +99,11 @@ class AgentSession:
         metrics: Callable[[], MetricsSnapshot],
         rng: random.Random | None = None,
         heartbeat_interval_s: float = 0.25,
+        kv_plane: KvPlane | None = None,
     ) -> None:
         self._transport = transport
+        self.kv_plane = kv_plane  # the node's KV pool and its agent-to-agent link; None: no pool
+        self._kv_tasks: set[asyncio.Task[None]] = set()  # fetches waiting for their transfer to start
         self._hello = Hello(
             protocol_version=PROTOCOL_VERSION,
             agent_id=agent_id,
@@ -133,6 +145,8 @@ class AgentSession:
             end = await self._end
             reader.cancel()
             talker.cancel()
+            for task in self._kv_tasks:
+                task.cancel()
         return end
 
     @property
@@ -150,8 +164,18 @@ class AgentSession:
         self._poke()
 
     def send_kv_events(self, message: KvEvents) -> bool:
-        """Forward engine KV events; False (nothing sent) while not registered or not connected."""
-        return self.registered and self._transport.send(message)
+        """Forward KV events; False (nothing sent) while not registered or not connected.
+
+        An orchestrator older than 1.3 would read a pool's events as the engine's (it ignores
+        ``medium``): it gets the engine's alone."""
+        if not self.registered:
+            return False
+        if self.peer_minor < POOL_MINOR and any(e.medium != MEDIUM_GPU for e in message.events):
+            events = [e for e in message.events if e.medium == MEDIUM_GPU]
+            if not events and not message.missed:
+                return True  # nothing it may hear
+            message = dataclasses.replace(message, events=events)
+        return self._transport.send(message)
 
     def report_now(self) -> None:
         """Send a heartbeat now, not at the next interval (the engine's state changed)."""
@@ -207,7 +231,7 @@ class AgentSession:
             ):
                 # An orchestrator of protocol 1.0 refuses fields it does not know: speak 1.0 to it.
                 log.info("the orchestrator speaks protocol v1.0; saying Hello as v1.0")
-                self._hello = dataclasses.replace(self._hello, protocol_minor=0)
+                self._hello = for_minor(dataclasses.replace(self._hello, protocol_minor=0), 0)
                 self._poke()
             case Refuse() if message.code in REHELLO_CODES:
                 # Every heartbeat in flight is refused; the first refusal is enough to say Hello again.
@@ -228,13 +252,19 @@ class AgentSession:
                 log.warning("ignoring an unexpected %s from the orchestrator", message.TAG)
 
     def _command(self, command: Command) -> None:
-        log.info("command %d: %s %s", command.id, command.kind, command.args or "")
+        log.info("command %d: %s %s", command.id, command.kind, _loggable(command.args) or "")
         if command.kind == "shutdown":
             self._transport.send(Ack(id=command.id, ok=True))
             self._finish(SessionEnd(EXIT_OK, "shutdown command", command.id))
             return
         if command.kind == "set_role":
             self._transport.send(self._set_role(command))
+            return
+        if command.kind == "kv_grant":
+            self._transport.send(self._kv_grant(command))
+            return
+        if command.kind == "kv_fetch":
+            self._kv_fetch(command)
             return
         self.draining = command.kind == "drain"
         self._transport.send(Ack(id=command.id, ok=True))
@@ -266,6 +296,65 @@ class AgentSession:
         log.info("now serving as %s%s", role, " (the engine restarts)" if switch.how == "restart" else "")
         return Ack(id=command.id, ok=True)
 
+    def _ack(self, command: Command, detail: dict[str, str]) -> Ack:
+        # An orchestrator before 1.3 sends no KV command; should one, it could not read the detail.
+        return Ack(id=command.id, ok=True, detail=detail if self.peer_minor >= POOL_MINOR else {})
+
+    def _kv_grant(self, command: Command) -> Ack:
+        """Let another agent fetch blocks of this pool; the Ack says how many leading ones are held."""
+        plane = self.kv_plane
+        if plane is None:
+            return Ack(id=command.id, ok=False, error=NO_POOL)
+        try:
+            args = GrantArgs.parse(command.args)
+        except ValueError as exc:
+            return Ack(id=command.id, ok=False, error=f"kv_grant: {exc}")
+        try:
+            held = plane.grant(args.token, args.keys, args.peer_key, args.ttl_s)
+        except Exception as exc:  # the plane's refusal goes back to the orchestrator, the session goes on
+            log.warning("kv_grant %d failed", command.id, exc_info=True)
+            return Ack(id=command.id, ok=False, error=f"kv_grant failed: {type(exc).__name__}: {exc}")
+        return self._ack(command, {"requested": str(len(args.keys)), "held": str(held)})
+
+    def _kv_fetch(self, command: Command) -> None:
+        """Start fetching blocks from another agent's pool; Acked once the transfer has started."""
+        plane = self.kv_plane
+        if plane is None:
+            self._transport.send(Ack(id=command.id, ok=False, error=NO_POOL))
+            return
+        try:
+            args = FetchArgs.parse(command.args)
+        except ValueError as exc:
+            self._transport.send(Ack(id=command.id, ok=False, error=f"kv_fetch: {exc}"))
+            return
+        task = asyncio.get_running_loop().create_task(self._fetch(command, plane, args))
+        self._kv_tasks.add(task)
+        task.add_done_callback(self._kv_tasks.discard)
+
+    async def _fetch(self, command: Command, plane: KvPlane, args: FetchArgs) -> None:
+        try:
+            async with asyncio.timeout(args.timeout_s):
+                started = await plane.fetch(
+                    args.endpoint, args.peer_key, args.token, args.keys, args.timeout_s
+                )
+        except TimeoutError:
+            error = f"kv_fetch: the transfer from {args.endpoint} did not start within {args.timeout_s:g} s"
+            self._transport.send(Ack(id=command.id, ok=False, error=error))
+            return
+        except Exception as exc:
+            log.warning("kv_fetch %d from %s failed: %s", command.id, args.endpoint, exc)
+            self._transport.send(
+                Ack(id=command.id, ok=False, error=f"kv_fetch failed: {type(exc).__name__}: {exc}")
+            )
+            return
+        started.done.add_done_callback(lambda done: _fetch_landed(command.id, args.endpoint, started, done))
+        detail = {
+            "requested": str(started.requested),
+            "already_held": str(started.already_held),
+            "reserved": str(started.reserved),
+        }
+        self._transport.send(self._ack(command, detail))
+
     async def _talk_loop(self) -> None:
         attempt = 0
         while True:
@@ -291,3 +380,37 @@ class AgentSession:
                 async with asyncio.timeout(delay):
                     await self._wake.wait()
             self._wake.clear()
+
+
+def _fetch_landed(command_id: int, endpoint: str, started: FetchStarted, done: asyncio.Future[int]) -> None:
+    """Log a fetch that landed fewer blocks than it reserved (its engine computes the rest)."""
+    if done.cancelled():
+        return
+    error = done.exception()
+    landed = 0 if error is not None else done.result()
+    if error is not None or landed < started.reserved:
+        log.warning(
+            "kv_fetch %d from %s landed %d of %d blocks%s",
+            command_id,
+            endpoint,
+            landed,
+            started.reserved,
+            f" ({error})" if error is not None else "",
+        )
+
+
+# A grant's token authorizes a fetch of prompts' KV: it never goes to a log. Keys lists are long.
+_SECRET_ARGS = frozenset({"token"})
+_LONG_ARG_CHARS = 80
+
+
+def _loggable(args: dict[str, str]) -> dict[str, str]:
+    """A command's args as a log line may show them: secrets masked, long values cut."""
+    out = {}
+    for name, value in args.items():
+        if name in _SECRET_ARGS:
+            value = "***"
+        elif len(value) > _LONG_ARG_CHARS:
+            value = f"{value[:_LONG_ARG_CHARS]}... ({len(value)} chars)"
+        out[name] = value
+    return out

@@ -16,9 +16,16 @@ from typing import Literal
 
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.engine import EngineCommand
+from vllm_disagg.agent.kv.local import (
+    CONNECTOR_CLASS,
+    CONNECTOR_MODULE,
+    CONNECTOR_NAME,
+    local_endpoint,
+)
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.messages import InstanceInfo, Role
+from vllm_disagg.wire.block_hash import HASH_ALGO
 
 Device = Literal["cpu", "cuda"]
 
@@ -30,6 +37,7 @@ KV_ROLES: Mapping[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer
 BLOCK_SIZES: Mapping[Device, int] = {"cpu": 128, "cuda": 16}  # vLLM's own defaults per device
 SIDE_CHANNEL_PORT_OFFSET = 1000
 KV_EVENTS_PORT_OFFSET = 2000
+KV_POOL_PORT_OFFSET = 3000
 KV_EVENTS_TOPIC = "kv-events"
 # What the CPU build needs on this project's machines (and the tiny float32 test model): float32,
 # eager mode (torch.compile's warm-up nearly triples start-up on CPU for no gain on a tiny model) and a
@@ -74,10 +82,39 @@ def kv_events_endpoint(cfg: AgentConfig) -> str:
     return f"tcp://{cfg.engine_host}:{kv_events_port(cfg)}"
 
 
+def kv_pool_port(cfg: AgentConfig) -> int:
+    """The TCP port this agent serves its pool's blocks to other agents on."""
+    return cfg.kv_pool_port or cfg.engine_port + KV_POOL_PORT_OFFSET
+
+
+def uses_pool(cfg: AgentConfig) -> bool:
+    """Whether the engine runs the project's connector over this agent's prefix pool."""
+    return cfg.engine == "vllm" and cfg.kv_connector == CONNECTOR_NAME
+
+
+def pool_transfer_config(cfg: AgentConfig) -> dict[str, object]:
+    """The project's connector (docs/kv-pool.md): vLLM loads it from this package, and it talks to
+    this agent over a local socket. Always ``kv_both``: the same engine saves what it computes and
+    loads what the pool holds, whatever its role (so a role changes by routing, not a restart). A
+    block that fails to load is recomputed, never an error."""
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "agent_endpoint": local_endpoint(cfg.agent_id),
+            "engine_name": cfg.agent_id,
+        },
+    }
+
+
 def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, object]:
     """The ``--kv-transfer-config`` object for the agent's role; empty without a connector."""
     if not cfg.kv_connector:
         return {}
+    if cfg.kv_connector == CONNECTOR_NAME:
+        return pool_transfer_config(cfg)
     config: dict[str, object] = {"kv_connector": cfg.kv_connector, "kv_role": KV_ROLES[cfg.role]}
     if device == "cpu":
         # No device memory to register: NIXL moves blocks between host buffers over UCX.
@@ -140,6 +177,9 @@ def vllm_argv(cfg: AgentConfig, device: Device) -> list[str]:
     transfer = kv_transfer_config(cfg, device)
     if transfer:
         argv += ["--kv-transfer-config", jsonutil.dumps(transfer).decode()]
+    if uses_pool(cfg):
+        # Block hashes every engine and agent computes alike: the pool's keys (wire/block_hash.py).
+        argv += ["--prefix-caching-hash-algo", HASH_ALGO]
     return [*argv, *cfg.extra_engine_args]
 
 
@@ -152,7 +192,7 @@ def vllm_env(cfg: AgentConfig, device: Device) -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }
-    if cfg.kv_connector:
+    if cfg.kv_connector and not uses_pool(cfg):
         # The host is what P advertises to D in kv_transfer_params, so it must be reachable from D.
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.engine_host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(cfg))

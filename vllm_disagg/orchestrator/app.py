@@ -25,6 +25,7 @@ from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.health import BreakerPolicy
 from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.kv_moves import ControlKvMover, KvMoveSettings
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file
@@ -106,9 +107,14 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 def build_app(
-    config: OrchestratorConfig, clock: Clock | None = None, scheduler: Scheduler | None = None
+    config: OrchestratorConfig,
+    clock: Clock | None = None,
+    scheduler: Scheduler | None = None,
+    *,
+    kv_moves: KvMoveSettings | None = None,
 ) -> web.Application:
-    """The orchestrator's application; nothing is bound until it is started."""
+    """The orchestrator's application; nothing is bound until it is started. ``kv_moves``: how KV is
+    moved between agents' pools (defaults: ``KvMoveSettings``)."""
     clock = clock or SystemClock()
     registry = Registry(
         config.heartbeat_timeout_s,
@@ -116,7 +122,7 @@ def build_app(
         breaker=BreakerPolicy(failures_to_open=config.breaker_failures, open_s=config.breaker_open_s),
     )
     kv_index = KvIndex() if config.gateway_workers == 1 else JournaledKvIndex()
-    metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of)
+    metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of, pool_blocks=kv_index.pool_blocks_of)
     request_log = RequestLog(REQUEST_LOG_CAPACITY)
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
@@ -132,6 +138,12 @@ def build_app(
     )
     on_hello = gateway.instance_joined if hub is None else _both(gateway.instance_joined, hub.instance_joined)
     control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=on_hello)
+    kv_moves = kv_moves or KvMoveSettings(
+        config.kv_grant_ttl_s, config.kv_grant_timeout_s, config.kv_fetch_timeout_s
+    )
+    gateway.kv_mover = ControlKvMover(control, registry, kv_moves)
+    if hub is not None:
+        hub.kv_mover = gateway.kv_mover
     spawner = AgentSpawner(control, registry)
     roles = RoleChanger(
         registry,
@@ -246,9 +258,10 @@ async def start_orchestrator(
     scheduler: Scheduler | None = None,
     *,
     shutdown_timeout_s: float = 10.0,
+    kv_moves: KvMoveSettings | None = None,
 ) -> OrchestratorServer:
     """Build and start the orchestrator on ``config.host:config.port`` (port 0: any free port)."""
-    app = build_app(config, clock, scheduler)
+    app = build_app(config, clock, scheduler, kv_moves=kv_moves)
     # handler_cancellation: a client that disconnects cancels its handler, which closes the engine legs.
     runner = web.AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s

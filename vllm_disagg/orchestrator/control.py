@@ -37,6 +37,7 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
 from vllm_disagg.protocol.messages import (
+    COMMAND_SINCE_MINOR,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     Ack,
@@ -84,6 +85,12 @@ class CommandTimeout(CommandError):
     """The agent did not acknowledge in time."""
 
     status = 504
+
+
+class AgentTooOld(CommandError):
+    """The agent's protocol minor does not know this command kind (it would refuse the frame)."""
+
+    status = 409
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +156,11 @@ class ControlPlane:
         # (model, revision) a rollout admits beside the model's settings; None until its first Hello.
         self._revisions: dict[tuple[str, str], ModelSettings | None] = {}
         self._incarnations: dict[str, str] = {}  # agent id -> the agent process of its session
+        self._minors: dict[str, int] = {}  # agent id -> the protocol minor of its session's Hello
+        # agent id -> its CurveZMQ public key (z85): what another agent's KV link must expect of it.
+        self._agent_keys: dict[str, bytes] = (
+            {agent_id: key for key, agent_id in self._curve.agents.items()} if self._curve is not None else {}
+        )
 
     @property
     def endpoint(self) -> str:
@@ -167,6 +179,11 @@ class ControlPlane:
         if self._transport is None:
             raise RuntimeError("the control plane is not started")
         self._transport.admit(public_key, agent_id)
+        self._agent_keys[agent_id] = public_key
+
+    def public_key_of(self, agent_id: str) -> bytes | None:
+        """An agent's CurveZMQ public key (z85); None without agent keys."""
+        return self._agent_keys.get(agent_id)
 
     def start(self) -> None:
         """Bind the socket (synchronously, so the endpoint is known before agents are told it)."""
@@ -305,6 +322,7 @@ class ControlPlane:
             self._peer_to_agent.pop(old_peer, None)
         self._peer_to_agent[peer] = msg.agent_id
         self._agent_to_peer[msg.agent_id] = peer
+        self._minors[msg.agent_id] = msg.protocol_minor
         view = self._registry.get(msg.agent_id)
         if self._reconnected(msg):
             # The same agent process on a new connection: its engine, cache and requests are as they
@@ -479,7 +497,7 @@ class ControlPlane:
     ) -> Ack:
         """Send a command and wait for its ``Ack`` (``config.command_timeout_s`` by default).
 
-        Raises ``AgentUnknown``, ``AgentUnreachable`` or ``CommandTimeout``.
+        Raises ``AgentUnknown``, ``AgentUnreachable``, ``AgentTooOld`` or ``CommandTimeout``.
         """
         if timeout_s is None:
             timeout_s = self._config.command_timeout_s
@@ -488,6 +506,13 @@ class ControlPlane:
         peer = self._agent_to_peer.get(agent_id)
         if peer is None or not self._registry.is_live(agent_id):
             raise AgentUnreachable(f"instance {agent_id!r} has no live session")
+        since = COMMAND_SINCE_MINOR.get(kind, 0)
+        if self._minors.get(agent_id, 0) < since:
+            # Its codec would refuse the kind as an unknown literal, and the command would time out.
+            raise AgentTooOld(
+                f"instance {agent_id!r} speaks protocol v{PROTOCOL_VERSION}.{self._minors.get(agent_id, 0)}: "
+                f"{kind} needs v{PROTOCOL_VERSION}.{since}"
+            )
         command_id = self._next_command_id
         self._next_command_id += 1
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()

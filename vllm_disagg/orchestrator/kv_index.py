@@ -1,9 +1,13 @@
-"""Which instance caches which prompt prefix: the agents' forwarded KV-cache events, indexed.
+"""Which instance caches which prompt prefix: the agents' forwarded KV events, indexed.
 
 One ``PrefixIndex`` per block size in use (instances of one model may differ: vLLM picks 16 on a GPU,
-128 on a CPU), each instance under exactly one of them. The control plane is the only writer: it
-applies ``KvEvents`` from live sessions and drops an instance that dies or says Hello again (a new
-session may be a new engine with an empty cache). The gateway reads ``cached_tokens`` per request.
+128 on a CPU), each instance under exactly one of them. Two media are kept apart, each with its own
+indexes: the engines' own prefix caches (``"gpu"`` events, what the scheduler's prefix affinity reads)
+and the agents' node-level KV pools (``"pool"`` events, protocol 1.3: blocks an engine of the
+``vllm-disagg`` connector loads from its agent, or that another agent can fetch). The control plane
+is the only writer: it applies ``KvEvents`` from live sessions and drops an instance that dies or says
+Hello again (a new session may be a new engine with an empty cache). The gateway reads
+``cached_tokens`` per request, and ``pooled_tokens`` where pools exist.
 """
 
 from __future__ import annotations
@@ -12,98 +16,166 @@ import logging
 from collections.abc import Sequence
 
 from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, PromptTokens
-from vllm_disagg.protocol.messages import KvEvent
+from vllm_disagg.protocol.messages import MEDIUM_GPU, MEDIUM_POOL, KvEvent
 
 log = logging.getLogger(__name__)
 
 
-class KvIndex:
-    """Cached prompt prefixes of every instance, fed by ``KvEvents``; asked per prompt."""
+class _Medium:
+    """The indexes of one medium: per block size, and the block size each instance is under."""
 
-    def __init__(self) -> None:
-        self._by_size: dict[int, PrefixIndex] = {}
-        self._size_of: dict[str, int] = {}  # instance -> the block size its entries are under
-        self._users: dict[int, int] = {}  # block size -> instances under it
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.by_size: dict[int, PrefixIndex] = {}
+        self.size_of: dict[str, int] = {}  # instance -> the block size its entries are under
+        self.users: dict[int, int] = {}  # block size -> instances under it
 
-    def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
-        """Apply one agent's events in order; how many were applied (malformed ones are skipped)."""
-        applied = 0
-        for event in events:
-            if event.kind == "stored":
-                if event.block_size < 1:
-                    log.warning("instance %s stored blocks of size %d: ignored", agent_id, event.block_size)
-                    continue
-                index = self._index_for(agent_id, event.block_size)
-                index.stored(agent_id, event.block_hashes, event.parent_block_hash, event.token_ids)
-            else:
-                size = self._size_of.get(agent_id)
-                if size is not None:
-                    index = self._by_size[size]
-                    if event.kind == "removed":
-                        index.removed(agent_id, event.block_hashes)
-                    else:
-                        index.cleared(agent_id)
-            applied += 1
-        return applied
+    def apply(self, agent_id: str, event: KvEvent) -> bool:
+        if event.kind == "stored":
+            if event.block_size < 1:
+                log.warning(
+                    "instance %s stored %s blocks of size %d: ignored", agent_id, self.name, event.block_size
+                )
+                return False
+            index = self._index_for(agent_id, event.block_size)
+            index.stored(agent_id, event.block_hashes, event.parent_block_hash, event.token_ids)
+        else:
+            size = self.size_of.get(agent_id)
+            if size is not None:
+                index = self.by_size[size]
+                if event.kind == "removed":
+                    index.removed(agent_id, event.block_hashes)
+                else:
+                    index.cleared(agent_id)
+        return True
 
     def _index_for(self, agent_id: str, block_size: int) -> PrefixIndex:
-        size = self._size_of.get(agent_id)
+        size = self.size_of.get(agent_id)
         if size != block_size:
             if size is not None:
                 # Its engine was replaced by one with other blocks; the old entries cannot be kept.
                 log.warning(
-                    "instance %s now stores %d-token blocks, was %d: its index entries are dropped",
+                    "instance %s now stores %d-token blocks in its %s, was %d: its index entries are dropped",
                     agent_id,
                     block_size,
+                    self.name,
                     size,
                 )
                 self.drop(agent_id)
-            self._size_of[agent_id] = block_size
-            self._users[block_size] = self._users.get(block_size, 0) + 1
-        index = self._by_size.get(block_size)
+            self.size_of[agent_id] = block_size
+            self.users[block_size] = self.users.get(block_size, 0) + 1
+        index = self.by_size.get(block_size)
         if index is None:
-            index = self._by_size[block_size] = PrefixIndex(block_size)
+            index = self.by_size[block_size] = PrefixIndex(block_size)
         return index
 
     def drop(self, agent_id: str) -> None:
-        """Forget everything an instance holds (it died, left, or started a new session)."""
-        size = self._size_of.pop(agent_id, None)
+        size = self.size_of.pop(agent_id, None)
         if size is None:
             return
-        self._by_size[size].drop(agent_id)
-        self._users[size] -= 1
-        if not self._users[size]:  # no instance left with this size: no lookups under it either
-            del self._users[size]
-            del self._by_size[size]
+        self.by_size[size].drop(agent_id)
+        self.users[size] -= 1
+        if not self.users[size]:  # no instance left with this size: no lookups under it either
+            del self.users[size]
+            del self.by_size[size]
 
     def blocks_of(self, agent_id: str) -> int:
-        """How many blocks the index holds for one instance."""
-        size = self._size_of.get(agent_id)
-        return 0 if size is None else self._by_size[size].blocks_of(agent_id)
+        size = self.size_of.get(agent_id)
+        return 0 if size is None else self.by_size[size].blocks_of(agent_id)
+
+    def holds(self, agent_id: str, engine_hash: int) -> bool:
+        size = self.size_of.get(agent_id)
+        return size is not None and self.by_size[size].holds(agent_id, engine_hash)
+
+    def engine_blocks(self, agent_id: str) -> dict[int, int]:
+        size = self.size_of.get(agent_id)
+        return {} if size is None else self.by_size[size].engine_blocks(agent_id)
+
+    def matched_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        matched: dict[str, int] = {}
+        if isinstance(token_ids, PromptTokens):  # keys hashed with the tokenization
+            for size, index in self.by_size.items():
+                for agent_id, blocks in index.match(token_ids.block_keys(size)).items():
+                    matched[agent_id] = blocks * size
+            return matched
+        tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
+        for size, index in self.by_size.items():
+            for agent_id, blocks in index.match_prompt(tokens).items():
+                matched[agent_id] = blocks * size
+        return matched
+
+
+class KvIndex:
+    """Cached prompt prefixes of every instance's engine, and of every agent's KV pool, fed by
+    ``KvEvents``; asked per prompt."""
+
+    def __init__(self) -> None:
+        self._gpu = _Medium("prefix cache")
+        self._pool = _Medium("KV pool")
+
+    def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
+        """Apply one agent's events in order; how many were applied (malformed ones are skipped)."""
+        applied = 0
+        gpu, pool = self._gpu, self._pool
+        for event in events:
+            medium = event.medium
+            if medium == MEDIUM_GPU:
+                applied += gpu.apply(agent_id, event)
+            elif medium == MEDIUM_POOL:
+                applied += pool.apply(agent_id, event)
+            else:  # a medium a later protocol minor added: nothing here reads it
+                log.debug("instance %s: a KV event of unknown medium %r ignored", agent_id, medium)
+        return applied
+
+    def drop(self, agent_id: str) -> None:
+        """Forget everything an instance holds, in its engine and its pool (it died, left, or started
+        a new session)."""
+        self._gpu.drop(agent_id)
+        self._pool.drop(agent_id)
+
+    def blocks_of(self, agent_id: str) -> int:
+        """How many blocks of its engine's prefix cache the index holds for one instance."""
+        return self._gpu.blocks_of(agent_id)
+
+    def pool_blocks_of(self, agent_id: str) -> int:
+        """How many blocks of its agent's KV pool the index holds for one instance."""
+        return self._pool.blocks_of(agent_id)
 
     def engine_blocks(self, agent_id: str) -> dict[int, int]:
         """An instance's blocks: its engine's hash -> the index key (a copy; for tests and debugging)."""
-        size = self._size_of.get(agent_id)
-        return {} if size is None else self._by_size[size].engine_blocks(agent_id)
+        return self._gpu.engine_blocks(agent_id)
+
+    def pool_entries(self, agent_id: str) -> dict[int, int]:
+        """An instance's pool blocks: the event hash of the pool's key -> the index key (a copy)."""
+        return self._pool.engine_blocks(agent_id)
+
+    def pool_holds(self, agent_id: str, event_hash: int) -> bool:
+        """Did the instance's agent report this block (its key's ``event_hash``) in its pool?"""
+        return self._pool.holds(agent_id, event_hash)
 
     def total_blocks(self) -> int:
-        """Distinct blocks indexed, over every instance and block size."""
-        return sum(len(index) for index in self._by_size.values())
+        """Distinct blocks of engines' prefix caches indexed, over every instance and block size."""
+        return sum(len(index) for index in self._gpu.by_size.values())
+
+    def pool_total_blocks(self) -> int:
+        """Distinct blocks of agents' KV pools indexed, over every instance and block size."""
+        return sum(len(index) for index in self._pool.by_size.values())
 
     def block_sizes(self) -> list[int]:
-        """The block sizes in use, ascending."""
-        return sorted(self._by_size)
+        """The block sizes of engines' prefix caches in use, ascending."""
+        return sorted(self._gpu.by_size)
+
+    @property
+    def has_pools(self) -> bool:
+        """Does any agent's pool hold anything? (Else ``pooled_tokens`` is always empty.)"""
+        return bool(self._pool.by_size)
 
     def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Instance id -> how many leading tokens of this prompt it caches (whole blocks; absent: none)."""
-        cached: dict[str, int] = {}
-        if isinstance(token_ids, PromptTokens):  # keys hashed with the tokenization
-            for size, index in self._by_size.items():
-                for agent_id, blocks in index.match(token_ids.block_keys(size)).items():
-                    cached[agent_id] = blocks * size
-            return cached
-        tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
-        for size, index in self._by_size.items():
-            for agent_id, blocks in index.match_prompt(tokens).items():
-                cached[agent_id] = blocks * size
-        return cached
+        """Instance id -> how many leading tokens of this prompt its engine caches (whole blocks;
+        absent: none)."""
+        return self._gpu.matched_tokens(token_ids)
+
+    def pooled_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        """Instance id -> how many leading tokens of this prompt its agent's KV pool holds (whole
+        blocks; absent: none)."""
+        return self._pool.matched_tokens(token_ids) if self._pool.by_size else {}

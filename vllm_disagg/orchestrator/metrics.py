@@ -46,10 +46,14 @@ class _InstanceCollector(Collector):
     """Per-instance gauges, read from the registry at scrape time."""
 
     def __init__(
-        self, snapshot: Callable[[], RegistrySnapshot], kv_blocks: Callable[[str], int] | None
+        self,
+        snapshot: Callable[[], RegistrySnapshot],
+        kv_blocks: Callable[[str], int] | None,
+        pool_blocks: Callable[[str], int] | None = None,
     ) -> None:
         self._snapshot = snapshot
         self._kv_blocks = kv_blocks
+        self._pool_blocks = pool_blocks
 
     def describe(self) -> list[Metric]:
         # Empty: stops prometheus_client from calling collect() at registration.
@@ -74,8 +78,15 @@ class _InstanceCollector(Collector):
             "Blocks of the instance's prefix cache the orchestrator's KV index holds",
             labels=["instance"],
         )
+        pool = GaugeMetricFamily(
+            "vllm_disagg_kv_pool_index_blocks",
+            "Blocks of the instance's agent's KV pool the orchestrator's KV index holds (vllm-disagg)",
+            labels=["instance"],
+        )
         for v in snap.instances:
             labels = [v.agent_id]
+            if self._pool_blocks is not None and v.info.kv_pool_endpoint:
+                pool.add_metric(labels, float(self._pool_blocks(v.agent_id)))
             up.add_metric([v.agent_id, v.info.role, v.state], 0.0 if v.state == "dead" else 1.0)
             breaker.add_metric(labels, _BREAKER_VALUE[v.breaker.state])
             in_flight.add_metric(labels, float(snap.in_flight.get(v.agent_id, 0)))
@@ -99,6 +110,8 @@ class _InstanceCollector(Collector):
         yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, links)
         if self._kv_blocks is not None:
             yield blocks
+        if self._pool_blocks is not None:
+            yield pool
 
 
 def _gauge(suffix: str, doc: str) -> GaugeMetricFamily:
@@ -127,8 +140,10 @@ class OrchestratorMetrics:
         kv_blocks: Callable[[str], int] | None = None,
         *,
         instances: bool = True,
+        pool_blocks: Callable[[str], int] | None = None,
     ) -> None:
-        """``kv_blocks(agent_id)``: the KV index's blocks of an instance, read at scrape time.
+        """``kv_blocks(agent_id)``: the KV index's blocks of an instance, read at scrape time (and
+        ``pool_blocks``, of its agent's pool).
         ``instances``: export the per-instance gauges (a gateway worker leaves them to the
         orchestrator, whose registry they describe)."""
         self.registry = CollectorRegistry(auto_describe=False)
@@ -328,7 +343,36 @@ class OrchestratorMetrics:
             ["instance"],
             registry=r,
         )
-        self._instances = _InstanceCollector(snapshot, kv_blocks) if instances else None
+        self._pool_transfers = Counter(
+            "vllm_disagg_kv_pool_transfers",
+            "Moves of a prompt's KV blocks from one agent's pool to another's that the gateway asked for "
+            "(kv_grant, then kv_fetch), by path: handoff (after a prefill leg) or direct (straight to "
+            "decode)",
+            ["path"],
+            registry=r,
+        )
+        self._pool_failures = Counter(
+            "vllm_disagg_kv_pool_transfer_failures",
+            "KV pool moves that failed (the decode engine computes what it lacks; the request goes on), "
+            "by path and reason",
+            ["path", "reason"],
+            registry=r,
+        )
+        self._pool_blocks = Counter(
+            "vllm_disagg_kv_pool_transfer_blocks",
+            "Blocks of started KV pool moves, by outcome: reserved (the receiving agent fetches them) or "
+            "already_held (its pool had them)",
+            ["outcome"],
+            registry=r,
+        )
+        self._pool_direct = Counter(
+            "vllm_disagg_kv_pool_direct_requests",
+            "Requests sent straight to a decode instance because an agent's KV pool held the whole prompt, "
+            "by source: own (the decode instance's pool) or peer (fetched from another agent's)",
+            ["source"],
+            registry=r,
+        )
+        self._instances = _InstanceCollector(snapshot, kv_blocks, pool_blocks) if instances else None
         self._request_children = _Bound(self._requests)
         self._duration_children = _Bound(self._duration)
         self._refused_children = _Bound(self._refused)
@@ -459,6 +503,23 @@ class OrchestratorMetrics:
     def kv_release_failed(self, cause: str) -> None:
         """Count a KV-freeing decode that failed (``status``, ``transport`` or ``lost``)."""
         self._kv_release_failures.labels(cause).inc()
+
+    def kv_pool_transfer(self, path: str) -> None:
+        """Count a KV pool move asked for (``path``: handoff or direct)."""
+        self._pool_transfers.labels(path).inc()
+
+    def kv_pool_transfer_failed(self, path: str, reason: str) -> None:
+        """Count a KV pool move that failed, by ``kv_moves.REASONS``."""
+        self._pool_failures.labels(path, reason).inc()
+
+    def kv_pool_blocks(self, reserved: int, already_held: int) -> None:
+        """Count the blocks of a started move."""
+        self._pool_blocks.labels("reserved").inc(reserved)
+        self._pool_blocks.labels("already_held").inc(already_held)
+
+    def kv_pool_direct(self, source: str) -> None:
+        """Count a request sent straight to decode from a KV pool (``source``: own or peer)."""
+        self._pool_direct.labels(source).inc()
 
     def kv_events(self, agent_id: str, applied: int, missed: int) -> None:
         """Count one ``KvEvents`` message from an instance's agent (both series appear with the first)."""

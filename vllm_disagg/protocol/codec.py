@@ -17,7 +17,7 @@ import reprlib
 import types
 import typing
 from collections.abc import Callable
-from typing import Any, Literal, Union
+from typing import Any, Literal, TypeVar, Union
 
 import msgpack
 
@@ -25,6 +25,7 @@ from vllm_disagg.errors import FieldTypeError, FrameTooLarge, MalformedFrame, Un
 from vllm_disagg.protocol.messages import MESSAGE_TYPES, Message
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
+M = TypeVar("M")
 
 Check = Callable[[Any, str], Any]  # (value, path) -> converted value, or raises FieldTypeError
 
@@ -146,7 +147,7 @@ class _StructCodec:
         self.checks = {f.name: _checker(hints[f.name]) for f in self.fields}
         self.encoders = {f.name: enc for f in self.fields if (enc := _encoder(hints[f.name])) is not None}
         # Fields added after 1.0: left out while they hold their default (a 1.0 peer refuses them).
-        self.omitted = {f.name: f.default for f in self.fields if f.metadata.get("since_minor")}
+        self.omitted = {f.name: _default(f) for f in self.fields if f.metadata.get("since_minor")}
 
     def decode_fields(self, raw: Any, path: str = "") -> Any:
         if not isinstance(raw, dict):
@@ -171,6 +172,35 @@ class _StructCodec:
             encoder = self.encoders.get(f.name)
             out[f.name] = value if encoder is None else encoder(value)
         return out
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    """A field's default value (a factory's product: an empty dict or list)."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def for_minor(message: M, minor: int) -> M:
+    """``message`` as a peer of protocol 1.``minor`` may receive it: every field a later minor added
+    (nested structs included) back at its default, so the codec leaves it out of the frame. For the
+    rare message sent before the peer's minor is known (a Hello said again as 1.0)."""
+    return typing.cast(M, _downgrade(message, minor))
+
+
+def _downgrade(obj: Any, minor: int) -> Any:
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if f.metadata.get("since_minor", 0) > minor:
+            default = _default(f)
+            if value != default:
+                changes[f.name] = default
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            lowered = _downgrade(value, minor)
+            if lowered is not value:
+                changes[f.name] = lowered
+    return dataclasses.replace(obj, **changes) if changes else obj
 
 
 def _encoder(tp: Any) -> Callable[[Any], Any] | None:

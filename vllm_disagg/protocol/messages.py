@@ -8,33 +8,40 @@ older peer ignores the fields it does not know); anything that changes meaning b
 A session: agent -> ``Hello``; orchestrator -> ``Welcome`` or ``Refuse``; then agent -> ``Heartbeat``
 every ``Welcome.heartbeat_interval_s`` (and ``KvEvents`` as its engine's prefix cache changes);
 orchestrator -> ``Command``, agent -> ``Ack``; either side -> ``Goodbye`` when it leaves. See
-docs/protocol.md for an example of each.
+docs/protocol.md for an example of each. Agents with a KV pool (1.3) also report its contents as
+``KvEvent``s of medium ``"pool"``, and move blocks between pools on ``kv_grant`` / ``kv_fetch``.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
 PROTOCOL_VERSION = 1  # the major version: peers must agree on it
-# 1: unknown fields are ignored, Hello and Welcome say their minor. 2: ``Ack.code``.
-PROTOCOL_MINOR = 2
+# 1: unknown fields are ignored, Hello and Welcome say their minor. 2: ``Ack.code``. 3: KV pools
+# (``kv_grant``/``kv_fetch`` commands, ``Ack.detail``, ``InstanceInfo.kv_pool_endpoint``, ``KvEvent.medium``).
+PROTOCOL_MINOR = 3
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
 SINCE_MINOR_2 = {"since_minor": 2}
+SINCE_MINOR_3 = {"since_minor": 3}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
 # orchestrator drains the instance, then asks again with ``args["restart"] = "yes"``.
 RESTART_REQUIRED = "restart_required"
 
 Role = Literal["prefill", "decode", "both"]
 EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
-CommandKind = Literal["drain", "undrain", "shutdown", "set_role"]
+CommandKind = Literal["drain", "undrain", "shutdown", "set_role", "kv_grant", "kv_fetch"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unhealthy", "restarting", "stopped")
-COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown", "set_role")
+COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown", "set_role", "kv_grant", "kv_fetch")
+# Command kinds an agent knows from this minor on: never sent to an agent of an older one.
+COMMAND_SINCE_MINOR: Mapping[CommandKind, int] = MappingProxyType({"kv_grant": 3, "kv_fetch": 3})
 AGENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # what the tools choose and the admin API accepts
 
 
@@ -46,6 +53,13 @@ def default_agent_id(role: str, url: str) -> str:
 
 KvEventKind = Literal["stored", "removed", "cleared"]
 KV_EVENT_KINDS: tuple[KvEventKind, ...] = ("stored", "removed", "cleared")
+# Where a KV event's blocks live: the engine's own prefix cache, or its agent's node-level pool (1.3).
+# A plain string, not a literal: a medium a later minor adds must not make this one refuse the frame.
+MEDIUM_GPU = "gpu"
+MEDIUM_POOL = "pool"
+# ``InstanceInfo.kv_connector`` of an engine launched with the project's own connector: it saves the
+# prompt's full blocks in its agent's pool and loads blocks from there.
+POOL_CONNECTOR = "vllm-disagg"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +76,8 @@ class InstanceInfo:
     max_model_len: int = 0
     tokenizer: str = ""  # where the orchestrator can load the tokenizer (vLLM: weights dir); "": bytes (sim)
     tensor_parallel_size: int = 0  # 0: not known (an attached vLLM tells only in dev mode)
+    # ``tcp://host:port`` where the agent serves its KV pool's blocks to other agents; "" without a pool.
+    kv_pool_endpoint: str = field(default="", metadata=SINCE_MINOR_3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +173,9 @@ class Ack:
     error: str = ""
     # Machine-readable reason of a refusal (``RESTART_REQUIRED``); sent only to an orchestrator of 1.2+.
     code: str = field(default="", metadata=SINCE_MINOR_2)
+    # Small results of a command (``kv_grant``: ``held``; ``kv_fetch``: ``requested``, ``already_held``,
+    # ``reserved``), as decimal strings; sent only to an orchestrator of 1.3+.
+    detail: dict[str, str] = field(default_factory=dict, metadata=SINCE_MINOR_3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +192,9 @@ class KvEvent:
 
     ``stored``: full blocks entered the cache, ``token_ids`` covering one block of ``block_size`` per
     hash, chained to ``parent_block_hash`` (None: the prompt's first block). ``removed``: these blocks
-    left it. ``cleared``: it was emptied. Hashes are the engine's, folded to 64 bits.
+    left it. ``cleared``: it was emptied. Hashes are the engine's, folded to 64 bits. ``medium``
+    (1.3) says whose blocks: the engine's prefix cache (``"gpu"``) or its agent's KV pool (``"pool"``,
+    hashes ``wire.block_hash.event_hash`` of the pool's keys); the two are indexed apart.
     """
 
     kind: KvEventKind
@@ -181,6 +202,7 @@ class KvEvent:
     parent_block_hash: int | None = None
     token_ids: list[int] = field(default_factory=list)
     block_size: int = 0  # only ``stored`` events carry one
+    medium: str = field(default=MEDIUM_GPU, metadata=SINCE_MINOR_3)
 
 
 @dataclass(frozen=True, slots=True)

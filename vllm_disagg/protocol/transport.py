@@ -49,7 +49,7 @@ _PING_TIMEOUT_MS = 3000
 _CONNECT_TIMEOUT_MS = 2000
 
 
-def _send_now(sock: zmq.asyncio.Socket, parts: list[bytes]) -> None:
+def send_now(sock: zmq.asyncio.Socket, parts: list[bytes]) -> None:
     """Send without blocking; raise the ``ZMQError`` if it cannot go now.
 
     ``zmq.asyncio`` reports a non-blocking send's failure in the returned future instead of raising,
@@ -139,7 +139,7 @@ class RouterTransport:
     def send_raw(self, peer: bytes, frame: bytes) -> bool:
         """Send bytes as they are (tests use this to send garbage)."""
         try:
-            _send_now(self._sock, [peer, frame])
+            send_now(self._sock, [peer, frame])
         except zmq.ZMQError as exc:
             if exc.errno in (zmq.EHOSTUNREACH, zmq.EAGAIN):
                 return False
@@ -196,7 +196,7 @@ class DealerTransport:
     def send_raw(self, frame: bytes) -> bool:
         """Send bytes as they are (tests use this to send garbage)."""
         try:
-            _send_now(self._sock, [frame])
+            send_now(self._sock, [frame])
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EAGAIN:
                 return False

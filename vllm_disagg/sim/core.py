@@ -16,11 +16,14 @@ from typing import Any
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.errors import NoCapacity
+from vllm_disagg.protocol.kv_pool import pool_handle
+from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.sim import perf_model
 from vllm_disagg.sim.kv import PrefixCache, PullOutcome, TransferHolds
 from vllm_disagg.sim.metrics import EngineMetrics, GaugeValues
 from vllm_disagg.sim.openai_api import SimRequest
 from vllm_disagg.sim.prompts import PromptInfo
+from vllm_disagg.wire.block_hash import prompt_block_hashes
 from vllm_disagg.wire.kv_transfer import producer_handle
 
 ABORTED = -1  # queued to a streaming handler when the engine gives up on its request
@@ -90,6 +93,9 @@ class EngineCore:
         self.engine_id = config.engine_id
         self.advertised_host = config.host if config.host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         self.advertised_port = config.port
+        # The engine's KV connector as its agent says it; "vllm-disagg" answers a prefill leg with the
+        # project's connector's handle (the prompt's full blocks by key), and holds nothing for a pull.
+        self.kv_connector = ""
 
     # -- state for scrapers ---------------------------------------------------------------------
 
@@ -133,7 +139,11 @@ class EngineCore:
         m = self.metrics
         req = seq.req
         n = req.max_tokens
-        if req.remote_decode:
+        if req.remote_decode and self.kv_connector == POOL_CONNECTOR:
+            # What the project's connector saved in its agent's pool: the prompt's full blocks.
+            bs = self.timing.block_size
+            seq.kv_params = pool_handle(bs, prompt_block_hashes(seq.prompt.token_ids, bs))
+        elif req.remote_decode:
             # The whole prompt, its partial last block included, as vLLM 0.32's NixlConnector moves it.
             block_ids = self.holds.hold(req.request_id, seq.prompt.token_ids, now)
             seq.kv_params = producer_handle(

@@ -394,10 +394,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             engine.kv_events = None
 
 
-def build_app(config: SimEngineConfig, *, clock: Clock | None = None) -> web.Application:
-    """The simulated engine as an aiohttp application (its step loop runs while the app does)."""
+def build_app(
+    config: SimEngineConfig, *, clock: Clock | None = None, kv_connector: str = ""
+) -> web.Application:
+    """The simulated engine as an aiohttp application (its step loop runs while the app does).
+
+    ``kv_connector="vllm-disagg"``: a prefill leg is answered with the project's connector's handle
+    (``protocol.kv_pool``), as an engine that saved the prompt's full blocks in its agent's pool."""
     app = web.Application(client_max_size=64 << 20)
     app[ENGINE_KEY] = SimEngine(config, clock or SystemClock())
+    app[ENGINE_KEY].core.kv_connector = kv_connector
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -429,9 +435,11 @@ class SimServer:
         await self._runner.cleanup()
 
 
-async def start_engine(config: SimEngineConfig, *, clock: Clock | None = None) -> SimServer:
+async def start_engine(
+    config: SimEngineConfig, *, clock: Clock | None = None, kv_connector: str = ""
+) -> SimServer:
     """Serve a simulated engine on ``config.host:config.port`` (port 0: any free port)."""
-    app = build_app(config, clock=clock)
+    app = build_app(config, clock=clock, kv_connector=kv_connector)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
     await runner.setup()
     try:

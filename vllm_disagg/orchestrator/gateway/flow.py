@@ -9,6 +9,11 @@
 - **Decode fails mid-stream**: the client's stream ends with an error event and ``[DONE]``, and the
   request counts as failed (502), never as a 200.
 - An engine's own 4xx goes back to the client as it is: another engine would refuse it too.
+- **KV pools** (engines of the ``vllm-disagg`` connector): before a decode leg that should load blocks
+  another agent's pool holds (the prefill instance's, after its leg; the decision's ``kv_source``, for
+  a request sent straight to decode), the gateway has D's agent fetch them (``kv_moves``). A move that
+  fails is counted and logged as an event, and the decode leg goes to D all the same: its engine
+  computes what it lacks.
 
 Every leg's outcome feeds the registry's breakers (per instance, and per P→D link for decode legs);
 every attempt is kept for the request's record (``/admin/v1/requests/{id}``).
@@ -41,6 +46,9 @@ from vllm_disagg.orchestrator.recovery import (
     next_decode,
 )
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
+from vllm_disagg.protocol.messages import POOL_CONNECTOR
+from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
 
 if TYPE_CHECKING:
     from vllm_disagg.orchestrator.gateway.routes import Gateway, ParsedRequest, Route
@@ -85,6 +93,12 @@ class Flow:
         self.fallback = ""
         self.resumes = 0
         self.prefilled: Prefilled | None = None  # the last successful prefill leg
+        # Straight to decode: whose KV pool holds the prompt, and its token ids (for the block keys).
+        self.kv_source = decision.kv_source
+        self.prompt_tokens: list[int] | None = None
+        self._kv_moved: tuple[str, str] | None = None  # (holder, receiver) of the last move asked for
+        if decision.kv_source is not None:
+            gateway.metrics.kv_pool_direct("own" if decision.kv_source == decision.decode else "peer")
         # A stream that can move to another instance mid-way keeps what that needs.
         self.state: StreamState | None = None
         self._usage_wanted = False  # the gateway wants D's usage that the client did not ask for
@@ -203,6 +217,8 @@ class Flow:
         while True:
             tries += 1
             d = self.decode_id
+            if self.kv_source is not None or (kv is not None and POOL_PARAMS in kv):
+                await self._pool_move(kv, d)
             body = self._decode_body(kv)
             audit = self._audit_dispatch(d, kv)
             try:
@@ -235,6 +251,73 @@ class Flow:
                 # An audited leg's link is judged by the audit, once D's counters include it.
                 gw.registry.leg_succeeded(d, partner=self.prefill_id if audit is None else None)
             return response
+
+    async def _pool_move(self, kv: Any | None, d: str) -> None:
+        """Have ``d``'s agent fetch the prompt's blocks from the pool that holds them, if another's."""
+        gw = self.gw
+        view = gw.registry.get(d)
+        if view is None or view.info.kv_connector != POOL_CONNECTOR:
+            return  # a retry on an instance without the connector: it computes the prompt itself
+        if self.prefill_id is not None and kv is not None:
+            path, holder = "handoff", self.prefill_id
+            if self._kv_moved == (holder, d):
+                return
+            self._kv_moved = (holder, d)
+            try:
+                handle = read_pool_handle(kv)
+            except ValueError as exc:
+                gw.metrics.kv_pool_transfer(path)
+                self._pool_failed(path, holder, d, "invalid_handle", str(exc))
+                return
+            if handle is None or not handle.keys:
+                return  # a prompt shorter than a block: nothing was saved
+            gw.metrics.kv_pool_transfer(path)
+            keys: list[str] | tuple[str, ...] = handle.keys
+        elif self.kv_source is not None and self.prefill_id is None:
+            path, holder = "direct", self.kv_source
+            if holder == d or self.prompt_tokens is None or self._kv_moved == (holder, d):
+                return  # its own pool: nothing moves
+            self._kv_moved = (holder, d)
+            blocks = prompt_block_hashes(self.prompt_tokens, view.info.block_size)
+            if not blocks:
+                return
+            gw.metrics.kv_pool_transfer(path)
+            if not gw.kv_index.pool_holds(holder, event_hash(blocks[0])):
+                # The holder reported the prompt's blocks under other hashes: vLLM seeds its first
+                # block's parent with PYTHONHASHSEED, which must be the same here and in the engines.
+                why = f"{holder}'s pool reported the prompt's blocks under other keys than computed here"
+                self._pool_failed(path, holder, d, "key_mismatch", f"{why} (is PYTHONHASHSEED the same?)")
+                return
+            keys = [k.hex() for k in blocks]
+        else:
+            return
+        mover = gw.kv_mover
+        if mover is None:
+            self._pool_failed(path, holder, d, "unavailable", "this gateway has no control plane to ask")
+            return
+        started = gw.clock.monotonic()
+        result = await mover.move(holder, d, keys)
+        if not result.ok:
+            self._pool_failed(path, holder, d, result.reason, result.error, started)
+            return
+        gw.metrics.kv_pool_blocks(result.reserved, result.already_held)
+        self._attempt("kv_fetch", d, started, "ok")
+
+    def _pool_failed(
+        self, path: str, holder: str, d: str, reason: str, error: str, started: float | None = None
+    ) -> None:
+        gw = self.gw
+        gw.metrics.kv_pool_transfer_failed(path, reason)
+        gw.events.publish(
+            "kv_pool_transfer_failed",
+            request_id=self.scheduling.request_id,
+            path=path,
+            holder=holder,
+            receiver=d,
+            reason=reason,
+            error=error,
+        )
+        self._attempt("kv_fetch", d, gw.clock.monotonic() if started is None else started, reason, error)
 
     def _audit_dispatch(self, d: str, kv: Any | None) -> int | None:
         """Start the counter audit of a decode leg that should load KV (``kv_audit``), where D's own

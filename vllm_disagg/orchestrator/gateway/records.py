@@ -18,7 +18,7 @@ STAGES = ("scheduled", "prefill_start", "prefill_end", "decode_start", "first_to
 class Attempt:
     """One engine leg of a request: where it ran and how it ended (``ok``, or the failure's cause)."""
 
-    leg: str  # "prefill" | "decode" | "resume"
+    leg: str  # "prefill" | "decode" | "resume" | "kv_fetch" (a KV pool move to the decode instance)
     instance: str
     started_s: float  # seconds after the request's arrival
     ended_s: float

@@ -51,6 +51,7 @@ from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPEr
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.kv_audit import Outcome
 from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.kv_moves import KvMover
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.registry import GatewayRegistry
@@ -181,6 +182,8 @@ class Gateway:
         self.tokenizers = tokenizers or Tokenizers(max_pending=config.tokenize_queue, metrics=metrics)
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
         self.session: EngineClient | None = None
+        # Moves KV between agents' pools (``kv_moves``): the control plane's, or a worker's link to it.
+        self.kv_mover: KvMover | None = None
         self._urls: dict[tuple[str, str], URL] = {}
         self.events = EventLog(clock.wall)  # the app hands in the shared log
         self._live: set[Flow] = set()  # requests in flight, for the admin API
@@ -358,8 +361,11 @@ class Gateway:
         pin: str | None,
         slo: tuple[float | None, float | None] = (None, None),
     ) -> SchedulingRequest:
-        """What the scheduler needs: the exact prompt tokens (None: the estimate), and the cache map."""
-        cached = self.kv_index.cached_tokens(tokens) if tokens else NO_CACHE
+        """What the scheduler needs: the exact prompt tokens (None: the estimate), and the cache maps
+        (engines' prefix caches; agents' KV pools, where any holds anything)."""
+        index = self.kv_index
+        cached = index.cached_tokens(tokens) if tokens else NO_CACHE
+        pooled = index.pooled_tokens(tokens) or NO_CACHE if tokens and index.has_pools else NO_CACHE
         return SchedulingRequest(
             request_id,
             parsed.model,
@@ -372,6 +378,7 @@ class Gateway:
             parsed.max_tokens,
             slo_ttft_s=slo[0],
             slo_tpot_s=slo[1],
+            pooled_tokens=pooled,
         )
 
     async def serve(self, request: ClientRequest, route: Route) -> Answer:
@@ -390,7 +397,7 @@ class Gateway:
             parsed = parse_request(raw, route)
             model, streaming = parsed.model, parsed.stream
             slo = request_slo(request.headers, self.config.slo_ttft_ms, self.config.slo_tpot_ms)
-            scheduling, decision = await self._decide(
+            scheduling, decision, tokens = await self._decide(
                 request_id, route, parsed, _pin(request, parsed), t0, slo
             )
             t_decided = clock.monotonic()
@@ -398,6 +405,8 @@ class Gateway:
             up_headers = self._upstream_headers(request, request_id)
             flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
             flow.stamps["scheduled"] = t_decided
+            if decision.kv_source is not None:
+                flow.prompt_tokens = tokens  # the block keys its decode instance fetches
             self._live.add(flow)
             response = await flow.run()
             timing = flow.timing
@@ -423,9 +432,9 @@ class Gateway:
         pin: str | None,
         now: float,
         slo: tuple[float | None, float | None] = (None, None),
-    ) -> tuple[SchedulingRequest, Decision]:
-        """What the scheduler knows of the request, and where it goes (a prefill instance serves
-        colocated, as a last resort, when no decode instance can)."""
+    ) -> tuple[SchedulingRequest, Decision, list[int] | None]:
+        """What the scheduler knows of the request, where it goes (a prefill instance serves
+        colocated, as a last resort, when no decode instance can), and the prompt's exact token ids."""
         snapshot = self.registry.snapshot()
         population = snapshot.model_ids.get(parsed.model)
         if population and parsed.model not in self._tokenizer_of:
@@ -440,7 +449,7 @@ class Gateway:
         decision = route_request(self.scheduler, scheduling, snapshot, now)
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))
-        return scheduling, decision
+        return scheduling, decision, tokens
 
     def _upstream_headers(self, request: ClientRequest, request_id: str) -> dict[str, str]:
         """The engine legs' headers: the request id, and the engines' key (or, when configured, the
@@ -558,6 +567,12 @@ class Gateway:
                 "blocks": index.total_blocks(),
                 "block_sizes": index.block_sizes(),
                 "instances": {v.agent_id: index.blocks_of(v.agent_id) for v in snapshot.instances},
+                "pool_blocks": index.pool_total_blocks(),
+                "pools": {
+                    v.agent_id: index.pool_blocks_of(v.agent_id)
+                    for v in snapshot.instances
+                    if v.info.kv_pool_endpoint
+                },
             },
         }
 

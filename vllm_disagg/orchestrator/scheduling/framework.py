@@ -50,6 +50,9 @@ class SchedulingRequest:
     # The client's own targets (``x-slo-ttft-ms``, ``x-slo-tpot-ms``, or the orchestrator's defaults).
     slo_ttft_s: float | None = None
     slo_tpot_s: float | None = None
+    # instance id -> how many leading prompt tokens its agent's KV pool holds (protocol 1.3 pools, kept
+    # apart from ``cached_tokens``); empty where no agent runs a pool.
+    pooled_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHE)
 
 
 class Explanation(Protocol):
@@ -68,6 +71,9 @@ class Decision:
     prefill: str | None
     decode: str
     explanation: Explanation | None = None
+    # Colocated on a decode instance that loads the prompt's KV from an agent's pool: this instance's
+    # (the decode instance's own: nothing moves; another's: the gateway has it fetched first).
+    kv_source: str | None = None
 
 
 class Scheduler(Protocol):
@@ -196,10 +202,16 @@ class ModeChoice:
 
     mode: Mode
     reason: str
+    kv_source: str | None = None  # see ``Decision.kv_source``
 
 
 class Decider(Plugin, Protocol):
-    """Chooses disaggregated or colocated once the decode instance is known."""
+    """Chooses disaggregated or colocated once the decode instance is known.
+
+    A decider may also have ``shortcut(ctx, decode) -> ModeChoice | None``, asked before the prefill
+    profile runs for a request some agent's KV pool holds (``request.pooled_tokens``): a choice there
+    is final and the prefill profile is not run (the kv-pool-decider: straight to decode).
+    """
 
     def choose(self, ctx: ProfileContext, decode: InstanceView, prefill_ready: bool) -> ModeChoice:
         """``prefill_ready``: at least one compatible prefill instance passed the prefill filters."""

@@ -81,6 +81,11 @@ class PrefixIndex:
         """How many blocks the index holds for one instance."""
         return len(self._engine_keys.get(instance_id, {}))
 
+    def holds(self, instance_id: str, engine_hash: int) -> bool:
+        """Does the instance hold the block its engine names ``engine_hash``?"""
+        keys = self._engine_keys.get(instance_id)
+        return keys is not None and engine_hash in keys
+
     def engine_blocks(self, instance_id: str) -> dict[int, int]:
         """An instance's blocks: its engine's hash -> the index key (a copy; for tests and debugging)."""
         return dict(self._engine_keys.get(instance_id, {}))

@@ -147,6 +147,14 @@ class PluginExplanation:
         """The explanation the admin API returns."""
         req = self.request
         top = sorted(req.cached_tokens.items(), key=lambda kv: -kv[1])[:16]
+        pooled = sorted(req.pooled_tokens.items(), key=lambda kv: -kv[1])[:16]
+        decider: dict[str, object] = {
+            "plugin": self.decider,
+            "mode": self.choice.mode,
+            "reason": self.choice.reason,
+        }
+        if self.choice.kv_source is not None:
+            decider["kv_source"] = self.choice.kv_source
         return {
             "scheduler": NAME,
             "config": self.config,
@@ -154,12 +162,13 @@ class PluginExplanation:
                 "prompt_tokens": req.prompt_len,
                 "tokenized": req.tokenized,
                 "cached_tokens": dict(top),
+                "pooled_tokens": dict(pooled),
                 "pinned_prefill": req.pinned_prefill,
                 "slo_ttft_s": req.slo_ttft_s,
                 "slo_tpot_s": req.slo_tpot_s,
             },
             "decode": self.decode.to_json(),
-            "decider": {"plugin": self.decider, "mode": self.choice.mode, "reason": self.choice.reason},
+            "decider": decider,
             "prefill": self.prefill.to_json() if self.prefill is not None else None,
             "pinned_prefill": self.pinned,
         }
@@ -396,6 +405,10 @@ class PluginScheduler:
             for name, p in config.profiles.items()
         }
         self._decider: Decider = plugins[config.decider]
+        # (ctx, decode) -> a final choice before the prefill profile, or None: see ``Decider``.
+        self._shortcut: Callable[[ProfileContext, InstanceView], ModeChoice | None] | None = getattr(
+            self._decider, "shortcut", None
+        )
 
     def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:
         """Pick D, then the mode, then P; raises ``ModelNotFound``, ``NoCapacity`` or ``BadRequest``."""
@@ -415,6 +428,13 @@ class PluginScheduler:
                 self.config.source, request, dtrace, choice, "client", None, pinned.agent_id
             )
             return Decision("disaggregated", pinned.agent_id, d.agent_id, explanation)
+        if request.pooled_tokens and self._shortcut is not None:
+            early = self._shortcut(dctx, d)
+            if early is not None:  # straight to decode: D loads the prompt from a KV pool
+                explanation = PluginExplanation(
+                    self.config.source, request, dtrace, early, self._decider.name, None, None
+                )
+                return Decision("colocated", None, d.agent_id, explanation, early.kv_source)
         pctx = ProfileContext(request, snapshot, now, "prefill", d)
         ptrace = self._profiles["prefill"].run(pctx, population, _prefill_exclude(request, snapshot, d))
         choice = self._decider.choose(pctx, d, ptrace.picked >= 0)

@@ -28,6 +28,7 @@ import zmq.asyncio
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.kv_moves import KvMover, failed
 from vllm_disagg.orchestrator.registry import InstanceView, Registry, sum_counts
 from vllm_disagg.orchestrator.workers.messages import (
     Answer,
@@ -39,6 +40,8 @@ from vllm_disagg.orchestrator.workers.messages import (
     Hello,
     Joined,
     KvChange,
+    KvMove,
+    KvMoved,
     Lost,
     Note,
     Resync,
@@ -124,6 +127,8 @@ class WorkerHub:
         self._closing = False
         self.primary_url = ""
         self.all_serving = asyncio.Event()
+        self.kv_mover: KvMover | None = None  # the orchestrator's, for the workers' ``KvMove``s
+        self._moves: set[asyncio.Task[None]] = set()
 
     @property
     def endpoint(self) -> str:
@@ -210,6 +215,10 @@ class WorkerHub:
             getattr(self._registry, msg.name)(*msg.args, **msg.kwargs)
         elif isinstance(msg, Event):
             self._events.publish_fields(msg.kind, msg.fields)
+        elif isinstance(msg, KvMove):
+            task = asyncio.get_running_loop().create_task(self._move(identity, msg))
+            self._moves.add(task)
+            task.add_done_callback(self._moves.discard)
         elif isinstance(msg, Answer):
             waiting = self._answers.get(msg.query)
             if waiting is not None:
@@ -232,6 +241,21 @@ class WorkerHub:
                 log.info("gateway worker %d serving (pid %d)", msg.index, worker.process.pid)
                 if all(w.serving for w in self._workers.values()):
                     self.all_serving.set()
+
+    async def _move(self, identity: bytes, msg: KvMove) -> None:
+        """A worker's KV move, made with the control plane; the outcome goes back to that worker."""
+        mover = self.kv_mover
+        if mover is None:
+            result = failed("unavailable", "the orchestrator has no control plane")
+        else:
+            try:
+                result = await mover.move(msg.holder, msg.receiver, msg.keys)
+            except Exception as exc:  # a bug must not leave the worker's decode leg waiting
+                log.exception("a gateway worker's KV move failed")
+                result = failed("unavailable", f"{type(exc).__name__}: {exc}")
+        if self._sock is not None:
+            with contextlib.suppress(zmq.ZMQError):  # a worker that died meanwhile: it is restarted
+                self._sock.send_multipart([identity, dump(KvMoved(msg.query, result))], flags=zmq.NOBLOCK)
 
     def _hello(self, identity: bytes, msg: Hello) -> None:
         worker = self._workers.get(msg.index)
@@ -351,9 +375,9 @@ class WorkerHub:
             # SIGTERM: a serving worker stops listening and finishes its requests; one still starting exits.
             with contextlib.suppress(ProcessLookupError):
                 worker.process.terminate()
-        for task in self._tasks:
+        for task in (*self._tasks, *self._moves):
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._moves, return_exceptions=True)
         for worker in self._workers.values():
             try:  # a worker finishes its requests in flight within its shutdown timeout (10 s)
                 await asyncio.to_thread(worker.process.wait, 15.0)

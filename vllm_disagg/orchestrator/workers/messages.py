@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.kv_moves import MoveResult
 from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
 
@@ -78,6 +79,14 @@ class Ask:
 
 
 @dataclass(frozen=True, slots=True)
+class KvMoved:
+    """The outcome of a worker's ``KvMove``."""
+
+    query: int
+    result: MoveResult
+
+
+@dataclass(frozen=True, slots=True)
 class Note:
     """The KV audit's finding about a request: for the record of whichever process served it."""
 
@@ -122,6 +131,17 @@ class Call:
     name: str
     args: tuple[Any, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class KvMove:
+    """Move KV blocks between agents' pools (``kv_moves``) with the orchestrator's control plane; sent at
+    once, not with the next push (a decode leg waits for it), and answered by a ``KvMoved``."""
+
+    query: int
+    holder: str
+    receiver: str
+    keys: tuple[str, ...]
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import logging
 import os
 import signal
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -33,6 +35,7 @@ from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.kv_moves import MoveResult, failed
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
@@ -45,6 +48,8 @@ from vllm_disagg.orchestrator.workers.messages import (
     Event,
     Hello,
     Joined,
+    KvMove,
+    KvMoved,
     Lost,
     Note,
     Resync,
@@ -58,6 +63,7 @@ from vllm_disagg.orchestrator.workers.replica import RegistryReplica
 
 log = logging.getLogger(__name__)
 
+LINK_MOVE_TIMEOUT_S = 30.0
 PUSH_S = 0.02  # how often the worker's calls, events and in-flight counts go to the orchestrator
 # Headers that describe one hop, not the request (RFC 9110 7.6.1), and the framing aiohttp redoes.
 _HOP = frozenset(
@@ -80,6 +86,34 @@ class _ForwardedEvents(EventLog):
         self._send_to_primary(Event(kind, fields))
 
 
+class LinkKvMover:
+    """A worker's ``KvMover``: the orchestrator's control plane makes the move (``KvMove``)."""
+
+    def __init__(self, send: Callable[[object], None]) -> None:
+        self._send = send
+        self._queries = itertools.count(1)
+        self._waiting: dict[int, asyncio.Future[MoveResult]] = {}
+
+    async def move(self, holder: str, receiver: str, keys: Sequence[str]) -> MoveResult:
+        query = next(self._queries)
+        answer: asyncio.Future[MoveResult] = asyncio.get_running_loop().create_future()
+        self._waiting[query] = answer
+        try:
+            self._send(KvMove(query, holder, receiver, tuple(keys)))
+            # The orchestrator bounds each command's wait; this only guards against a lost answer.
+            return await asyncio.wait_for(answer, LINK_MOVE_TIMEOUT_S)
+        except TimeoutError:
+            return failed("unavailable", "the orchestrator did not answer the KV move")
+        finally:
+            self._waiting.pop(query, None)
+
+    def answered(self, msg: KvMoved) -> None:
+        """The orchestrator's answer to one of this worker's moves."""
+        answer = self._waiting.get(msg.query)
+        if answer is not None and not answer.done():
+            answer.set_result(msg.result)
+
+
 class Worker:
     """The worker's state: its link, replica, KV index and gateway."""
 
@@ -94,6 +128,7 @@ class Worker:
         # each cost the orchestrator more CPU than the request itself).
         self.outbox: list[object] = []
         self.replica = RegistryReplica(index, self.outbox.append)
+        self.kv_mover = LinkKvMover(self.send)  # at once, not with the next push: a decode leg waits
         self.gateway: Gateway | None = None
         self.primary_url = ""
         self.stopped = asyncio.Event()
@@ -120,6 +155,7 @@ class Worker:
             KvIndex(),  # replaced by the orchestrator's whole index before the first request
         )
         gateway.events = _ForwardedEvents(self.outbox.append)
+        gateway.kv_mover = self.kv_mover
         self.gateway = gateway
         app = web.Application(client_max_size=config.max_body_bytes)
         gateway.add_routes(app)
@@ -187,6 +223,8 @@ class Worker:
                 gateway.instance_joined(view.info)
             if msg.weights:
                 gateway.scheduler.update_weights(msg.weights)  # type: ignore[attr-defined]
+        elif isinstance(msg, KvMoved):
+            self.kv_mover.answered(msg)
         elif isinstance(msg, Lost):
             gateway.instance_lost(msg.agent_id, msg.reason)
         elif isinstance(msg, Joined):

@@ -1,0 +1,25 @@
+"""``bench kv``'s TTFT part runs real vLLM on the project's connector, and what it calls a load from
+the pool is one: the engine's own counter says it loaded the repeated prefix's two blocks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(1200)
+
+
+def test_the_pool_round_loads_the_two_blocks_instead_of_computing_them(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from vllm_disagg.cli import main
+
+    argv = ["bench", "kv", "--blocks", "2", "--rounds", "1", "--layers", "2", "--layer-block-kib", "16"]
+    assert main([*argv, "--ttft-rounds", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["ttft_prefix_tokens"] == 256  # two CPU blocks of 128
+    # Each round's pool request loaded both blocks; the computed and local ones loaded nothing.
+    assert result["ttft_pool_loaded_tokens"] == 2 * 256
+    assert min(result["ttft_computed_ms"], result["ttft_pool_ms"], result["ttft_local_ms"]) > 0

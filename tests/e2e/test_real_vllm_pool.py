@@ -1,0 +1,171 @@
+"""Real vLLM on the project's own connector (``up --kv-connector vllm-disagg``): the agents' prefix
+pools carry the KV from prefill to decode, and a prefix computed once serves the other instance.
+
+First one plain vLLM (no connector) answers every request: the reference. Then 1P1D on the project's
+connector serves the same requests through the gateway, token for token; the decode engine's own
+counters say the prompts' full blocks were loaded (``external_kv_transfer``), not computed. Then a
+prompt is computed on the prefill engine alone, and a second prompt sharing its long prefix is sent
+to the decode instance: its engine loads that prefix from its pool (which its agent fetched from the
+prefill agent's) and computes only the rest. At most two vLLM instances run at once (2 cores).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.e2e.vllm_support import (
+    BLOCK,
+    Answers,
+    Case,
+    ask,
+    colocated_answers,
+    free_engine_ports,
+    prompts_for,
+    running_up,
+    up_1p1d_argv,
+)
+from tests.helpers import ADMIN, eventually, free_port, http_json, metric_sum, parse_prometheus
+
+pytestmark = pytest.mark.timeout(1800)
+SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+@dataclass(frozen=True)
+class Prompts:
+    handoff: list[str]  # through the gateway, P to D
+    prefix: str  # computed on P alone
+    sharing: str  # the same first blocks, another tail: sent to D
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model: Path) -> Prompts:
+    handoff = prompts_for(tiny_model, 3, first_tokens=2 * BLOCK + 20)
+    # "Request 3: ...": no block in common with the handoff prompts ("Request 0..2: ...").
+    long = prompts_for(tiny_model, 4, first_tokens=3 * BLOCK + 10)[3]
+    return Prompts(handoff, long + " and then the first tail", long + " but a second, other tail")
+
+
+def _cases(prompts: Prompts) -> list[Case]:
+    cases = [
+        Case(
+            f"{'chat' if chat else 'completions'}-{'stream' if stream else 'nonstream'}-{i}", chat, stream, p
+        )
+        for i, p in enumerate(prompts.handoff)
+        for chat in (False, True)
+        for stream in (False, True)
+    ]
+    return [
+        *cases,
+        Case("prefix", False, False, prompts.prefix),
+        Case("sharing", False, False, prompts.sharing),
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Path, prompts: Prompts, tmp_path_factory: pytest.TempPathFactory) -> Answers:
+    return colocated_answers(tiny_model, _cases(prompts), tmp_path_factory.mktemp("reference") / "vllm.log")
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen[bytes]
+    base: str
+    log: Path
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
+        assert status == 200, body
+        return {i["agent_id"]: i for i in body["instances"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    tiny_model: Path, reference: Answers, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
+    port, zmq_port = free_port(), free_port()
+    argv = [*up_1p1d_argv(tiny_model, port, zmq_port, free_engine_ports(2)), "--kv-connector", "vllm-disagg"]
+    argv += ["--kv-pool-capacity", "256MiB"]
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    with running_up(argv, log) as proc:
+        yield Cluster(proc, f"http://127.0.0.1:{port}", log)
+
+
+async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[Any, float]:
+    async with session.get(f"{url}/metrics") as resp:
+        return parse_prometheus(await resp.text())
+
+
+async def test_prefill_to_decode_through_the_pools_is_token_identical_and_the_kv_is_loaded(
+    cluster: Cluster, reference: Answers, prompts: Prompts
+) -> None:
+    decode_url = cluster.instances()["decode-0"]["url"]
+    cases = _cases(prompts)[:-2]
+    async with aiohttp.ClientSession() as session:
+        before = await _metrics(session, decode_url)
+        for case in cases:
+            text, _, headers = await ask(session, cluster.base, case)
+            assert text == reference.texts[case.name], case.name
+            assert headers["X-Disagg-Decode"] == "decode-0", case.name
+        after = await _metrics(session, decode_url)
+
+    def grew(source: str) -> float:
+        return metric_sum(after, SOURCE, source=source) - metric_sum(before, SOURCE, source=source)
+
+    # Each prompt's first time on D (its completion, then its chat form): every full block came from
+    # the pool, which D's agent had fetched from P's. Later sends of the same prompt are D's own hits.
+    first_seen = [f"{kind}-nonstream-{i}" for kind in ("completions", "chat") for i in range(3)]
+    full_blocks = sum(reference.prompt_tokens[name] // BLOCK * BLOCK for name in first_seen)
+    assert grew("external_kv_transfer") >= full_blocks
+    # What D computed is at most each request's partial last block (and the one token vLLM always
+    # computes when a prompt is all full blocks).
+    assert grew("local_compute") < BLOCK * len(cases)
+
+
+async def test_a_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(
+    cluster: Cluster, reference: Answers, prompts: Prompts
+) -> None:
+    urls = {agent: i["url"] for agent, i in cluster.instances().items()}
+    prefix_case, sharing_case = _cases(prompts)[-2:]
+    shared_blocks = reference.prompt_tokens["prefix"] // BLOCK
+    async with aiohttp.ClientSession() as session:
+        # Computed on the prefill engine alone: its connector saves the prompt's full blocks in its
+        # agent's pool, and the agent reports them to the orchestrator's index.
+        text, _, _ = await ask(session, urls["prefill-0"], prefix_case)
+        assert text == reference.texts["prefix"]
+
+        async def indexed() -> bool:
+            async with session.get(f"{cluster.base}/metrics") as resp:
+                families = parse_prometheus(await resp.text())
+            return (
+                metric_sum(families, "vllm_disagg_kv_pool_index_blocks", instance="prefill-0")
+                >= shared_blocks
+            )
+
+        await eventually(indexed, timeout=60, what="the prefill agent's pool blocks indexed")
+        before = await _metrics(session, urls["decode-0"])
+        text, _, headers = await ask(session, cluster.base, sharing_case)
+        after = await _metrics(session, urls["decode-0"])
+
+    assert text == reference.texts["sharing"]
+    # Straight to the decode instance: its agent fetched the shared prefix from the prefill agent's
+    # pool, and its engine loaded it instead of computing it.
+    assert (headers["X-Disagg-Decode"], headers["X-Disagg-Prefill"]) == ("decode-0", "")
+    loaded = metric_sum(after, SOURCE, source="external_kv_transfer") - metric_sum(
+        before, SOURCE, source="external_kv_transfer"
+    )
+    computed = metric_sum(after, SOURCE, source="local_compute") - metric_sum(
+        before, SOURCE, source="local_compute"
+    )
+    hit = metric_sum(after, SOURCE, source="local_cache_hit") - metric_sum(
+        before, SOURCE, source="local_cache_hit"
+    )
+    assert hit == 0  # D had never seen any of it
+    assert loaded == shared_blocks * BLOCK
+    assert computed == reference.prompt_tokens["sharing"] - shared_blocks * BLOCK

@@ -1,0 +1,187 @@
+"""The agent's side of the local link to its engine's connector, and what it reports of the pool.
+
+``PoolService.handle`` is the whole protocol as a function of one request; one test runs it behind
+its real ROUTER socket with the connector's real REQ client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_disagg.agent.kv.arena import Capacity, Geometry
+from vllm_disagg.agent.kv.local import LocalClient, LocalError, local_endpoint
+from vllm_disagg.agent.kv.node import PoolNode
+from vllm_disagg.agent.kv.report import changed_events, pool_snapshot
+from vllm_disagg.agent.kv.service import PoolService
+from vllm_disagg.protocol.messages import MEDIUM_POOL
+from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
+
+GEOMETRY = Geometry(num_layers=2, layer_block_bytes=64, block_size=4)
+TOKENS = list(range(100, 116))  # four blocks of four
+KEYS = prompt_block_hashes(TOKENS, 4)
+
+
+def _blocks(n: int) -> list[list[Any]]:
+    return [[KEYS[i], KEYS[i - 1] if i else None, TOKENS[4 * i : 4 * i + 4]] for i in range(n)]
+
+
+@pytest.fixture
+def node() -> Iterator[PoolNode]:
+    node = PoolNode(f"test-kv-service-{uuid.uuid4().hex[:8]}", Capacity.parse("3"))
+    yield node
+    node.close()
+
+
+@pytest.fixture
+def service(node: PoolNode) -> PoolService:
+    service = PoolService(node)
+    assert service.handle({"op": "open", "geometry": GEOMETRY.to_wire(), "engine": "e", "pid": 1})["ok"]
+    return service
+
+
+def _save(service: PoolService, owner: str, n: int) -> None:
+    slots = service.handle({"op": "reserve", "owner": owner, "blocks": _blocks(n)})["slots"]
+    keys = [k for k, _ in slots]
+    assert service.handle({"op": "commit", "owner": owner, "keys": keys}) == {
+        "ok": True,
+        "committed": len(keys),
+    }
+
+
+def test_open_names_the_arena_the_worker_maps(node: PoolNode) -> None:
+    answer = PoolService(node).handle({"op": "open", "geometry": GEOMETRY.to_wire(), "engine": "e", "pid": 1})
+    assert answer["ok"] and answer["capacity"] == 3
+    assert Path(answer["path"]).exists()
+    assert node.arena is not None and str(node.arena.path) == answer["path"]
+
+
+def test_a_saved_prompt_is_found_and_pinned_for_the_request_that_asks(service: PoolService) -> None:
+    _save(service, "e:1", 2)
+    answer = service.handle({"op": "lookup", "req": "e:r1", "keys": KEYS})
+    assert answer["ok"] and len(answer["slots"]) == 2 and answer["ready"] == [True, True]
+    pool = service.node.pool
+    assert pool is not None and pool.references(KEYS[0]) == 1
+    # Asking again for the same request replaces its pins: a request the engine re-asks holds no more.
+    service.handle({"op": "lookup", "req": "e:r1", "keys": KEYS})
+    assert pool.references(KEYS[0]) == 1
+    service.handle({"op": "release", "reqs": ["e:r1"]})
+    assert pool.references(KEYS[0]) == 0
+
+
+def test_a_waiting_request_keeps_its_prefix_while_other_prompts_fill_the_pool(service: PoolService) -> None:
+    _save(service, "e:1", 2)
+    service.handle({"op": "lookup", "req": "e:waiting", "keys": KEYS[:2]})
+    other = prompt_block_hashes(list(range(500, 512)), 4)
+    blocks = [[k, other[i - 1] if i else None, [0, 0, 0, 0]] for i, k in enumerate(other)]
+    got = service.handle({"op": "reserve", "owner": "e:2", "blocks": blocks})["slots"]
+    assert len(got) == 1  # one free slot: the pinned prefix was not evicted for the others
+    assert service.handle({"op": "lookup", "req": "e:waiting", "keys": KEYS[:2]})["ready"] == [True, True]
+
+
+def test_a_restarted_engine_leaves_no_pin_or_half_written_block_behind(service: PoolService) -> None:
+    _save(service, "e:1", 1)
+    service.handle({"op": "lookup", "req": "e:r1", "keys": KEYS[:1]})
+    service.handle({"op": "reserve", "owner": "e:2", "blocks": _blocks(2)})  # block 1, never committed
+    pool = service.node.pool
+    assert pool is not None and pool.stats().pending == 1
+    # Same engine name, new process: whatever the old process held goes.
+    assert service.handle({"op": "open", "geometry": GEOMETRY.to_wire(), "engine": "e", "pid": 2})["ok"]
+    assert pool.references(KEYS[0]) == 0
+    assert pool.stats().pending == 0 and pool.lookup(KEYS) == 1
+
+
+def test_another_engine_opening_the_same_pool_keeps_the_first_ones_pins(service: PoolService) -> None:
+    _save(service, "e:1", 1)
+    service.handle({"op": "lookup", "req": "e:r1", "keys": KEYS[:1]})
+    assert service.handle({"op": "open", "geometry": GEOMETRY.to_wire(), "engine": "f", "pid": 9})["ok"]
+    pool = service.node.pool
+    assert pool is not None and pool.references(KEYS[0]) == 1
+
+
+@pytest.mark.parametrize(
+    ("request_", "error"),
+    [
+        pytest.param([1, 2], "a request is a map with an op", id="not a map"),
+        pytest.param({"op": "teleport"}, "unknown op 'teleport'", id="unknown op"),
+        pytest.param(
+            {"op": "lookup", "req": "r", "keys": ["ab"]}, "keys must be a list of byte", id="text keys"
+        ),
+        pytest.param({"op": "lookup", "keys": []}, "req must be a non-empty string", id="no req"),
+        pytest.param({"op": "release", "reqs": "r1"}, "reqs must be a list", id="reqs not a list"),
+        pytest.param(
+            {"op": "reserve", "owner": "o", "blocks": [[b"k"]]}, "a block is [key,", id="short block"
+        ),
+        pytest.param(
+            {"op": "open", "geometry": {"num_layers": 0}, "engine": "e", "pid": 1},
+            "bad geometry",
+            id="geometry",
+        ),
+    ],
+)
+def test_a_malformed_request_is_refused_with_a_reason(
+    service: PoolService, request_: object, error: str
+) -> None:
+    answer = service.handle(request_)
+    assert answer["ok"] is False and error in answer["error"]
+    assert service.handle({"op": "lookup", "req": "r", "keys": KEYS})["ok"]  # and it goes on
+
+
+def test_before_the_engine_says_its_geometry_there_is_no_pool_to_ask(node: PoolNode) -> None:
+    answer = PoolService(node).handle({"op": "lookup", "req": "r", "keys": KEYS})
+    assert answer == {"ok": False, "error": "the pool is not open (no engine said its geometry)"}
+
+
+async def test_the_connectors_client_talks_to_the_service_over_its_socket(
+    node: PoolNode, tmp_path: Path
+) -> None:
+    service = PoolService(node)
+    endpoint = local_endpoint("t", str(tmp_path / "sock"))
+    await service.start(endpoint)
+    client = LocalClient(endpoint, timeout_s=5)
+    try:
+        # The client blocks (it runs in vLLM's synchronous processes): run it off the loop.
+        call = asyncio.to_thread
+        answer = await call(client.call, "open", geometry=GEOMETRY.to_wire(), engine="e", pid=os.getpid())
+        assert answer["capacity"] == 3
+        with pytest.raises(LocalError, match="unknown op"):
+            await call(client.call, "teleport")
+        # The directory of the socket admits only this user: the bytes behind it are prompts' KV.
+        directory = Path(endpoint.removeprefix("ipc://")).parent
+        assert directory.stat().st_mode & 0o777 == 0o700
+    finally:
+        client.close()
+        await service.close()
+
+
+def test_pool_changes_are_reported_as_pool_events_with_vllms_folded_hashes(service: PoolService) -> None:
+    node = service.node
+    heard: list[tuple[list[bytes], list[bytes]]] = []
+    node.listeners.append(lambda stored, removed: heard.append((stored, removed)))
+    _save(service, "e:1", 2)
+    (stored, removed) = heard[-1]
+    events = changed_events(node, stored, removed)
+    assert [e.kind for e in events] == ["stored", "stored"]
+    assert all(e.medium == MEDIUM_POOL and e.block_size == 4 for e in events)
+    assert events[0].block_hashes == [event_hash(KEYS[0])] and events[0].parent_block_hash is None
+    assert events[1].parent_block_hash == event_hash(KEYS[0]) and events[1].token_ids == TOKENS[4:8]
+
+
+def test_a_snapshot_starts_the_pool_over_with_every_parent_before_its_child(service: PoolService) -> None:
+    # A chain's later blocks stored before its first one (a prefix block evicted, then saved again):
+    # the pool holds them in that order, but the index can only chain a block to a known parent.
+    blocks = _blocks(3)
+    for owner, part in (("e:1", blocks[1:]), ("e:2", blocks[:1])):
+        slots = service.handle({"op": "reserve", "owner": owner, "blocks": part})["slots"]
+        service.handle({"op": "commit", "owner": owner, "keys": [k for k, _ in slots]})
+    pool = service.node.pool
+    assert pool is not None and pool.held_keys() == [KEYS[1], KEYS[2], KEYS[0]]
+    snapshot = pool_snapshot(service.node)
+    assert snapshot[0].kind == "cleared" and snapshot[0].medium == MEDIUM_POOL
+    assert [e.block_hashes[0] for e in snapshot[1:]] == [event_hash(k) for k in KEYS[:3]]

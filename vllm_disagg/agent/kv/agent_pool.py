@@ -1,0 +1,53 @@
+"""An agent's whole KV data plane, started and stopped as one: the node's pool, the local link its
+engine's connector uses, the agent-to-agent transfers, and the reports of the pool's contents."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_disagg.agent.kv.arena import Capacity
+from vllm_disagg.agent.kv.local import local_endpoint
+from vllm_disagg.agent.kv.node import PoolNode
+from vllm_disagg.agent.kv.pool import BlockKey
+from vllm_disagg.agent.kv.report import changed_events, pool_snapshot
+from vllm_disagg.agent.kv.service import PoolService
+from vllm_disagg.agent.kv.transfer import KvTransfer
+from vllm_disagg.agent.kv_forwarder import KvEventForwarder
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.protocol.curve import load_keypair
+
+
+@dataclass
+class KvPool:
+    node: PoolNode
+    service: PoolService
+    transfer: KvTransfer
+
+    @classmethod
+    async def start(cls, cfg: AgentConfig) -> KvPool:
+        """Open the local link and the transfer port; the pool itself opens when the engine says its
+        KV geometry."""
+        from vllm_disagg.agent.vllm_command import kv_pool_port  # it imports the engine module
+
+        node = PoolNode(f"vllm-disagg-pool-{cfg.agent_id}", Capacity.parse(cfg.kv_pool_capacity))
+        service = PoolService(node)
+        await service.start(local_endpoint(cfg.agent_id))
+        keys = load_keypair(cfg.curve_secret_key_file) if cfg.curve_secret_key_file else None
+        transfer = KvTransfer(node, host=cfg.engine_host, port=kv_pool_port(cfg), keys=keys)
+        await transfer.start()
+        return cls(node, service, transfer)
+
+    def report_to(self, forwarder: KvEventForwarder) -> None:
+        """Send the pool's changes with the engine's KV events, and its whole state at each resync."""
+
+        def changed(stored: list[BlockKey], removed: list[BlockKey]) -> None:
+            events = changed_events(self.node, stored, removed)
+            if events:
+                forwarder.forward(events)
+
+        self.node.listeners.append(changed)
+        forwarder.snapshots.append(lambda: pool_snapshot(self.node))
+
+    async def close(self) -> None:
+        await self.transfer.close()
+        await self.service.close()  # and the pool: its shared memory goes with it

@@ -1,0 +1,358 @@
+"""The project's vLLM KV connector: engines save prompts' full blocks into their agent's prefix pool
+and load what the pool holds, so a prefix computed once (here, or on another instance whose agent
+sent it over) is never computed again.
+
+vLLM loads it from ``--kv-transfer-config`` (``up --kv-connector vllm-disagg`` writes it)::
+
+    {"kv_connector": "VllmDisaggConnector",
+     "kv_connector_module_path": "vllm_disagg.agent.kv.connector",
+     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+     "kv_connector_extra_config": {"agent_endpoint": "ipc://...", "save": true}}
+
+with ``--prefix-caching-hash-algo sha256_cbor``, so that a block's key (vLLM's chained block hash,
+``request.block_hashes``) is the same in every engine and agent (``wire/block_hash.py``).
+
+One instance runs in the scheduler's process, one in each worker; they share nothing but the
+``ConnectorMeta`` vLLM hands from one to the other each step.
+
+- **Scheduler side.** ``get_num_new_matched_tokens`` asks the agent which of the prompt's next blocks
+  the pool holds and pins them for the request (a waiting request holds its prefix: it cannot be
+  evicted under it), leaving at least one prompt token to compute; the hit is loaded synchronously in
+  the step that schedules the request, so a partial hit prefills only the rest. Each step it reserves
+  pool slots for the prompt blocks that step completes (``build_connector_meta``). Pins go when the
+  worker has loaded them or the request ends, whichever is first (``request_finished``), so an
+  aborted request never leaks one. A P leg (a request with ``kv_transfer_params``) answers the
+  blocks its pool holds: ``{"vllm_disagg": {"block_size": N, "keys": [hex, ...]}}``.
+- **Worker side.** After each attention layer, it copies that layer of each block to save into its
+  pool slot (``save_kv_layer``), and before each layer it copies that layer of each block to load
+  out of its slot (``wait_for_layer_load``) — once the slot's ``layers_ready`` says the layer has
+  landed, for a block a transfer from another agent is still bringing. A block that fails (the
+  transfer died, or it did not land in ``load_timeout_s``) is reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes it. The pool is host shared memory
+  (``arena.py``), mapped by the worker: on a GPU each copy crosses PCIe (``Tensor.copy_``); CUDA IPC
+  between engines is not used.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.logger import init_logger
+
+from vllm_disagg.agent.kv.arena import FAILED, Geometry, SlotArena
+from vllm_disagg.agent.kv.local import LocalClient, LocalError
+from vllm_disagg.protocol.kv_pool import pool_handle
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = init_logger("vllm.vllm_disagg.connector")  # under "vllm.": its lines go to the engine's log
+
+LOAD_TIMEOUT_S = 10.0  # a landing block's layer not there by then is recomputed
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    req_id: str
+    slots: tuple[int, ...]
+    block_ids: tuple[int, ...]  # where each slot goes in the engine's KV cache
+    ready: tuple[bool, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    slots: tuple[int, ...]
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+
+
+@dataclass
+class ConnectorMeta(KVConnectorMetadata):  # type: ignore[misc]
+    """What the scheduler tells the workers for one step."""
+
+    step: int = 0
+    loads: list[Load] = field(default_factory=list)
+    save: Save | None = None
+
+
+@dataclass
+class _Tracked:
+    """A request the scheduler side follows: its blocks in the KV cache and how far it was saved."""
+
+    request: Request
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # prompt blocks before this one were reserved (or found pooled) already
+    local_blocks: int = 0  # blocks the engine's own prefix cache had when it asked
+    pinned: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())  # slots and readiness of the hit
+
+
+class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    """vLLM's KV connector API (v1) over the agent's prefix pool."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config or {}
+        endpoint = extra.get("agent_endpoint") or os.environ.get("VLLM_DISAGG_AGENT_ENDPOINT", "")
+        if not endpoint:
+            raise ValueError("vllm-disagg connector: kv_connector_extra_config.agent_endpoint is required")
+        self._agent = LocalClient(str(endpoint))
+        # Several engines may share one node's pool: each names its pins and saves with its own prefix.
+        self._engine = str(extra.get("engine_name", "engine"))
+        self._block_size: int = vllm_config.cache_config.block_size
+        self._save_prompts = bool(extra.get("save", True))
+        self._load_timeout_s = float(extra.get("load_timeout_s", LOAD_TIMEOUT_S))
+        # scheduler side
+        self._tracked: dict[str, _Tracked] = {}
+        self._step = 0
+        # Requests whose loads each recent step carried: their pins go two steps later, once the
+        # worker has surely run that step (with async scheduling it may run one step behind).
+        self._loaded: deque[list[str]] = deque([[], []])
+        # worker side
+        self._arena: SlotArena | None = None
+        self._layers: dict[str, int] = {}  # layer name -> index in a slot
+        self._caches: list[torch.Tensor] = []
+        self._block_dim = 0
+        self._load_errors: set[int] = set()
+
+    # === scheduler side ============================================================================
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        keys = list(request.block_hashes)
+        first = num_computed_tokens // self._block_size
+        # At least one prompt token must be computed here: it is what yields the next token.
+        last = (request.num_prompt_tokens - 1) // self._block_size
+        if last <= first:
+            return 0, False
+        try:
+            answer = self._agent.call("lookup", req=self._req(request.request_id), keys=keys[first:last])
+        except LocalError as e:
+            log.warning("pool lookup failed, computing the prompt: %s", e)
+            return 0, False
+        slots, ready = tuple(answer["slots"]), tuple(answer["ready"])
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        tracked.local_blocks = first
+        tracked.pinned = (slots, ready)
+        return len(slots) * self._block_size, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
+        if num_external_tokens == 0 and tracked.pinned[0]:
+            # vLLM took less than the hit (another source covered it): nothing to load from us.
+            self._release([request.request_id])
+            tracked.pinned = ((), ())
+        elif num_external_tokens:
+            n = num_external_tokens // self._block_size
+            tracked.pinned = (tracked.pinned[0][:n], tracked.pinned[1][:n])
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
+        self._step += 1
+        meta = ConnectorMeta(step=self._step)
+        done = self._loaded.popleft()
+        if done:
+            self._release(done)
+        loaded: list[str] = []
+        self._loaded.append(loaded)
+        for new in scheduler_output.scheduled_new_reqs:
+            tracked = self._tracked.get(new.req_id)
+            if tracked is None:
+                continue
+            tracked.block_ids = list(new.block_ids[0])
+            slots, ready = tracked.pinned
+            if slots:
+                start = tracked.local_blocks
+                ids = tuple(tracked.block_ids[start : start + len(slots)])
+                meta.loads.append(Load(new.req_id, slots, ids, ready))
+                loaded.append(new.req_id)
+                tracked.pinned = ((), ())
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            tracked = self._tracked.get(req_id)
+            new_ids = cached.new_block_ids[i]
+            if tracked is None or new_ids is None:
+                continue
+            if req_id in cached.resumed_req_ids:
+                tracked.block_ids = list(new_ids[0])  # after a preemption: all of them, anew
+            else:
+                tracked.block_ids.extend(new_ids[0])
+        if self._save_prompts:
+            meta.save = self._reserve_saves(scheduler_output)
+        return meta
+
+    def _reserve_saves(self, scheduler_output: SchedulerOutput) -> Save | None:
+        """Pool slots for the prompt blocks this step completes that the pool does not hold yet."""
+        blocks: list[list[Any]] = []
+        where: dict[bytes, int] = {}
+        for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
+            tracked = self._tracked.get(req_id)
+            if tracked is None:
+                continue
+            request = tracked.request
+            done = min(request.num_computed_tokens + n_tokens, request.num_prompt_tokens)
+            full = min(done // self._block_size, len(request.block_hashes), len(tracked.block_ids))
+            if full <= tracked.saved:
+                continue
+            prompt = request.prompt_token_ids or []
+            # The whole chain so far, not only the new blocks: the pool skips (and keeps) the ones it
+            # holds, so making room for the new ones cannot evict this prompt's own prefix, and a
+            # prefix block evicted since is saved again.
+            for b in range(full):
+                key = request.block_hashes[b]
+                parent = request.block_hashes[b - 1] if b else None
+                tokens = list(prompt[b * self._block_size : (b + 1) * self._block_size])
+                if key not in where:
+                    blocks.append([key, parent, tokens])
+                    where[key] = tracked.block_ids[b]
+            tracked.saved = max(tracked.saved, full)
+        if not blocks:
+            return None
+        owner = f"{self._engine}:{self._step}"
+        try:
+            answer = self._agent.call("reserve", owner=owner, blocks=blocks)
+        except LocalError as e:
+            log.warning("pool reserve failed, not saving this step's blocks: %s", e)
+            return None
+        got = [(bytes(k), int(s)) for k, s in answer["slots"]]
+        if not got:
+            return None
+        return Save(tuple(s for _, s in got), tuple(where[k] for k, _ in got), tuple(k for k, _ in got))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        tracked = self._tracked.pop(request.request_id, None)
+        self._release([request.request_id])
+        if tracked is None or not request.kv_transfer_params:
+            return False, None
+        # A prefill leg: the gateway moves these blocks to the decode instance's pool.
+        return False, pool_handle(self._block_size, request.block_hashes[: tracked.saved])
+
+    def _req(self, req_id: str) -> str:
+        return f"{self._engine}:{req_id}"
+
+    def _release(self, req_ids: list[str]) -> None:
+        try:
+            self._agent.call("release", reqs=[self._req(r) for r in req_ids])
+        except LocalError as e:  # the agent restarted: it dropped every pin with its old engine
+            log.warning("pool release failed: %s", e)
+
+    # === worker side ===============================================================================
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = self._num_blocks(kv_caches)
+        first = next(iter(kv_caches.values()))
+        # The dimension that indexes blocks: the CPU layout is [blocks, heads, block, 2*head]; some
+        # backends put K/V first ([2, blocks, ...]).
+        self._block_dim = list(first.shape).index(num_blocks)
+        self._layers = {name: i for i, name in enumerate(kv_caches)}
+        self._caches = list(kv_caches.values())
+        one = first.select(self._block_dim, 0)
+        geometry = Geometry(len(kv_caches), one.numel() * one.element_size(), self._block_size)
+        try:
+            answer = self._agent.call(
+                "open", geometry=geometry.to_wire(), engine=self._engine, pid=os.getpid()
+            )
+            self._arena = SlotArena.attach(answer["path"], geometry, int(answer["capacity"]))
+        except (LocalError, OSError, ValueError) as e:
+            log.error("no pool for this engine (it computes every prompt): %s", e)
+            self._arena = None
+            return
+        log.info("vllm-disagg pool mapped: %s, %d slots, %s", answer["path"], answer["capacity"], geometry)
+
+    def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        if isinstance(num_blocks, int) and num_blocks > 0:
+            return num_blocks
+        return int(next(iter(kv_caches.values())).shape[0])
+
+    def _slot_tensor(self, slot: int, layer: int, like: torch.Tensor) -> torch.Tensor:
+        assert self._arena is not None
+        raw = torch.frombuffer(self._arena.layer_view(slot, layer), dtype=torch.uint8)
+        return raw.view(like.dtype).view(like.shape)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        # Loads happen layer by layer in ``wait_for_layer_load`` (vLLM may call this after the
+        # forward pass); without a pool, every block to load is an error to recompute.
+        meta = self._get_connector_metadata()
+        if meta.loads and self._arena is None:
+            for load in meta.loads:
+                self._load_errors.update(load.block_ids)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        meta = self._get_connector_metadata()
+        if not meta.loads or self._arena is None:
+            return
+        layer = self._layers[layer_name]
+        cache = self._caches[layer]
+        for load in meta.loads:
+            for slot, block_id, ready in zip(load.slots, load.block_ids, load.ready, strict=True):
+                if block_id in self._load_errors:
+                    continue
+                if not ready and not self._wait_landed(slot, layer):
+                    self._load_errors.add(block_id)
+                    continue
+                dst = cache.select(self._block_dim, block_id)
+                dst.copy_(self._slot_tensor(slot, layer, dst))
+
+    def _wait_landed(self, slot: int, layer: int) -> bool:
+        """Wait until a landing block's ``layer`` is in its slot; False if it failed or is late."""
+        assert self._arena is not None
+        deadline = time.monotonic() + self._load_timeout_s
+        while True:
+            n = self._arena.layers_ready(slot)
+            if n == FAILED:
+                return False
+            if n > layer:
+                return True
+            if time.monotonic() > deadline:
+                log.warning(
+                    "slot %d layer %d did not land in %.1f s: recomputing", slot, layer, self._load_timeout_s
+                )
+                return False
+            time.sleep(0.0002)  # the transfer writes from the agent's process: nothing to wait on here
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        meta = self._get_connector_metadata()
+        if meta.save is None or self._arena is None:
+            return
+        layer = self._layers[layer_name]
+        for slot, block_id in zip(meta.save.slots, meta.save.block_ids, strict=True):
+            src = kv_layer.select(self._block_dim, block_id)
+            self._slot_tensor(slot, layer, src).copy_(src)
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        if meta.save is None or self._arena is None:
+            return
+        for slot in meta.save.slots:
+            self._arena.set_layers_ready(slot, len(self._layers))
+        try:
+            self._agent.call("commit", owner=f"{self._engine}:{meta.step}", keys=list(meta.save.keys))
+        except LocalError as e:
+            log.warning("pool commit failed: %s", e)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        self._agent.close()
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None

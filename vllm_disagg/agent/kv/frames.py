@@ -1,0 +1,204 @@
+"""The agents' data-plane frames: what a receiver asks a holder for, and how the bytes come back.
+
+One connection per fetch: the receiver's DEALER connects to the holder's ROUTER and sends a
+``FetchRequest``; the holder answers ``Refused`` (and the connection may ask again) or ``Start``, then
+streams ``Chunk``s. A chunk is one message of several parts: this module's header, then one part per
+block, each part one layer's bytes of one block, sent from the holder's arena without a copy. Chunks
+go layer by layer (layer 0 of every block, then layer 1, ...) so the receiver's engine can load the
+first layers while the later ones travel. The receiver hands back ``Credit`` as it lands chunks (the
+holder never has more than the request's ``window`` unlanded), and ends with ``Done``, which is also
+how it cancels. The holder sends ``Ping`` only while it waits on a silent receiver, to learn whether
+the connection is still there.
+
+Every header is msgpack ``[op, field, ...]``. ``decode`` checks each field's type and bound and
+raises ``MalformedFrame`` with a short reason (the holder sends that reason back in a ``Refused``):
+a peer's frame never crashes either side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from vllm_disagg.agent.kv.arena import Geometry
+from vllm_disagg.errors import MalformedFrame
+
+MAX_KEYS = 1 << 16  # blocks in one fetch: a 1M-token prompt of 16-token blocks
+MAX_KEY_BYTES = 64  # vLLM's block hashes are 32 bytes (sha256); room for a longer one
+MAX_TOKEN_CHARS = 256
+MAX_REASON_CHARS = 500
+MAX_WINDOW = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class FetchRequest:
+    """Receiver -> holder: send these blocks of this grant, in this geometry."""
+
+    token: str
+    keys: tuple[bytes, ...]
+    geometry: Geometry  # the receiver's: the holder refuses a fetch into a differently shaped pool
+    window: int  # chunks the holder may send ahead of the receiver's credit
+    timeout_s: float  # the receiver gives up by then, so the holder's stream may end then too
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """Holder -> receiver: the first ``blocks`` of the requested keys follow, layer by layer."""
+
+    blocks: int
+    geometry: Geometry  # the holder's, so the receiver checks the match too
+    # Each block's token ids (empty where the holder does not know them), which the receiver's pool
+    # reports with it: ``kv_fetch`` names only keys, and the orchestrator indexes a block by its tokens.
+    tokens: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Holder -> receiver: layer ``layer`` of blocks ``first``, ``first + 1``, ... (one part each)."""
+
+    layer: int
+    first: int
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """Receiver -> holder: ``chunks`` more chunks landed; the holder may send that many more."""
+
+    chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Receiver -> holder: the fetch is over (``landed`` blocks committed); also a cancel."""
+
+    landed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Holder -> receiver: this request (or frame) is not served, and why."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """Holder -> receiver: nothing; the send fails if the receiver's connection is gone."""
+
+
+Frame = FetchRequest | Start | Chunk | Credit | Done | Refused | Ping
+
+
+def encode(frame: Frame) -> bytes:
+    """The header part of ``frame``."""
+    fields: list[Any]
+    match frame:
+        case FetchRequest():
+            fields = [
+                "fetch",
+                frame.token,
+                list(frame.keys),
+                frame.geometry.to_wire(),
+                frame.window,
+                frame.timeout_s,
+            ]
+        case Start():
+            fields = ["start", frame.blocks, frame.geometry.to_wire(), [list(t) for t in frame.tokens]]
+        case Chunk():
+            fields = ["chunk", frame.layer, frame.first]
+        case Credit():
+            fields = ["credit", frame.chunks]
+        case Done():
+            fields = ["done", frame.landed]
+        case Refused():
+            fields = ["refused", frame.reason[:MAX_REASON_CHARS]]
+        case Ping():
+            fields = ["ping"]
+    packed: bytes = msgpack.packb(fields, use_bin_type=True)
+    return packed
+
+
+def decode(data: bytes | memoryview, max_bytes: int) -> Frame:
+    """The frame a header part holds; ``MalformedFrame`` with a reason for anything else."""
+    if len(data) > max_bytes:
+        raise MalformedFrame(f"header of {len(data)} bytes, over the limit of {max_bytes}")
+    try:
+        raw = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.UnpackException, RecursionError):
+        raise MalformedFrame("not msgpack") from None
+    if not isinstance(raw, list) or not raw or not isinstance(raw[0], str):
+        raise MalformedFrame("expected [op, field, ...]")
+    op, fields = raw[0], raw[1:]
+    decoder = _DECODERS.get(op)
+    if decoder is None:
+        raise MalformedFrame(f"unknown op {op[:40]!r}")
+    want = _ARITY[op]
+    if len(fields) != want:
+        raise MalformedFrame(f"{op}: expected {want} fields, got {len(fields)}")
+    return decoder(fields)
+
+
+def _int(value: object, what: str, low: int, high: int) -> int:
+    if type(value) is not int or not low <= value <= high:
+        raise MalformedFrame(f"{what}: expected an integer in [{low}, {high}]")
+    return value
+
+
+def _geometry(value: object) -> Geometry:
+    try:
+        return Geometry.from_wire(value)
+    except ValueError:
+        raise MalformedFrame("geometry: expected {num_layers, layer_block_bytes, block_size}") from None
+
+
+def _fetch(fields: list[Any]) -> FetchRequest:
+    token, keys, geometry, window, timeout_s = fields
+    if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN_CHARS:
+        raise MalformedFrame(f"token: expected a string of 1 to {MAX_TOKEN_CHARS} characters")
+    if not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS:
+        raise MalformedFrame(f"keys: expected a list of 1 to {MAX_KEYS} keys")
+    if not all(isinstance(k, bytes) and 0 < len(k) <= MAX_KEY_BYTES for k in keys):
+        raise MalformedFrame(f"keys: each must be 1 to {MAX_KEY_BYTES} bytes")
+    if not isinstance(timeout_s, float | int) or not (timeout_s > 0 and math.isfinite(timeout_s)):
+        raise MalformedFrame("timeout_s: expected a positive number of seconds")
+    return FetchRequest(
+        token, tuple(keys), _geometry(geometry), _int(window, "window", 1, MAX_WINDOW), float(timeout_s)
+    )
+
+
+def _start(fields: list[Any]) -> Start:
+    blocks, geometry, tokens = _int(fields[0], "blocks", 0, MAX_KEYS), _geometry(fields[1]), fields[2]
+    if not isinstance(tokens, list) or len(tokens) != blocks:
+        raise MalformedFrame(f"tokens: expected the token ids of each of the {blocks} blocks")
+    for ids in tokens:
+        if not isinstance(ids, list) or len(ids) not in (0, geometry.block_size):
+            raise MalformedFrame(f"tokens: expected {geometry.block_size} token ids per block, or none")
+        if not all(type(t) is int and t >= 0 for t in ids):
+            raise MalformedFrame("tokens: expected non-negative integers")
+    return Start(blocks, geometry, tuple(tuple(ids) for ids in tokens))
+
+
+def _chunk(fields: list[Any]) -> Chunk:
+    return Chunk(_int(fields[0], "layer", 0, 1 << 16), _int(fields[1], "first", 0, MAX_KEYS))
+
+
+def _refused(fields: list[Any]) -> Refused:
+    if not isinstance(fields[0], str):
+        raise MalformedFrame("reason: expected a string")
+    return Refused(fields[0][:MAX_REASON_CHARS])
+
+
+_DECODERS: dict[str, Callable[[list[Any]], Frame]] = {
+    "fetch": _fetch,
+    "start": _start,
+    "chunk": _chunk,
+    "credit": lambda f: Credit(_int(f[0], "chunks", 1, MAX_WINDOW)),
+    "done": lambda f: Done(_int(f[0], "landed", 0, MAX_KEYS)),
+    "refused": _refused,
+    "ping": lambda f: Ping(),
+}
+_ARITY = {"fetch": 5, "start": 3, "chunk": 2, "credit": 1, "done": 1, "refused": 1, "ping": 0}

@@ -1,0 +1,291 @@
+"""The node's prefix pool: which KV blocks it holds, in which slot, and who still needs each one.
+
+A pure data structure (no I/O, no clock): the bytes live in a ``SlotArena`` (``arena.py``) at the slot
+this pool hands out, and the agent is the pool's one owner. Blocks are keyed by vLLM's chained block
+hash (``wire/block_hash.py``), so a key names a whole prefix: a prompt's blocks are useful only from
+its first one on, and ``lookup`` counts the leading keys held.
+
+References. A block may be freed only when no one needs it, and "needs" includes more than a running
+sequence (the seed PR's leak was a waiting request whose prefix had been freed under it). Every
+reference has an *owner*, a string the caller chooses: a request waiting to load (``req:ID``), a
+worker filling slots (``save:ID``), an outgoing or incoming transfer (``xfer:ID``). ``release(owner)``
+drops all of an owner's references at once, so an aborted request or a dead transfer cannot leave one
+behind. A block is *pending* while its owner writes it (``reserve``); ``commit`` makes it *ready*.
+A pending block whose owner is released without committing is dropped: nothing half-written is ever
+served, and its slot is not reused until the readers that pinned it while pending let go.
+
+Eviction is LRU among blocks with no reference, and only when a slot is needed: the pool never holds
+more blocks than ``capacity``. A block re-enters the LRU when its last reference goes, an owner's
+blocks last to first, so a prefix's first block is its most recently used and a chain is evicted from
+its tail, which keeps what is left a usable (shorter) prefix.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+BlockKey = bytes  # vLLM's chained block hash of one full block (32 bytes with sha256_cbor)
+BlockState = Literal["pending", "ready"]
+
+
+@dataclass(slots=True)
+class _Entry:
+    slot: int
+    state: BlockState
+    writer: str  # the owner filling a pending block; "" once ready
+    owners: dict[str, int] = field(default_factory=dict)  # owner -> references it holds
+    token_ids: tuple[int, ...] = ()  # what the block holds, for the orchestrator's prefix index
+    parent: BlockKey | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Pinned:
+    """Blocks an owner now holds, in prompt order: the leading keys found, with their slots."""
+
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+    ready: tuple[bool, ...]  # False: still being written (a transfer in flight); wait or fail
+
+
+@dataclass(frozen=True, slots=True)
+class PoolStats:
+    capacity: int
+    used: int  # slots holding a block, pending or ready
+    pending: int
+    referenced: int  # blocks with at least one reference (never evicted)
+    evictions: int  # lifetime
+    hits: int  # lifetime blocks found by lookup/pin
+    misses: int  # lifetime lookups that stopped short of the whole prompt
+
+
+class PoolFull(Exception):
+    """No free slot and none evictable: every block is referenced."""
+
+
+class PrefixPool:
+    """Blocks by key, slots by block, references by owner; capacity never exceeded."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a pool needs at least one block of capacity, got {capacity}")
+        self.capacity = capacity
+        self._entries: dict[BlockKey, _Entry] = {}
+        self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
+        self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # unreferenced ready blocks, oldest first
+        self._held: dict[str, dict[BlockKey, int]] = {}  # owner -> key -> references
+        self._orphans: dict[int, set[str]] = {}  # slot of a dropped pending block -> its readers
+        self._evictions = 0
+        self._hits = 0
+        self._misses = 0
+        self.removed: list[BlockKey] = []  # evicted or dropped since the last ``take_removed``
+        self.stored: list[BlockKey] = []  # committed since the last ``take_stored``
+
+    # --- reads -------------------------------------------------------------------------------------
+    def __contains__(self, key: object) -> bool:
+        entry = self._entries.get(key) if isinstance(key, bytes) else None
+        return entry is not None and entry.state == "ready"
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def held_keys(self) -> list[BlockKey]:
+        """Every block held, pending ones too."""
+        return list(self._entries)
+
+    def slot_of(self, key: BlockKey) -> int | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.slot
+
+    def state_of(self, key: BlockKey) -> BlockState | None:
+        entry = self._entries.get(key)
+        return None if entry is None else entry.state
+
+    def info(self, key: BlockKey) -> tuple[BlockKey | None, tuple[int, ...]] | None:
+        """A held block's parent key and token ids (what a KV event says of it)."""
+        entry = self._entries.get(key)
+        return None if entry is None else (entry.parent, entry.token_ids)
+
+    def references(self, key: BlockKey) -> int:
+        entry = self._entries.get(key)
+        return 0 if entry is None else sum(entry.owners.values())
+
+    def owners(self) -> list[str]:
+        return list(self._held)
+
+    def lookup(self, keys: Sequence[BlockKey], *, pending_ok: bool = True) -> int:
+        """How many of ``keys``, from the first, the pool holds (pending ones too unless told not)."""
+        n = 0
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or (entry.state == "pending" and not pending_ok):
+                break
+            n += 1
+        return n
+
+    def stats(self) -> PoolStats:
+        pending = sum(1 for e in self._entries.values() if e.state == "pending")
+        referenced = sum(1 for e in self._entries.values() if e.owners)
+        return PoolStats(
+            self.capacity,
+            len(self._entries),
+            pending,
+            referenced,
+            self._evictions,
+            self._hits,
+            self._misses,
+        )
+
+    # --- references --------------------------------------------------------------------------------
+    def pin(self, owner: str, keys: Sequence[BlockKey], *, pending_ok: bool = True) -> Pinned:
+        """Reference the leading held blocks of ``keys`` for ``owner``; they stay until released.
+
+        Pinning again for the same owner adds references (each ``pin`` is undone by one
+        ``release``, which drops them all): a request the engine asks about twice holds no more
+        blocks than it asked for, and frees them all at once.
+        """
+        n = self.lookup(keys, pending_ok=pending_ok)
+        found = keys[:n]
+        self._hits += n
+        if n < len(keys):
+            self._misses += 1
+        for key in found:
+            self._ref(owner, key)
+        return Pinned(
+            tuple(found),
+            tuple(self._entries[k].slot for k in found),
+            tuple(self._entries[k].state == "ready" for k in found),
+        )
+
+    def release(self, owner: str) -> list[BlockKey]:
+        """Drop every reference ``owner`` holds, and every block it was writing; the keys dropped."""
+        for slot, readers in list(self._orphans.items()):
+            readers.discard(owner)
+            if not readers:
+                del self._orphans[slot]
+                self._free.append(slot)
+        held = self._held.pop(owner, None)
+        if not held:
+            return []
+        dropped: list[BlockKey] = []
+        # Last to first: the prompt's first block re-enters the LRU newest, so its tail goes first.
+        for key in reversed(held):
+            entry = self._entries[key]
+            del entry.owners[owner]
+            if entry.state == "pending" and entry.writer == owner:
+                # Half-written: no reader may ever see it. Readers that pinned it while pending wait
+                # on its slot's header word (FAILED, or never complete), so the slot is not handed to
+                # another block until they let go: they would read that block's bytes as this one's.
+                readers = set(entry.owners)
+                self._drop(key, free_slot=not readers)
+                if readers:
+                    self._orphans[entry.slot] = readers
+                dropped.append(key)
+            elif not entry.owners and entry.state == "ready":
+                self._lru[key] = None
+        return dropped
+
+    # --- writes ------------------------------------------------------------------------------------
+    def reserve(
+        self,
+        owner: str,
+        blocks: Sequence[tuple[BlockKey, BlockKey | None, Sequence[int]]],
+    ) -> dict[BlockKey, int]:
+        """Slots for the blocks (key, parent, token ids) not yet held, pending and referenced by owner.
+
+        Blocks already held are skipped (someone else wrote or is writing them). Stops at the first
+        block for which no slot can be freed: the caller writes the prefix it got, and the rest of the
+        prompt is simply not pooled. Returns key -> slot for what to write, in prompt order.
+        """
+        # The prompt's blocks already held are not evicted to make room for its others: that would
+        # leave a hole in the chain, and the blocks after it would be written for nothing. They are
+        # used by this save, so they re-enter the LRU newest, first block last.
+        kept = [key for key in dict.fromkeys(key for key, _, _ in blocks) if key in self._lru]
+        for key in kept:
+            del self._lru[key]
+        got: dict[BlockKey, int] = {}
+        for key, parent, token_ids in blocks:
+            if key in self._entries:
+                continue
+            slot = self._take_slot()
+            if slot is None:
+                break
+            self._entries[key] = _Entry(slot, "pending", owner, {}, tuple(token_ids), parent)
+            self._ref(owner, key)
+            got[key] = slot
+        for key in reversed(kept):
+            self._lru[key] = None
+        return got
+
+    def describe(self, owner: str, key: BlockKey, token_ids: Sequence[int]) -> bool:
+        """Set the token ids of a block ``owner`` is writing (reserved before they were known, as a
+        fetch's blocks are); False if it is not such a block."""
+        entry = self._entries.get(key)
+        if entry is None or entry.state != "pending" or entry.writer != owner:
+            return False
+        entry.token_ids = tuple(token_ids)
+        return True
+
+    def commit(self, owner: str, keys: Iterable[BlockKey]) -> list[BlockKey]:
+        """Mark blocks ``owner`` reserved as ready (their bytes are written); the keys committed."""
+        done: list[BlockKey] = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.state != "pending" or entry.writer != owner:
+                continue
+            entry.state = "ready"
+            entry.writer = ""
+            done.append(key)
+            self.stored.append(key)
+        return done
+
+    def clear(self) -> list[BlockKey]:
+        """Forget everything (the agent restarted, or the engine's geometry changed); the keys held."""
+        keys = list(self._entries)
+        self._entries.clear()
+        self._held.clear()
+        self._lru.clear()
+        self._orphans.clear()
+        self._free = list(range(self.capacity - 1, -1, -1))
+        self.removed.extend(keys)
+        return keys
+
+    def take_removed(self) -> list[BlockKey]:
+        out, self.removed = self.removed, []
+        return out
+
+    def take_stored(self) -> list[BlockKey]:
+        out, self.stored = self.stored, []
+        return [k for k in out if k in self]
+
+    # --- inside ------------------------------------------------------------------------------------
+    def _ref(self, owner: str, key: BlockKey) -> None:
+        entry = self._entries[key]
+        entry.owners[owner] = entry.owners.get(owner, 0) + 1
+        held = self._held.setdefault(owner, {})
+        held[key] = held.get(key, 0) + 1
+        self._lru.pop(key, None)
+
+    def _take_slot(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        if not self._lru:
+            return None
+        key, _ = self._lru.popitem(last=False)
+        self._evictions += 1
+        slot = self._entries[key].slot
+        self._drop(key, free_slot=False)
+        return slot
+
+    def _drop(self, key: BlockKey, *, free_slot: bool = True) -> None:
+        entry = self._entries.pop(key)
+        self._lru.pop(key, None)
+        for owner in entry.owners:
+            held = self._held.get(owner)
+            if held is not None:
+                held.pop(key, None)
+        if free_slot:
+            self._free.append(entry.slot)
+        self.removed.append(key)

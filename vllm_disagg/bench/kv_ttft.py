@@ -1,0 +1,172 @@
+"""``bench kv``'s TTFT part: a repeated 2-block prefix on real vLLM, with and without the pool.
+
+One vLLM engine on the project's connector, its pool served by this process (as its agent would).
+Each round uses a fresh 2-block prefix (token ids, so its blocks are exact) and times three requests
+of ``max_tokens=1`` (their latency is the time to the first token):
+
+- ``computed``: the prefix never seen anywhere: the engine computes all of it;
+- ``pool``: the same prefix with another tail, after the engine's own prefix cache was reset: the
+  engine loads the two blocks from the pool (checked on its ``external_kv_transfer`` counter);
+- ``local``: once more, another tail: the engine's own prefix cache has it (vLLM's best case).
+
+The engine's prefix cache is reset with ``/reset_prefix_cache`` (dev mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import aiohttp
+
+from vllm_disagg import jsonutil
+from vllm_disagg.agent.kv.agent_pool import KvPool
+from vllm_disagg.config import AgentConfig
+from vllm_disagg.runtime import child_env
+from vllm_disagg.up import spawn, stop_processes, tiny_model_dir
+
+SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="external_kv_transfer"}'
+TAIL_TOKENS = 8
+START_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class TtftResult:
+    ttft_rounds: int
+    ttft_prefix_tokens: int
+    ttft_computed_ms: float  # medians
+    ttft_pool_ms: float
+    ttft_local_ms: float
+    ttft_pool_loaded_tokens: int  # external_kv_transfer growth over every pool request
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ttft-rounds", type=int, default=5, help="real-vLLM TTFT rounds with and without the pool (0: skip)"
+    )
+
+
+async def _latency(session: aiohttp.ClientSession, url: str, ids: list[int]) -> float:
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+    start = time.perf_counter()
+    async with session.post(f"{url}/v1/completions", data=jsonutil.dumps(body), headers=_JSON) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"the engine answered {resp.status}")
+    return time.perf_counter() - start
+
+
+async def _loaded_tokens(session: aiohttp.ClientSession, url: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        for line in (await resp.text()).splitlines():
+            if line.startswith(SOURCE):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def _healthy(session: aiohttp.ClientSession, url: str, proc: asyncio.subprocess.Process) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.returncode is None:
+        try:
+            async with session.get(f"{url}/health") as resp:
+                if resp.status == 200:
+                    return
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"vLLM at {url} did not become healthy (exit code {proc.returncode})")
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+def _open_log(path: Path) -> IO[bytes]:
+    return path.open("wb")
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def _rounds(
+    args: argparse.Namespace, url: str, proc: asyncio.subprocess.Process, block: int
+) -> tuple[list[float], list[float], list[float], float]:
+    """Each round's three latencies (computed, pool, local), and the tokens loaded from the pool."""
+    rng = random.Random(args.seed)
+    computed, pooled, local = [], [], []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await _healthy(session, url, proc)
+        before = await _loaded_tokens(session, url)
+        for _ in range(args.ttft_rounds):
+            prefix = [rng.randrange(10, 1000) for _ in range(2 * block)]
+            tails = [[rng.randrange(10, 1000) for _ in range(TAIL_TOKENS)] for _ in range(3)]
+            computed.append(await _latency(session, url, prefix + tails[0]))
+            async with session.post(f"{url}/reset_prefix_cache", data=b"{}", headers=_JSON) as resp:
+                await resp.read()
+            pooled.append(await _latency(session, url, prefix + tails[1]))
+            local.append(await _latency(session, url, prefix + tails[2]))
+        loaded = await _loaded_tokens(session, url) - before
+    return computed, pooled, local, loaded
+
+
+def _engine_port(rng: random.Random) -> int:
+    """A port free for the engine, its KV events (+2000) and its pool's transfers (+3000)."""
+    while True:
+        port = rng.randrange(20000, 28000)
+        try:
+            for offset in (0, 2000, 3000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + offset))
+        except OSError:
+            continue
+        return port
+
+
+async def ttft_part(args: argparse.Namespace) -> TtftResult:
+    """Start the engine and its pool, run the rounds, stop both."""
+    from vllm_disagg.agent.vllm_command import VllmEngineCommand, effective_block_size
+    from vllm_disagg.model.tiny import build_tiny_model
+
+    model = build_tiny_model(tiny_model_dir())
+    cfg = AgentConfig(
+        agent_id=f"bench-kv-{random.randrange(1 << 30)}", role="both", engine="vllm", model="tiny",
+        model_path=str(model.path), engine_port=_engine_port(random.Random()), kv_connector="vllm-disagg",
+        kv_pool_capacity="256MiB",
+    )  # fmt: skip
+    command = VllmEngineCommand()
+    block = effective_block_size(cfg, command.device(cfg))
+    env = child_env({**command.env(cfg), "VLLM_SERVER_DEV_MODE": "1"})  # for /reset_prefix_cache
+    pool = await KvPool.start(cfg)
+    # The engine's own output would mix with the table (or the JSON): it goes to a log file, whose
+    # last lines an error shows.
+    try:
+        with tempfile.TemporaryDirectory(prefix="vllm-disagg-bench-kv-") as tmp:
+            log_path = Path(tmp) / "vllm.log"
+            with _open_log(log_path) as log:
+                proc = await spawn(command.argv(cfg), env=env, output=log)
+            try:
+                computed, pooled, local, loaded = await _rounds(
+                    args, f"http://127.0.0.1:{cfg.engine_port}", proc, block
+                )
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}; the engine's last lines:\n{_tail(log_path)}") from None
+            finally:
+                await stop_processes([proc], 20)
+    finally:
+        await pool.close()
+    return TtftResult(
+        args.ttft_rounds,
+        2 * block,
+        round(statistics.median(computed) * 1e3, 2),
+        round(statistics.median(pooled) * 1e3, 2),
+        round(statistics.median(local) * 1e3, 2),
+        int(loaded),
+    )

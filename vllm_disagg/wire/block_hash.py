@@ -1,0 +1,78 @@
+"""vLLM's chained block hash with ``--prefix-caching-hash-algo sha256_cbor``, computed outside vLLM.
+
+A block's hash is ``sha256(cbor((parent_hash, tuple(token_ids), extra_keys)))`` in canonical CBOR, and a
+prompt's first block hangs from ``NONE_HASH = sha256(cbor(seed))`` where the seed is ``PYTHONHASHSEED``
+when set, else ``"vllm-none-hash"`` (vllm/v1/core/kv_cache_utils.py, 0.32). So the agents, the
+orchestrator and every engine name a block of a prompt the same way with no engine to ask: the pool
+keys on it, and a receiving agent knows which blocks a prompt needs before its engine sees it.
+Only plain text blocks are covered (``extra_keys`` None: no LoRA, no multimodal inputs, no cache salt).
+
+The encoder is the few lines of canonical CBOR this shape needs, not a CBOR library: unsigned integers,
+a byte string, a text string, arrays and null. ``tests/unit/test_block_hash.py`` checks it against
+vLLM's own function.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Sequence
+
+DEFAULT_SEED = "vllm-none-hash"
+HASH_ALGO = "sha256_cbor"  # the --prefix-caching-hash-algo that makes the hashes reproducible
+
+
+def _head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes([(major << 5) | n])
+    if n < 1 << 8:
+        return bytes([(major << 5) | 24, n])
+    if n < 1 << 16:
+        return bytes([(major << 5) | 25]) + struct.pack(">H", n)
+    if n < 1 << 32:
+        return bytes([(major << 5) | 26]) + struct.pack(">I", n)
+    return bytes([(major << 5) | 27]) + struct.pack(">Q", n)
+
+
+def _uint(n: int) -> bytes:
+    if n < 0:
+        raise ValueError(f"token ids are non-negative, got {n}")
+    return _head(0, n)
+
+
+def none_hash(seed: str | None = None) -> bytes:
+    """The parent of every prompt's first block."""
+    if seed is None:
+        seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    raw = seed.encode()
+    return hashlib.sha256(_head(3, len(raw)) + raw).digest()
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """One block's hash from its parent's and its own token ids."""
+    body = b"".join(_uint(t) for t in token_ids)
+    cbor = (
+        b"\x83"  # array of 3
+        + _head(2, len(parent))
+        + parent
+        + _head(4, len(token_ids))
+        + body
+        + b"\xf6"  # extra_keys: null
+    )
+    return hashlib.sha256(cbor).digest()
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, *, seed: str | None = None) -> list[bytes]:
+    """The hashes of a prompt's full blocks, first to last (a partial last block has none)."""
+    parent = none_hash(seed)
+    out: list[bytes] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        out.append(parent)
+    return out
+
+
+def event_hash(key: bytes) -> int:
+    """The 64-bit integer a KV event carries for a block hash (vLLM's ``maybe_convert_block_hash``)."""
+    return int.from_bytes(key, "big") & ((1 << 64) - 1)
