@@ -92,6 +92,9 @@ def cluster(
     port, zmq_port = free_port(), free_port()
     argv = [*up_1p1d_argv(tiny_model, port, zmq_port, free_engine_ports(2)), "--kv-connector", "vllm-disagg"]
     argv += ["--kv-pool-capacity", "256MiB"]
+    # This 2-core machine stalls for seconds at times (up_1p1d_argv): these tests prove where the KV
+    # comes from, so a move must not give up on a stall (the defaults give up after 1 s and 2 s).
+    argv += ["--kv-grant-timeout-s", "60", "--kv-fetch-timeout-s", "60"]
     log = tmp_path_factory.mktemp("up") / "up.log"
     with running_up(argv, log) as proc:
         yield Cluster(proc, f"http://127.0.0.1:{port}", log)
@@ -135,18 +138,21 @@ async def test_a_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_
     prefix_case, sharing_case = _cases(prompts)[-2:]
     shared_blocks = reference.prompt_tokens["prefix"] // BLOCK
     async with aiohttp.ClientSession() as session:
+
+        async def pooled_on_p() -> float:
+            async with session.get(f"{cluster.base}/metrics") as resp:
+                families = parse_prometheus(await resp.text())
+            return metric_sum(families, "vllm_disagg_kv_pool_index_blocks", instance="prefill-0")
+
         # Computed on the prefill engine alone: its connector saves the prompt's full blocks in its
-        # agent's pool, and the agent reports them to the orchestrator's index.
+        # agent's pool (the pool has room: nothing is evicted), and the agent reports them to the
+        # orchestrator's index.
+        pooled = await pooled_on_p()
         text, _, _ = await ask(session, urls["prefill-0"], prefix_case)
         assert text == reference.texts["prefix"]
 
         async def indexed() -> bool:
-            async with session.get(f"{cluster.base}/metrics") as resp:
-                families = parse_prometheus(await resp.text())
-            return (
-                metric_sum(families, "vllm_disagg_kv_pool_index_blocks", instance="prefill-0")
-                >= shared_blocks
-            )
+            return await pooled_on_p() >= pooled + shared_blocks
 
         await eventually(indexed, timeout=60, what="the prefill agent's pool blocks indexed")
         before = await _metrics(session, urls["decode-0"])

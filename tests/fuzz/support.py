@@ -86,10 +86,15 @@ class RawPeer:
     It chooses its routing id (agents leave that to the orchestrator's ROUTER; a bad peer may not).
     """
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, identity: bytes) -> None:
+    def __init__(
+        self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str, identity: bytes, monitor_events: int = 0
+    ) -> None:
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTING_ID, identity)
+        # ``monitor_events``: a monitor of these socket events, attached before the connection starts
+        # (on loopback the handshake may be over before a monitor attached after ``connect`` hears it).
+        self.monitor = self.sock.get_monitor_socket(monitor_events) if monitor_events else None
         # A DEALER without IMMEDIATE queues what is sent before the connection is up: no wait needed.
         self.sock.connect(endpoint)
 
@@ -106,7 +111,10 @@ class RawPeer:
         return parts[0]
 
     def close(self) -> None:
-        """Close the socket (its queue is dropped)."""
+        """Close the socket (its queue is dropped), and its monitor."""
+        if self.monitor is not None:
+            self.sock.disable_monitor()
+            self.monitor.close(linger=0)
         self.sock.close(linger=0)
 
 

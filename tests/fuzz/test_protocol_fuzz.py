@@ -266,9 +266,10 @@ class Orchestrator:
     refused: Counter[str] = field(default_factory=Counter)
     _ids: Iterator[int] = field(default_factory=itertools.count)
 
-    def peer(self) -> RawPeer:
-        """A raw agent socket with a routing id no other peer had."""
-        return RawPeer(self.ctx, self.server.zmq_endpoint, f"fuzz-{next(self._ids)}".encode())
+    def peer(self, monitor_events: int = 0) -> RawPeer:
+        """A raw agent socket with a routing id no other peer had (and a monitor of these events)."""
+        identity = f"fuzz-{next(self._ids)}".encode()
+        return RawPeer(self.ctx, self.server.zmq_endpoint, identity, monitor_events)
 
     def exchange(self, peer: RawPeer, parts: list[bytes]) -> list[Message]:
         """Send a message, then the probe; every answer before the probe's refusal."""
@@ -478,8 +479,9 @@ def test_a_kv_events_with_a_negative_missed_count_is_refused_and_breaks_nothing(
 def test_a_part_over_twice_the_limit_drops_the_connection_in_libzmq_and_nothing_is_refused(
     orch: Orchestrator,
 ) -> None:
-    peer = orch.peer()
-    monitor = peer.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    peer = orch.peer(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    monitor = peer.monitor
+    assert monitor is not None
 
     def next_event() -> int:
         assert monitor.poll(int(REPLY_TIMEOUT_S * 1000)), "no socket event"
@@ -490,8 +492,6 @@ def test_a_part_over_twice_the_limit_drops_the_connection_in_libzmq_and_nothing_
         peer.send([b"\xc1" * (2 * MAX_FRAME + 1)])
         assert next_event() == zmq.EVENT_DISCONNECTED
     finally:
-        peer.sock.disable_monitor()
-        monitor.close(linger=0)
         peer.close()
     assert_still_serving(orch)  # and the refusal counter did not move
 

@@ -185,3 +185,11 @@ def test_a_snapshot_starts_the_pool_over_with_every_parent_before_its_child(serv
     snapshot = pool_snapshot(service.node)
     assert snapshot[0].kind == "cleared" and snapshot[0].medium == MEDIUM_POOL
     assert [e.block_hashes[0] for e in snapshot[1:]] == [event_hash(k) for k in KEYS[:3]]
+
+
+def test_a_long_agent_id_still_makes_a_socket_path_the_kernel_takes() -> None:
+    long_id = "a" * 128
+    path = local_endpoint(long_id).removeprefix("ipc://")
+    assert len(path.encode()) <= 100
+    assert local_endpoint(long_id) != local_endpoint("b" * 128)
+    assert local_endpoint("prefill-0").endswith("/kv-prefill-0.sock")

@@ -21,7 +21,7 @@ One instance runs in the scheduler's process, one in each worker; they share not
   the step that schedules the request, so a partial hit prefills only the rest. Each step it reserves
   pool slots for the prompt blocks that step completes (``build_connector_meta``). Pins go when the
   worker has loaded them or the request ends, whichever is first (``request_finished``), so an
-  aborted request never leaks one. A P leg (a request with ``kv_transfer_params``) answers the
+  aborted request never leaks one. A P leg (``kv_transfer_params.do_remote_decode``) answers the
   blocks its pool holds: ``{"vllm_disagg": {"block_size": N, "keys": [hex, ...]}}``.
 - **Worker side.** After each attention layer, it copies that layer of each block to save into its
   pool slot (``save_kv_layer``), and before each layer it copies that layer of each block to load
@@ -237,8 +237,9 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         tracked = self._tracked.pop(request.request_id, None)
         self._release([request.request_id])
-        if tracked is None or not request.kv_transfer_params:
-            return False, None
+        params = request.kv_transfer_params
+        if tracked is None or not isinstance(params, dict) or not params.get("do_remote_decode"):
+            return False, None  # not a prefill leg (the gateway's says do_remote_decode, as for NIXL)
         # A prefill leg: the gateway moves these blocks to the decode instance's pool.
         return False, pool_handle(self._block_size, request.block_hashes[: tracked.saved])
 

@@ -20,6 +20,7 @@ Ops (connector -> agent):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -29,6 +30,7 @@ import msgpack
 import zmq
 
 DEFAULT_TIMEOUT_S = 2.0
+_MAX_IPC_PATH = 100  # sun_path is 108 bytes with its NUL; keep a margin
 # What operators call the connector (``--kv-connector vllm-disagg``), and what vLLM loads for it.
 CONNECTOR_NAME = "vllm-disagg"
 CONNECTOR_CLASS = "VllmDisaggConnector"
@@ -36,8 +38,14 @@ CONNECTOR_MODULE = "vllm_disagg.agent.kv.connector"
 
 
 def local_endpoint(agent_id: str, directory: str | None = None) -> str:
-    """``ipc://DIR/kv-AGENT.sock``, DIR a directory only this user may enter (``make_local_dir``)."""
-    return f"ipc://{local_dir(directory) / f'kv-{agent_id}.sock'}"
+    """``ipc://DIR/kv-AGENT.sock``, DIR a directory only this user may enter (``make_local_dir``).
+
+    A socket path holds at most 107 bytes: a long agent id (up to 128 characters) is named by its
+    hash instead."""
+    path = local_dir(directory) / f"kv-{agent_id}.sock"
+    if len(str(path).encode()) > _MAX_IPC_PATH:
+        path = path.with_name(f"kv-{hashlib.sha256(agent_id.encode()).hexdigest()[:24]}.sock")
+    return f"ipc://{path}"
 
 
 def local_dir(directory: str | None = None) -> Path:
