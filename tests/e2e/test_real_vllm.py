@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ from tests.e2e.vllm_support import (
     START_TIMEOUT_S,
     Answers,
     Case,
+    UpCluster,
     ask,
     colocated_answers,
     free_engine_ports,
@@ -141,18 +141,8 @@ class EngineBlocks:
 
 
 @dataclass
-class Cluster:
-    """A running ``vllm-disagg up`` with real vLLM engines."""
-
-    proc: subprocess.Popen[bytes]
-    base: str
-    log: Path
+class Cluster(UpCluster):
     prefill_blocks: EngineBlocks  # what prefill-0's engine holds
-
-    def instances(self) -> dict[str, dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
-        assert status == 200, body
-        return {i["agent_id"]: i for i in body["instances"]}
 
 
 @pytest.fixture(scope="module")

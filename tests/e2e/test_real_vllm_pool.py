@@ -11,7 +11,6 @@ prefill agent's) and computes only the rest. At most two vLLM instances run at o
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from tests.e2e.vllm_support import (
     BLOCK,
     Answers,
     Case,
+    UpCluster,
     ask,
     colocated_answers,
     free_engine_ports,
@@ -31,7 +31,7 @@ from tests.e2e.vllm_support import (
     running_up,
     up_1p1d_argv,
 )
-from tests.helpers import ADMIN, eventually, free_port, http_json, metric_sum, parse_prometheus
+from tests.helpers import eventually, free_port, metric_sum, parse_prometheus
 
 pytestmark = pytest.mark.timeout(1800)
 SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -73,22 +73,10 @@ def reference(tiny_model: Path, prompts: Prompts, tmp_path_factory: pytest.TempP
     return colocated_answers(tiny_model, _cases(prompts), tmp_path_factory.mktemp("reference") / "vllm.log")
 
 
-@dataclass
-class Cluster:
-    proc: subprocess.Popen[bytes]
-    base: str
-    log: Path
-
-    def instances(self) -> dict[str, dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
-        assert status == 200, body
-        return {i["agent_id"]: i for i in body["instances"]}
-
-
 @pytest.fixture(scope="module")
 def cluster(
     tiny_model: Path, reference: Answers, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
+) -> Iterator[UpCluster]:
     port, zmq_port = free_port(), free_port()
     argv = [*up_1p1d_argv(tiny_model, port, zmq_port, free_engine_ports(2)), "--kv-connector", "vllm-disagg"]
     argv += ["--kv-pool-capacity", "256MiB"]
@@ -97,7 +85,7 @@ def cluster(
     argv += ["--kv-grant-timeout-s", "60", "--kv-fetch-timeout-s", "60"]
     log = tmp_path_factory.mktemp("up") / "up.log"
     with running_up(argv, log) as proc:
-        yield Cluster(proc, f"http://127.0.0.1:{port}", log)
+        yield UpCluster(proc, f"http://127.0.0.1:{port}", log)
 
 
 async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[Any, float]:
@@ -106,7 +94,7 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[Any, float]
 
 
 async def test_prefill_to_decode_through_the_pools_is_token_identical_and_the_kv_is_loaded(
-    cluster: Cluster, reference: Answers, prompts: Prompts
+    cluster: UpCluster, reference: Answers, prompts: Prompts
 ) -> None:
     decode_url = cluster.instances()["decode-0"]["url"]
     cases = _cases(prompts)[:-2]
@@ -132,7 +120,7 @@ async def test_prefill_to_decode_through_the_pools_is_token_identical_and_the_kv
 
 
 async def test_a_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(
-    cluster: Cluster, reference: Answers, prompts: Prompts
+    cluster: UpCluster, reference: Answers, prompts: Prompts
 ) -> None:
     urls = {agent: i["url"] for agent, i in cluster.instances().items()}
     prefix_case, sharing_case = _cases(prompts)[-2:]

@@ -17,7 +17,6 @@ import contextlib
 import os
 import random
 import signal
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from tests.e2e.vllm_support import (
     JSON,
     START_TIMEOUT_S,
     Case,
+    UpCluster,
     ask,
     colocated_answers,
     free_engine_ports,
@@ -91,18 +91,8 @@ def reference(
     return colocated_answers(tiny_model, cases, tmp_path_factory.mktemp("reference") / "vllm.log").texts
 
 
-@dataclass
-class Up:
+class Up(UpCluster):
     """A running ``vllm-disagg up`` 1P1D."""
-
-    proc: subprocess.Popen[bytes]
-    base: str
-    log: Path  # shown when a test fails (tests/e2e/conftest.py)
-
-    def instances(self) -> dict[str, dict[str, Any]]:
-        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
-        assert status == 200, body
-        return {i["agent_id"]: i for i in body["instances"]}
 
     def engine_group(self, agent_id: str) -> int:
         (pgid,) = engine_servers({int(str(self.instances()[agent_id]["url"]).rsplit(":", 1)[1])})

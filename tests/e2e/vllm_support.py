@@ -15,7 +15,15 @@ from typing import Any
 
 import aiohttp
 
-from tests.helpers import cli_argv, eventually_sync, free_ports, http_json, sse_text, stop_process_group
+from tests.helpers import (
+    ADMIN,
+    cli_argv,
+    eventually_sync,
+    free_ports,
+    http_json,
+    sse_text,
+    stop_process_group,
+)
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.vllm_command import VllmEngineCommand
 from vllm_disagg.config import AgentConfig
@@ -207,6 +215,21 @@ def colocated_answers(model_dir: Path, cases: list[Case], log: Path) -> Answers:
             return answers
 
         return asyncio.run(collect())
+
+
+@dataclass
+class UpCluster:
+    """A running ``vllm-disagg up`` with real vLLM engines."""
+
+    proc: subprocess.Popen[bytes]
+    base: str  # the gateway
+    log: Path  # shown when a test fails (tests/e2e/conftest.py)
+
+    def instances(self) -> dict[str, dict[str, Any]]:
+        """The admin API's instances, by agent id."""
+        status, body = http_json(f"{self.base}/admin/v1/instances", headers=ADMIN)
+        assert status == 200, body
+        return {i["agent_id"]: i for i in body["instances"]}
 
 
 @contextlib.contextmanager
