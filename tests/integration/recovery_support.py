@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from tests.helpers import ADMIN, eventually
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
-from vllm_disagg.protocol.messages import MetricsSnapshot, Role
+from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, MetricsSnapshot, Role
 
 PROMPT = "Recovery is the product: every request gets its answer, whatever fails. " * 2
 BUSY = MetricsSnapshot(num_waiting=50)  # makes a healthy instance the scheduler's second choice
@@ -29,10 +30,21 @@ class Cluster:
         self.agents: list[FakeAgent] = []
 
     async def add(
-        self, agent_id: str, url: str, role: Role, *, busy: bool = False, scrape: str = ""
+        self,
+        agent_id: str,
+        url: str,
+        role: Role,
+        *,
+        busy: bool = False,
+        scrape: str = "",
+        capabilities: EngineCapabilities | None = None,
     ) -> FakeAgent:
-        """An agent for the engine at ``url``; ``scrape``: report that engine's real metrics."""
-        agent = FakeAgent(self.server.zmq_endpoint, agent_id, url, role, interval_s=0.05)
+        """An agent for the engine at ``url``; ``scrape``: report that engine's real metrics;
+        ``capabilities``: what its Hello says the engine's answers carry (default: not said)."""
+        info = InstanceInfo(url=url, role=role, model=MODEL, engine="sim")
+        if capabilities is not None:
+            info = dataclasses.replace(info, capabilities=capabilities)
+        agent = FakeAgent(self.server.zmq_endpoint, agent_id, url, role, interval_s=0.05, info=info)
         if busy:
             agent.metrics = BUSY
         if scrape:

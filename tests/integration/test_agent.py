@@ -25,6 +25,7 @@ from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.protocol.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
+    VLLM_CAPABILITIES,
     Ack,
     Command,
     Goodbye,
@@ -207,6 +208,7 @@ async def test_attached_agent_says_hello_with_its_instance_and_heartbeats_follow
             engine="sim",
             block_size=32,
             max_model_len=2048,
+            capabilities=VLLM_CAPABILITIES,  # asked of the engine: it says its streams' token ids
         ),
         incarnation=hello.incarnation,
         protocol_minor=PROTOCOL_MINOR,
@@ -215,13 +217,13 @@ async def test_attached_agent_says_hello_with_its_instance_and_heartbeats_follow
     ready = await orchestrator.next(Heartbeat, lambda h: h.engine_state == "ready")
     later = await orchestrator.next(Heartbeat)
     assert later.seq > ready.seq
-    assert later.metrics.generation_tokens == 0
+    assert later.metrics.generation_tokens == 3, "the agent's three one-token probes, nothing else"
 
     async with aiohttp.ClientSession() as http:
         body = {"model": "sim-model", "prompt": "count my tokens", "max_tokens": 5}
         async with http.post(f"{sim_engine.url}/v1/completions", json=body) as resp:
             assert resp.status == 200
-    served = await orchestrator.next(Heartbeat, lambda h: h.metrics.generation_tokens >= 5)
+    served = await orchestrator.next(Heartbeat, lambda h: h.metrics.generation_tokens >= 3 + 5)
     assert served.metrics.requests_finished >= 1
     assert served.metrics.prompt_tokens >= len("count my tokens")
     assert served.metrics.ttft_s is not None

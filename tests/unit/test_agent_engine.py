@@ -18,7 +18,7 @@ from vllm_disagg.agent.engine import (
 )
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.protocol.messages import InstanceInfo
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -170,6 +170,7 @@ def test_instance_info_of_a_launched_sim_engine() -> None:
         engine="sim",
         block_size=32,
         max_model_len=4096,
+        capabilities=VLLM_CAPABILITIES,  # it speaks vLLM 0.32: streams say their token ids
     )
 
 

@@ -30,6 +30,7 @@ from vllm_disagg.protocol.messages import (
     RESTART_REQUIRED,
     Ack,
     Command,
+    EngineCapabilities,
     Goodbye,
     Heartbeat,
     Hello,
@@ -52,6 +53,7 @@ INSTANCE = InstanceInfo(
     kv_connector="NixlConnector",
     max_model_len=512,
     tokenizer="/models/tiny",
+    capabilities=EngineCapabilities(known=True, completions_token_ids=True),
 )
 METRICS = MetricsSnapshot(
     scraped_at=1.7e9 + 0.5,
@@ -397,6 +399,14 @@ def test_every_example_in_the_protocol_doc_decodes_and_every_message_has_one() -
 )
 def test_fields_a_newer_minor_version_adds_are_ignored(raw: bytes, expected: object) -> None:
     assert decode(raw) == expected
+
+
+def test_an_agent_that_did_not_learn_its_engines_capabilities_sends_none_and_is_assumed_vllm() -> None:
+    unknown = dataclasses.replace(INSTANCE, capabilities=EngineCapabilities())
+    assert "capabilities" not in msgpack.unpackb(encode(Hello(1, "a", unknown)))[1]["instance"]
+    assert "capabilities" in msgpack.unpackb(encode(Hello(1, "a", INSTANCE)))[1]["instance"]
+    assert all(unknown.capabilities.token_ids(chat) and unknown.capabilities.resumes(chat) for chat in (0, 1))
+    assert INSTANCE.capabilities.missing() == ["chat_token_ids", "chat_prompt_ids"]
 
 
 def test_fields_added_after_1_0_are_left_out_while_they_hold_their_default() -> None:

@@ -49,8 +49,8 @@ def fields(message: Message) -> dict[str, Any]:
     return dict(msgpack.unpackb(encode(message))[1])
 
 
-def test_this_release_speaks_1_3_and_the_pool_commands_need_it() -> None:
-    assert PROTOCOL_MINOR == 3
+def test_this_release_speaks_1_4_and_the_pool_commands_need_1_3() -> None:
+    assert PROTOCOL_MINOR == 4
     assert dict(COMMAND_SINCE_MINOR) == {"kv_grant": 3, "kv_fetch": 3}
 
 

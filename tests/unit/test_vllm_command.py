@@ -20,7 +20,7 @@ from vllm_disagg.agent.vllm_command import (
 )
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.protocol.messages import InstanceInfo
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo
 
 
 def agent(**changes: object) -> AgentConfig:
@@ -233,6 +233,7 @@ def test_instance_info_reports_vllm_its_block_size_and_connector(
         block_size=block_size,
         kv_connector="NixlConnector",
         max_model_len=512,
+        capabilities=VLLM_CAPABILITIES,  # the vLLM 0.32 it launches says its streams' token ids
     )
 
 

@@ -10,7 +10,9 @@ fit each other. vLLM 0.32 tells an outside observer this much (docs/vllm-attach-
   caching is on; ``vllm:nixl_*`` series exist only when NIXL is the KV connector;
 - ``GET /version``, and ``GET /kv_event_sources``: where the engine publishes its KV-cache events;
 - only with ``VLLM_SERVER_DEV_MODE=1``: ``GET /server_info?config_format=json``, the whole config
-  (connector and ``kv_role``, revision, tensor-parallel size, dtype).
+  (connector and ``kv_role``, revision, tensor-parallel size, dtype);
+- and what its streamed answers carry (token ids, a chat prompt given as ids), asked with three
+  one-token requests (``probe``): a vLLM before 0.10.2 or another server may not say them.
 
 Without dev mode the revision and ``kv_role`` cannot be known, and they are reported as unknown ("")
 rather than guessed. The parsers are pure; ``discover`` is the thin HTTP part.
@@ -31,9 +33,10 @@ import yarl
 
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.engine import tokenizer_source
+from vllm_disagg.agent.probe import ProbeUnanswered, probe_capabilities
 from vllm_disagg.agent.session import AgentSession, RoleSwitch
 from vllm_disagg.config import AgentConfig
-from vllm_disagg.protocol.messages import InstanceInfo, Role
+from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, Role
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,7 @@ class EngineFacts:
     kv_events_endpoint: str = ""  # where to subscribe to its KV-cache events ("": it publishes none)
     dev_mode: bool = False
     notes: tuple[str, ...] = field(default=())  # what could not be learned, for the operator's log
+    capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)  # what its answers carry
 
     @property
     def role(self) -> Role | None:
@@ -139,6 +143,7 @@ def attached_instance_info(cfg: AgentConfig, facts: EngineFacts) -> tuple[Instan
         max_model_len=facts.max_model_len,
         tokenizer=tokenizer_source(cfg),
         tensor_parallel_size=facts.tensor_parallel_size,
+        capabilities=facts.capabilities,
     )
     return info, notes
 
@@ -268,7 +273,10 @@ async def discover(
         why = models.decode(errors="replace")[:200] or "no answer"
         raise DiscoveryError(f"GET {base}/v1/models: {m_status}: {why}")
     names, root, max_len = parse_models(_json(models))
-    notes = []
+    try:
+        capabilities, notes = await probe_capabilities(http, base, names[0], timeout_s=timeout_s)
+    except ProbeUnanswered as exc:
+        raise DiscoveryError(str(exc)) from None
     block, caching, connector = 0, None, ""
     if x_status == 200:
         block, caching, connector = parse_metrics(metrics.decode(errors="replace"))
@@ -297,6 +305,7 @@ async def discover(
         ),
         dev_mode=bool(dev),
         notes=tuple(notes),
+        capabilities=capabilities,
     )
 
 

@@ -32,7 +32,7 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.procfs import group_members
-from vllm_disagg.protocol.messages import EngineState, InstanceInfo, Role
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, EngineState, InstanceInfo, Role
 from vllm_disagg.runtime import SELF_ARGV, child_env, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class SimEngineCommand(EngineCommand):
             engine="sim",
             block_size=sim.timing.block_size,
             max_model_len=sim.max_model_len,
+            capabilities=VLLM_CAPABILITIES,  # the simulator speaks vLLM 0.32
         )
 
 

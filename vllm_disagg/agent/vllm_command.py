@@ -24,7 +24,7 @@ from vllm_disagg.agent.kv.local import (
 )
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.protocol.messages import InstanceInfo, Role
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, Role
 from vllm_disagg.wire.block_hash import HASH_ALGO
 
 Device = Literal["cpu", "cuda"]
@@ -260,4 +260,6 @@ class VllmEngineCommand(EngineCommand):
             block_size=effective_block_size(cfg, self.device(cfg)),
             kv_connector=cfg.kv_connector,
             max_model_len=cfg.max_model_len,
+            # The agent launches vLLM 0.32 with 0.32's flags (scripts/setup_engine.sh installs it).
+            capabilities=VLLM_CAPABILITIES,
         )

@@ -36,11 +36,11 @@ from vllm_disagg.orchestrator.planner.decide import Memory
 from vllm_disagg.orchestrator.planner.decide import plan as plan_shift
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
 from vllm_disagg.orchestrator.recovery import (
-    colocated_pick,
     may_resume,
     may_retry_decode,
     may_retry_prefill,
     next_decode,
+    resume_pick,
 )
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
@@ -428,7 +428,7 @@ class Cluster:
         if not may_resume(out.resumes, self.config) or had >= out.output_tokens:
             self._fail(r, "stream cut")
             return
-        nxt = colocated_pick(self.scheduler, self._excluding(r), self.registry.snapshot(), self.clock.now)
+        nxt = resume_pick(self.scheduler, self._excluding(r), self.registry.snapshot(), self.clock.now)
         if nxt is None:
             self._fail(r, "stream cut, no instance to resume on")
             return

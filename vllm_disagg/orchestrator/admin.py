@@ -96,6 +96,7 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "max_model_len": info.max_model_len,
         "tensor_parallel_size": info.tensor_parallel_size,
         "kv_pool_endpoint": info.kv_pool_endpoint,
+        "capabilities": dataclasses.asdict(info.capabilities),  # what its streams say (docs/engines.md)
         "session": view.session,
         "protocol": view.protocol,
         "role_pinned": view.role_pinned,

@@ -134,7 +134,7 @@ def format_requests(records: list[dict[str, Any]]) -> str:
             str(r.get("decode") or "-"),
             f"{float(r.get('total_s') or 0.0):.3f}",
             str(len(r.get("attempts") or [])),
-            str(r.get("error") or r.get("kv_check") or ""),
+            str(r.get("error") or r.get("kv_check") or r.get("relay") or ""),
         ]
         for r in records
     ]

@@ -344,6 +344,15 @@ class ControlPlane:
                 msg.instance.model,
                 msg.instance.url,
             )
+            missing = msg.instance.capabilities.missing()
+            if missing:
+                log.warning(
+                    "instance %s: its engine at %s lacks %s: its streams are relayed as they come and "
+                    "are not resumable",
+                    msg.agent_id,
+                    msg.instance.url,
+                    ", ".join(missing),
+                )
         self._send(
             peer,
             Welcome(

@@ -17,7 +17,18 @@ from typing import Any
 
 from vllm_disagg import jsonutil
 
-EVENT_KINDS = ("joined", "state", "role", "breaker", "link", "fallback", "resume", "kv_recomputed", "removed")
+EVENT_KINDS = (
+    "joined",
+    "not_resumable",
+    "state",
+    "role",
+    "breaker",
+    "link",
+    "fallback",
+    "resume",
+    "kv_recomputed",
+    "removed",
+)
 
 
 @dataclass(frozen=True, slots=True)

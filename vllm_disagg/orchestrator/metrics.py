@@ -256,6 +256,20 @@ class OrchestratorMetrics:
             ["cause"],
             registry=r,
         )
+        self._not_resumable = Counter(
+            "vllm_disagg_streams_not_resumable",
+            "Resumable streams relayed without a way to resume them: their decode engine says no token "
+            "ids (no_token_ids), its events left them out (ids_missing), or, once cut, no instance left "
+            "could take them over (no_resumer)",
+            ["reason"],
+            registry=r,
+        )
+        self._unread_events = Counter(
+            "vllm_disagg_stream_events_unread",
+            "Events of a decode engine's stream the gateway could not read (not JSON, not a chunk), "
+            "passed on to the client as they came",
+            registry=r,
+        )
         self._kv_recomputed = Counter(
             "vllm_disagg_kv_recomputed",
             "Decode legs that computed the prompt themselves instead of loading the prefill's KV, by pair",
@@ -380,6 +394,7 @@ class OrchestratorMetrics:
         self._retry_children = _Bound(self._retries)
         self._fallback_children = _Bound(self._fallbacks)
         self._resume_children = _Bound(self._resumes)
+        self._not_resumable_children = _Bound(self._not_resumable)
         self._kv_events_children = _Bound(self._kv_events)
         self._kv_missed_children = _Bound(self._kv_missed)
 
@@ -458,6 +473,14 @@ class OrchestratorMetrics:
     def resume(self, cause: str) -> None:
         """Count a stream resumed on another instance."""
         self._resume_children[(cause,)].inc()
+
+    def stream_not_resumable(self, reason: str) -> None:
+        """Count a resumable stream that could not have been resumed (``Flow.relay_outcome``)."""
+        self._not_resumable_children[(reason,)].inc()
+
+    def stream_events_unread(self, n: int) -> None:
+        """Count events passed on unread."""
+        self._unread_events.inc(n)
 
     def kv_recomputed(self, prefill: str, decode: str, tokens: int) -> None:
         """Count a decode leg that recomputed ``tokens`` of the prompt instead of loading their KV."""

@@ -7,6 +7,8 @@ simulated ones, so both recover alike. The instances a request must not use agai
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.registry import RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
@@ -38,6 +40,17 @@ def colocated_pick(
         return d
     spare = [v for v in snapshot.ready_prefill.get(request.model, ()) if v.agent_id not in request.exclude]
     return min(spare, key=lambda v: snapshot.in_flight_of(v.agent_id)).agent_id if spare else None
+
+
+def resume_pick(
+    scheduler: Scheduler, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float
+) -> str | None:
+    """An instance to go on with a cut stream (``colocated_pick``) among those whose engine can: it
+    must take the context as token ids and say the ids of what it sends (``EngineCapabilities``)."""
+    unable = {v.agent_id for v in snapshot.instances if not v.info.capabilities.resumes(request.is_chat)}
+    if unable:
+        request = dataclasses.replace(request, exclude=request.exclude | unable)
+    return colocated_pick(scheduler, request, snapshot, now)
 
 
 def next_decode(

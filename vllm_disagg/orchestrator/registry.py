@@ -600,6 +600,9 @@ class Registry(SnapshotSource):
                     "url": info.url,
                 },
             )
+            missing = info.capabilities.missing()
+            if missing:  # said once per session, not per request (docs/operations.md, "Engines")
+                self.on_event("not_resumable", {"instance": agent_id, "url": info.url, "missing": missing})
         if old is None or old.state != new.state:
             reason = new.dead_reason if new.state == "dead" else new.suspect_reason
             state = {

@@ -24,12 +24,14 @@ from urllib.parse import urlsplit
 PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # 1: unknown fields are ignored, Hello and Welcome say their minor. 2: ``Ack.code``. 3: KV pools
 # (``kv_grant``/``kv_fetch`` commands, ``Ack.detail``, ``InstanceInfo.kv_pool_endpoint``, ``KvEvent.medium``).
-PROTOCOL_MINOR = 3
+# 4: ``InstanceInfo.capabilities`` (what the engine's streamed answers carry).
+PROTOCOL_MINOR = 4
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
 SINCE_MINOR_2 = {"since_minor": 2}
 SINCE_MINOR_3 = {"since_minor": 3}
+SINCE_MINOR_4 = {"since_minor": 4}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
 # orchestrator drains the instance, then asks again with ``args["restart"] = "yes"``.
 RESTART_REQUIRED = "restart_required"
@@ -63,6 +65,48 @@ POOL_CONNECTOR = "vllm-disagg"
 
 
 @dataclass(frozen=True, slots=True)
+class EngineCapabilities:
+    """What an engine's answers carry, as its agent found out when it registered (1.4).
+
+    A stream can resume on another instance only where its engine says which tokens it sent: the
+    prompt's ids and each event's ``token_ids`` when asked ``return_token_ids`` (vLLM 0.10.2 and
+    later), and, for a chat, a chat request that takes its prompt as ids (``kv_transfer_params.
+    prompt_token_ids``, vLLM 0.32). ``known`` is False where nobody asked (an agent before 1.4, which
+    only ran vLLM 0.32 or the simulator): the gateway then assumes vLLM 0.32's.
+    """
+
+    known: bool = False
+    completions_token_ids: bool = False  # a streamed /v1/completions says its prompt's and tokens' ids
+    chat_token_ids: bool = False  # a streamed /v1/chat/completions does
+    chat_prompt_ids: bool = False  # a chat runs ``kv_transfer_params.prompt_token_ids`` as its prompt
+
+    def token_ids(self, chat: bool) -> bool:
+        """Does a stream of this route say its token ids (assumed so when not known)?"""
+        if not self.known:
+            return True
+        return self.chat_token_ids if chat else self.completions_token_ids
+
+    def resumes(self, chat: bool) -> bool:
+        """Can this engine take over a stream of this route mid-way (it is sent the context as ids)?"""
+        if not self.known:
+            return True
+        return self.chat_token_ids and self.chat_prompt_ids if chat else self.completions_token_ids
+
+    def missing(self) -> list[str]:
+        """What a known engine lacks, by field name."""
+        if not self.known:
+            return []
+        return [name for name in _CAPABILITIES if not getattr(self, name)]
+
+
+_CAPABILITIES = ("completions_token_ids", "chat_token_ids", "chat_prompt_ids")
+# What vLLM 0.32 and the simulated engine (which speaks it) do: the engines the agent launches.
+VLLM_CAPABILITIES = EngineCapabilities(
+    known=True, completions_token_ids=True, chat_token_ids=True, chat_prompt_ids=True
+)
+
+
+@dataclass(frozen=True, slots=True)
 class InstanceInfo:
     """What an agent tells the orchestrator about its engine when it says Hello."""
 
@@ -78,6 +122,7 @@ class InstanceInfo:
     tensor_parallel_size: int = 0  # 0: not known (an attached vLLM tells only in dev mode)
     # ``tcp://host:port`` where the agent serves its KV pool's blocks to other agents; "" without a pool.
     kv_pool_endpoint: str = field(default="", metadata=SINCE_MINOR_3)
+    capabilities: EngineCapabilities = field(default_factory=EngineCapabilities, metadata=SINCE_MINOR_4)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,13 +37,20 @@ from vllm_disagg.orchestrator.gateway.handoff import (
 from vllm_disagg.orchestrator.gateway.records import Attempt
 from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream
-from vllm_disagg.orchestrator.gateway.streaming import LegTiming, continue_stream, end_with_error, run_decode
+from vllm_disagg.orchestrator.gateway.streaming import (
+    LegTiming,
+    continue_stream,
+    end_stream,
+    end_with_error,
+    run_decode,
+)
 from vllm_disagg.orchestrator.recovery import (
     colocated_pick,
     may_resume,
     may_retry_decode,
     may_retry_prefill,
     next_decode,
+    resume_pick,
 )
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
@@ -99,18 +106,18 @@ class Flow:
         self._kv_moved: tuple[str, str] | None = None  # (holder, receiver) of the last move asked for
         if decision.kv_source is not None:
             gateway.metrics.kv_pool_direct("own" if decision.kv_source == decision.decode else "peer")
-        # A stream that can move to another instance mid-way keeps what that needs.
+        # A stream that can move to another instance mid-way keeps what that needs (``_stream_state``).
+        self.chat = route != "completions"
+        may = parsed.stream and gateway.config.max_resumes > 0
+        self._resumable = may and resumable(parsed.body, self.chat)
         self.state: StreamState | None = None
-        self._usage_wanted = False  # the gateway wants D's usage that the client did not ask for
-        chat = route != "completions"
-        if parsed.stream and gateway.config.max_resumes > 0 and resumable(parsed.body, chat):
-            options = parsed.body.get("stream_options")
-            self.state = StreamState(
-                chat=chat,
-                client_ids=parsed.body.get("return_token_ids") is True,
-                max_tokens=parsed.max_tokens,
-            )
-            self._usage_wanted = not (isinstance(options, dict) and options.get("include_usage"))
+        # Why the stream could not be resumed, though the request could: its decode engine says no
+        # token ids (``no_token_ids``), or its events left them out (``ids_missing``); "" otherwise.
+        self.not_resumable = ""
+        self.not_resumable_why = ""
+        options = parsed.body.get("stream_options")
+        # The gateway wants D's usage that the client did not ask for.
+        self._usage_wanted = not (isinstance(options, dict) and options.get("include_usage"))
         self._set_headers()
 
     def _set_headers(self) -> None:
@@ -219,6 +226,7 @@ class Flow:
             d = self.decode_id
             if self.kv_source is not None or (kv is not None and POOL_PARAMS in kv):
                 await self._pool_move(kv, d)
+            self.state = self._stream_state(d)
             body = self._decode_body(kv)
             audit = self._audit_dispatch(d, kv)
             try:
@@ -245,7 +253,13 @@ class Flow:
             if self.timing.cut:
                 gw.registry.leg_failed(d, gw.clock.monotonic(), partner=self.prefill_id)
                 self.failed.add(d)
-                if not self.timing.client_gone and not await self._resume(response):
+                if self.timing.client_gone:
+                    pass
+                elif self.state is not None and self.state.answered():
+                    # Cut after the last event with content: the client has the whole answer.
+                    await end_stream(response, self.timing)
+                    self.timing.cut = self.timing.cut_cause = ""
+                elif not await self._resume(response):
                     await end_with_error(response, self.timing.cut, self.timing)
             elif not self._recomputed(d, response):
                 # An audited leg's link is judged by the audit, once D's counters include it.
@@ -368,6 +382,36 @@ class Flow:
         )
         return True
 
+    def _stream_state(self, d: str) -> StreamState | None:
+        """The relay state of a resumable stream's decode leg on ``d``; None when its engine says no
+        token ids for this route: the stream is relayed as it comes (a cut ends it with an error)."""
+        if not self._resumable:
+            return None
+        view = self.gw.registry.get(d)
+        if view is not None and not view.info.capabilities.token_ids(self.chat):
+            route = "chat" if self.chat else "completion"
+            self.not_resumable = "no_token_ids"
+            self.not_resumable_why = (
+                f"not resumable: decode instance '{d}' says no token ids in a streamed {route}"
+            )
+            return None
+        self.not_resumable = self.not_resumable_why = ""
+        return StreamState(
+            chat=self.chat,
+            client_ids=self.parsed.body.get("return_token_ids") is True,
+            max_tokens=self.parsed.max_tokens,
+            client_usage=not self._usage_wanted,
+        )
+
+    def relay_outcome(self) -> tuple[str, str]:
+        """Why the stream was not resumable (a reason and a sentence), or ("", "") when it was (or the
+        request never could be)."""
+        state = self.state
+        if state is not None and state.head is not None and (state.prompt_ids is None or not state.whole_ids):
+            what = "its prompt's ids" if state.prompt_ids is None else "the ids of some tokens"
+            return "ids_missing", f"not resumable: decode instance '{self.decode_id}' left out {what}"
+        return self.not_resumable, self.not_resumable_why
+
     def _decode_body(self, kv: Any | None) -> bytes:
         """The decode leg's body: the client's bytes when nothing needs to change."""
         if self.state is None:
@@ -388,7 +432,12 @@ class Flow:
         while state is not None and state.can_resume() and may_resume(state.resumes, gw.config):
             cause = timing.cut_cause
             body = state.resume_body(self.parsed.body)
-            d = self._pick_colocated()
+            snapshot, now = gw.registry.snapshot(), gw.clock.monotonic()
+            d = resume_pick(gw.scheduler, self._excluding(), snapshot, now)
+            if d is None and colocated_pick(gw.scheduler, self._excluding(), snapshot, now) is not None:
+                what = "a streamed chat (chat_prompt_ids)" if self.chat else "a streamed completion"
+                self.not_resumable = "no_resumer"
+                self.not_resumable_why = f"not resumable: no instance left whose engine can take over {what}"
             if body is None or d is None:
                 return False
             gw.metrics.resume(cause)
@@ -426,11 +475,6 @@ class Flow:
             timing.cut = timing.cut_cause = ""
             return True
         return False
-
-    def _pick_colocated(self) -> str | None:
-        """An instance to run the rest of a request by itself (``recovery.colocated_pick``)."""
-        gw = self.gw
-        return colocated_pick(gw.scheduler, self._excluding(), gw.registry.snapshot(), gw.clock.monotonic())
 
     def _next_decode(self) -> bool:
         """Pick another decode instance (able to take KV from our prefill instance, else colocated)."""

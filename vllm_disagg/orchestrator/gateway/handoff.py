@@ -32,7 +32,16 @@ def cached_tokens(response: web.StreamResponse | object) -> int | None:
     if not isinstance(body, bytes):
         return None
     m = _CACHED.search(body)
-    return int(m.group(1)) if m else None
+    if m:
+        return int(m.group(1))
+    if b"cached_tokens" not in body:
+        return None
+    try:  # spelled otherwise (spaces, escapes): read it from the JSON
+        usage = jsonutil.loads(body).get("usage") or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    except (ValueError, AttributeError):
+        return None
+    return cached if type(cached) is int else None
 
 
 @dataclass(frozen=True, slots=True)

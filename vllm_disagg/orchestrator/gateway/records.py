@@ -60,6 +60,10 @@ class RequestRecord:
     attempts: tuple[Attempt, ...] = ()  # every engine leg, failed ones included, in order
     fallback: str = ""  # why it ran colocated after its prefill legs failed ("" when it did not)
     resumes: int = 0  # times its stream moved to another instance mid-way
+    # Why its stream could not have been resumed (its decode engine says no token ids, or left them
+    # out), though the request could be: "" when it could, or was not a resumable stream.
+    relay: str = ""
+    unread_events: int = 0  # events of its stream the gateway could not read, passed on as they came
     # What its decode engine's counters said later: it computed KV it was handed (``kv_audit``).
     kv_check: str = ""
 

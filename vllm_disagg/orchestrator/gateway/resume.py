@@ -14,6 +14,12 @@ client's stream equals an uninterrupted run byte for byte.
 A token that ends inside a UTF-8 character has empty text (the detokenizer holds its bytes back);
 resuming right after it would make the new leg emit the whole context. So a leg resumes after the
 last event with text, and the events the client already had (empty text) are regenerated and dropped.
+
+Events are read by their JSON, never by its spelling: a run of vLLM 0.32's exact token events takes a
+fast path (one pattern match, ids counted in place), and every other event is parsed. So an engine
+that spaces its JSON, orders keys otherwise, adds fields or writes no ids at all is relayed whole; an
+engine without ids is only not resumable (``can_resume``). Only an event with no content for the
+client is ever dropped (``wire.stream_chunk``), and one that cannot be read goes on as it came.
 """
 
 from __future__ import annotations
@@ -23,29 +29,45 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_disagg import jsonutil
 from vllm_disagg.errors import UpstreamError
 from vllm_disagg.orchestrator.gateway.server import ClientStream
+from vllm_disagg.wire.sse import EventFramer, data_of, with_data
+from vllm_disagg.wire.stream_chunk import StreamChunk, is_error, read_chunk
 
-_DONE = b"data: [DONE]"
-_ERROR = b'data: {"error"'
-_PROMPT_IDS = b'"prompt_token_ids":['
-_TOKEN_IDS = b'"token_ids":['
-_MODEL = b'"model":'
-_EMPTY_TEXT = re.compile(rb'"text":"",|"delta":\{"content":""\}|"delta":\{\}')  # one scan
-_ROLE = b'"delta":{"role":'
-_UNFINISHED = b'"finish_reason":null'
-_NO_CHOICES = b'"choices":[]'
-_FINGERPRINT = b',"system_fingerprint":'
-_CACHED = re.compile(rb'"cached_tokens":(\d+)')
-# ``_bulk``'s shape checks: an event with one of these has no text (a token ending inside a UTF-8
-# character; chat's role, ids-only and empty events) and goes through ``_event``.
-_NO_TEXT_COMPLETION = b'"text":"",'
-_NO_TEXT_CHAT = re.compile(rb'"delta":\{(?!"content":"[^"])')
+# vLLM 0.32's ordinary token events, exactly: one choice with text (never empty) and token ids, no
+# finish reason, no prompt ids, nothing after ``choices``. A JSON string: quotes and backslashes only
+# escaped (possessive: no backtracking into one). Whatever else an engine writes is parsed instead.
+_STR = rb'"(?:[^"\\\n]|\\.)*+"'
+_TEXT = rb'"(?:[^"\\\n]|\\.)++"'
+_HEAD = (
+    rb'data: \{"id":'
+    + _STR
+    + rb',"object":"%s","created":\d++,"model":'
+    + _STR
+    + rb',"choices":\[\{"index":0,'
+)
+_IDS = rb'"token_ids":\[\d++(?:,\d++)*+\]\}\]\}\n\n'
+_COMPLETION_EVENT = (
+    (_HEAD % b"text_completion")
+    + rb'"text":'
+    + _TEXT
+    + rb',"logprobs":null,"finish_reason":null,"stop_reason":null,"prompt_token_ids":null,'
+    + _IDS
+)
+_CHAT_EVENT = (
+    (_HEAD % b"chat.completion.chunk")
+    + rb'"delta":\{"content":'
+    + _TEXT
+    + rb'\},"logprobs":null,"finish_reason":null,'
+    + _IDS
+)
+_RUNS = {
+    False: re.compile(rb"(?:" + _COMPLETION_EVENT + rb")++"),
+    True: re.compile(rb"(?:" + _CHAT_EVENT + rb")++"),
+}
 _TOKEN_IDS_RE = re.compile(rb'"token_ids":\[([\d,]*)\]')
 _NULL_IDS = b'"token_ids":null'
-_NO_IDS = b'"token_ids":[]'
-_FINISHED = b'"finish_reason":"'
-_USAGE = re.compile(rb'"usage":\{"prompt_tokens":(\d+),"total_tokens":(\d+),"completion_tokens":(\d+)')
 # Fields that make a resumed leg differ from an uninterrupted one (offsets, several choices, tool-call
 # parser state, echoed prompts): such requests are not resumed.
 _NOT_RESUMABLE = ("logprobs", "top_logprobs", "echo", "best_of", "use_beam_search", "tools", "suffix")
@@ -68,76 +90,78 @@ def resumable(body: dict[str, Any], chat: bool) -> bool:
     return isinstance(prompt, str) or (isinstance(prompt, list) and all(type(t) is int for t in prompt))
 
 
-def _has_text(event: bytes) -> bool:
-    return _EMPTY_TEXT.search(event) is None
-
-
-def _raw_ids_at(event: bytes, key: bytes) -> bytes | None:
-    """The ids of ``key``'s list as written (``b"1,2,3"``); None without one."""
-    i = event.find(key)
-    if i < 0:
-        return None
-    start = i + len(key)
-    return event[start : event.find(b"]", start)]
-
-
 def _parsed(raw: bytes) -> list[int]:
     """``b"1,2,3"`` -> ``[1, 2, 3]``."""
     return [int(t) for t in raw.split(b",") if t]
 
 
-def _count(raw: bytes) -> int:
-    """How many ids ``b"1,2,3"`` holds, without parsing them."""
-    return raw.count(b",") + 1 if raw else 0
+def _raw(ids: list[int]) -> bytes:
+    """``[1, 2, 3]`` -> ``b"1,2,3"``, as the fast path keeps them."""
+    return b",".join(b"%d" % i for i in ids)
 
 
-def _nulled(event: bytes, key: bytes) -> bytes:
-    """``"key":[...]`` -> ``"key":null``."""
-    i = event.find(key)
-    if i < 0:
-        return event
-    end = event.find(b"]", i + len(key))
-    return event[: i + len(key) - 1] + b"null" + event[end + 1 :]
+def _null_ids(obj: dict[str, Any], keys: tuple[str, ...] = ("token_ids", "prompt_token_ids")) -> bool:
+    """Make the ids of ``keys`` ``null`` (as vLLM writes ids it was not asked for); whether any was."""
+    changed = False
+    if "prompt_token_ids" in keys and obj.get("prompt_token_ids") is not None:
+        obj["prompt_token_ids"] = None
+        changed = True
+    for choice in obj.get("choices", ()):
+        for key in keys:
+            if choice.get(key) is not None:
+                choice[key] = None
+                changed = True
+    return changed
+
+
+@dataclass(slots=True)
+class _Held:
+    """A finish event kept back until the usage chunk the gateway asked for says its fingerprint."""
+
+    event: bytes  # the event as the engine framed it (fields and comments besides its data)
+    obj: dict[str, Any]  # its data, as the client gets it
+    chunk: StreamChunk
+    changed: bool  # ``obj`` differs from the event's data
 
 
 @dataclass(slots=True)
 class StreamState:
-    """One client stream across its decode legs: what the client has, and how to show it to them."""
+    """One client stream across its decode legs: what the client has, and how to show it to them.
+
+    Every event of the engine reaches the client (rewritten as the request needs), except those with
+    no content for it (``wire.stream_chunk``): a usage chunk the gateway asked for, ids-only chat
+    events, a resumed leg's role chunk and regenerated tokens the client already has. An event the
+    relay cannot read goes through as it came, counted in ``unread``.
+    """
 
     chat: bool
     client_ids: bool  # the client asked for return_token_ids itself
     max_tokens: int | None
+    client_usage: bool = False  # the client asked for a usage chunk itself
     # The decode leg was asked for a usage chunk the client did not ask for: it is dropped (and the
     # system fingerprint vLLM moves there goes back to the last token's event).
     forced_usage: bool = False
     cached_tokens: int | None = None  # the usage's prompt_tokens_details.cached_tokens, when seen
-    # The prompt's ids as the first event wrote them (b"1,2,3"), None until seen: parsed only by a
-    # resume (``prompt_ids``).
-    prompt_raw: bytes | None = None
+    prompt_ids: list[int] | None = None  # the prompt's ids, as the first event said them
     # Output ids of the events the client has, as the engine wrote them (b"17" or b"17,18" per event):
     # relaying only counts them; a resume, if one ever comes, parses them (``ids``).
     id_parts: list[bytes] = field(default_factory=list)
     n_ids: int = 0
     safe: int = 0  # output tokens up to the client's last event with text: where a resume starts
+    whole_ids: bool = True  # every event with content carried its ids: ``ids`` is the whole output
     finished: bool = False  # the client has the event with the finish reason
+    usage_sent: bool = False  # the client has a usage chunk
     done: bool = False  # the client has [DONE]
     resumes: int = 0
-    head: bytes = b""  # the first leg's b'data: {"id":...,"created":N,' every event starts with
+    unread: int = 0  # events passed on as they came because they could not be read
+    head: tuple[Any, Any] | None = None  # the first leg's ``id`` and ``created``, every event's
     # --- the current leg ---
-    leg_head: bytes = b""
     leg_first: bool = True
     skip: int = 0  # tokens this leg regenerates that the client already has
-    held: bytes = b""  # with forced usage: the finish event, until the usage chunk says its fingerprint
-    held_ids: bytes = b""
-    held_text: bool = False
+    held: _Held | None = None
     offset: int = 0  # output tokens before this leg's prompt ended (usage is restated with it)
-    _buffer: bytes = b""
+    _framer: EventFramer = field(default_factory=EventFramer)
     _pending: list[bytes] = field(default_factory=list)  # the client's bytes of the chunk being read
-
-    @property
-    def prompt_ids(self) -> list[int] | None:
-        """The prompt's ids, once the first event said them."""
-        return None if self.prompt_raw is None else _parsed(self.prompt_raw)
 
     @property
     def ids(self) -> list[int]:
@@ -149,7 +173,8 @@ class StreamState:
         self.resumes += 1
         self.offset = self.safe
         self.skip = self.n_ids - self.safe
-        self.leg_head, self.leg_first, self._buffer, self.held = b"", True, b"", b""
+        self.leg_first, self.held = True, None
+        self._framer.reset()
         self.forced_usage = False  # a resumed leg is the client's own request
 
     async def relay(self, out: ClientStream, first: bytes, chunks: AsyncIterator[bytes]) -> bool:
@@ -161,14 +186,16 @@ class StreamState:
         """
         chunk = first
         pending = self._pending
+        framer = self._framer
         while True:
             if chunk:
-                data = self._buffer + chunk if self._buffer else chunk
-                end = data.rfind(b"\n\n") + 2  # complete events end there
-                self._buffer = data[end:] if end > 1 else data
+                events = framer.feed(chunk)
                 try:
-                    if end > 1 and self._take(data[:end] if end < len(data) else data):
+                    if events and self._take(events):
                         return True
+                except StreamBroken:
+                    self._release_held()  # the client gets what the engine sent before its error
+                    raise
                 finally:
                     if pending:  # what the client is counted as having, even when the next event broke
                         data = b"".join(pending)
@@ -178,161 +205,189 @@ class StreamState:
                 chunk = await anext(chunks)
             except StopAsyncIteration:
                 break
-        if self._buffer.strip():  # a partial event at the end: the connection was cut inside it
+        self._release_held()
+        if pending:
+            data = b"".join(pending)
+            pending.clear()
+            await out.write(data)
+        if framer.partial.strip():  # a partial event at the end: the connection was cut inside it
             raise StreamBroken("ended its stream inside an event", cause="disconnect")
         raise StreamBroken("ended its stream without [DONE]", cause="disconnect")
 
     def _take(self, events: bytes) -> bool:
         """Take complete events (each ending in a blank line); True at [DONE].
 
-        A run of ordinary token events (one, or many in a chunk) goes through ``_bulk`` at once; the
-        first event of a leg, resumed legs, held finish events and whatever ``_bulk`` refuses go one
-        by one through ``_event``. After one refusal the rest of the chunk goes one by one: retrying
-        at every event would scan the chunk again each time.
+        A run of vLLM's ordinary token events goes through ``_bulk`` at once; the first event of a
+        leg, resumed legs, held finish events and everything else go one by one through ``_event``.
         """
         pos, size = 0, len(events)
-        bulk = True
         while pos < size:
-            end = events.find(b"\n\n", pos)
-            if bulk and not (self.leg_first or self.skip or self.resumes or self.forced_usage or self.held):
+            if not (self.leg_first or self.skip or self.resumes or self.held):
                 taken = self._bulk(events, pos)
                 if taken > pos:
                     pos = taken
                     continue
-                bulk = taken == pos  # -1: refused
+            end = events.find(b"\n\n", pos)
             event, pos = events[pos:end], end + 2
             if event and self._event(event):
                 return True
         return False
 
     def _bulk(self, events: bytes, pos: int) -> int:
-        """Relay the ordinary events from ``pos`` on, up to the first finish reason; where it stopped
-        (``pos`` when the event there has a finish reason), or -1 when the run is not all ordinary.
+        """Relay the run of vLLM's ordinary token events at ``pos`` (``_RUNS``); where it ends.
 
-        Ordinary: one choice with text and token ids, a null finish reason, no prompt ids: what
-        ``_event`` would pass on unchanged but for nulling the ids the client did not ask for. Each
-        check is one scan of the whole run (JSON has no raw newlines, so a run of n events has 2n);
-        a run that fails one goes event by event. Same bytes and state as ``_event``, about a third
-        of the work on a run of many events.
+        What ``_event`` would do with each, at a fraction of the work: the events pass on unchanged
+        but for nulling the ids the client did not ask for, and their ids are counted, not parsed.
         """
-        cut = events.find(_FINISHED, pos)
-        cut = len(events) if cut < 0 else events.rfind(b"\n\n", pos, cut) + 2
-        if cut < pos + 2:
-            return pos  # the event at pos finishes the choice
-        run = events[pos:cut]
+        match = _RUNS[self.chat].match(events, pos)
+        if match is None:
+            return pos
+        run = events[pos : match.end()]
         parts = _TOKEN_IDS_RE.split(run)
         ids = parts[1::2]
-        n = len(ids)
-        if (
-            run.count(b"\n") != 2 * n
-            or run.count(_UNFINISHED) != n  # [DONE], errors and usage-only events have none
-            or _PROMPT_IDS in run
-            or _NO_IDS in run
-            or (_NO_TEXT_CHAT.search(run) is not None if self.chat else _NO_TEXT_COMPLETION in run)
-        ):
-            return -1
         self._pending.append(run if self.client_ids else _NULL_IDS.join(parts[0::2]))
         self.id_parts += ids
-        self.n_ids += b",".join(ids).count(b",") + 1  # no id list is empty (_NO_IDS)
+        self.n_ids += b",".join(ids).count(b",") + 1  # the pattern admits no empty id list
         self.safe = self.n_ids  # every event of the run has text
-        return cut
+        return match.end()
 
     def _event(self, event: bytes) -> bool:
         """Take one event; what the client gets of it goes to ``_pending``. True at [DONE]."""
-        if event.startswith(_DONE):
-            if self.held:
-                self._deliver(self.held, b"")
-            self.done = True
-            self._pending.append(event + b"\n\n")
-            return True
-        if _NO_CHOICES in event and b'"usage":{' in event:
-            m = _CACHED.search(event)
-            if m:
-                self.cached_tokens = int(m.group(1))
-            if self.forced_usage:
-                fingerprint = event[event.find(_FINGERPRINT) : -1] if _FINGERPRINT in event else b""
-                if self.held:
-                    self._deliver(self.held, fingerprint)
-                return False
-        if event.startswith(_ERROR):
-            raise StreamBroken(f"reported an error mid-stream: {event[6:306]!r}", cause="status")
-        # The event's token ids, counted but not parsed: the hot path of every stream.
-        at = event.find(_TOKEN_IDS)
-        start = at + len(_TOKEN_IDS)
-        end = event.find(b"]", start) if at >= 0 else -1
-        ids = event[start:end] if at >= 0 else b""
-        n = _count(ids)
-        if self.leg_first:
-            self.leg_first = False
-            model_at = event.find(_MODEL)
-            self.leg_head = event[:model_at] if model_at > 0 else b""
-            if not self.head:
-                self.head = self.leg_head
-                self.prompt_raw = _raw_ids_at(event, _PROMPT_IDS)
-            elif self.chat and _ROLE in event:
-                return False  # the resumed leg's role chunk: the client has one
-        if self.skip and n:
-            if n <= self.skip:  # the client has these tokens (their text was empty)
-                self.skip -= n
-                return False
-            self.skip = 0
-        out_event = event
-        if self.resumes:
-            if self.leg_head and self.leg_head != self.head and event.startswith(self.leg_head):
-                out_event = self.head + event[len(self.leg_head) :]
-            out_event = _nulled(out_event, _PROMPT_IDS)
-            if b'"usage":{' in out_event:
-                out_event = self._restated_usage(out_event)
-        if not self.client_ids:
-            if n and self.chat and b'"delta":{},' in event and _UNFINISHED in event:
-                self._add_ids(ids, n)  # sent only because we asked for ids: not the client's to see
-                return False
-            if out_event is event and at >= 0:  # the ids found above, still where they were
-                out_event = _nulled(event[: start - 1] + b"null" + event[end + 1 :], _PROMPT_IDS)
-            else:
-                out_event = _nulled(_nulled(out_event, _PROMPT_IDS), _TOKEN_IDS)
-        if self.forced_usage and _UNFINISHED not in event and _NO_CHOICES not in event:
-            self.held, self.held_ids, self.held_text = out_event, ids, _has_text(event)
+        data = data_of(event)
+        if data is None:  # a comment or a retry field: nothing to read, nothing to keep back
+            self._pending += (event, b"\n\n")
             return False
-        self._pending += (out_event, b"\n\n")
-        self._delivered(event, ids, n, bool(n) and _has_text(event))
+        if data == b"[DONE]":
+            self._release_held()
+            self.done = True
+            self._pending += (event, b"\n\n")
+            return True
+        try:
+            obj = jsonutil.loads(data)
+        except ValueError:
+            obj = None
+        if not isinstance(obj, dict):
+            return self._unread(event)
+        if is_error(obj):
+            raise StreamBroken(f"reported an error mid-stream: {data[:300]!r}", cause="status")
+        chunk = read_chunk(obj, chat=self.chat)
+        if chunk is None:
+            return self._unread(event)
+        return self._chunk(event, obj, chunk)
+
+    def _unread(self, event: bytes) -> bool:
+        self.unread += 1
+        self._pending += (event, b"\n\n")
         return False
 
-    def _add_ids(self, ids: bytes, n: int) -> None:
-        self.id_parts.append(ids)
-        self.n_ids += n
+    def _chunk(self, event: bytes, obj: dict[str, Any], chunk: StreamChunk) -> bool:
+        """One parsed chunk: rewritten as the request needs and passed on (or held, with forced
+        usage), or dropped (``_drop``: only what has no content for the client)."""
+        if chunk.usage is not None:
+            details = chunk.usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            if type(cached) is int:
+                self.cached_tokens = cached
+            if self.forced_usage and not chunk.choices:
+                self._release_held(obj.get("system_fingerprint"))
+                return self._drop(chunk, "the usage the gateway asked for")
+        ids = chunk.ids
+        n = len(ids) if ids else 0
+        if self.leg_first:
+            self.leg_first = False
+            if self.head is None:
+                self.head = (obj.get("id"), obj.get("created"))
+                self.prompt_ids = chunk.prompt_ids
+            elif self.chat and chunk.role and not (chunk.text or chunk.finished):
+                return self._drop(chunk, "a resumed leg's role chunk: the client has one", repeat=True)
+        if self.skip and n:
+            if n <= self.skip and not (chunk.text or chunk.finished):
+                self.skip -= n
+                return self._drop(chunk, "regenerated tokens the client has (no text)", repeat=True)
+            self.skip = 0
+        if ids is None and chunk.choices and (chunk.text or not (chunk.finished or chunk.role)):
+            # An event standing for generated tokens without their ids: what the client has is no
+            # longer known by id, so no resume can start from it.
+            self.whole_ids = False
+        changed = bool(self.resumes)
+        if changed:
+            self._restate(obj)
+        if not self.client_ids:
+            if n and self.chat and not chunk.content and obj["choices"][0].get("delta") == {}:
+                self._add_ids(ids)
+                return self._drop(chunk, "vLLM sends a chat event without text only when asked for ids")
+            changed = _null_ids(obj) or changed
+        if self.forced_usage and chunk.finished:
+            self.held = _Held(event, obj, chunk, changed)
+            return False
+        self._deliver(event, obj if changed else None, chunk)
+        return False
 
-    def _delivered(self, event: bytes, ids: bytes, n: int, text: bool) -> None:
-        if n:
-            self._add_ids(ids, n)
-            if text:
+    def _drop(self, chunk: StreamChunk, why: str, *, repeat: bool = False) -> bool:
+        """Keep an event from the client: the one place that does. Only an event without content for
+        the client (``wire.stream_chunk``) may be dropped, the usage the gateway asked for, or (``repeat``)
+        a resumed leg's repeat of what the client has, without text or a finish reason."""
+        if repeat:
+            assert not (chunk.text or chunk.finished), f"a repeat with text would be dropped ({why})"
+        else:
+            assert not (chunk.content and chunk.choices), f"an event with content would be dropped ({why})"
+        return False
+
+    def _restate(self, obj: dict[str, Any]) -> None:
+        """A resumed leg's event as the first leg would have written it: its ``id`` and ``created``,
+        no prompt ids, and usage counting the whole request."""
+        if self.head is not None:
+            first_id, created = self.head
+            if "id" in obj:
+                obj["id"] = first_id
+            if "created" in obj:
+                obj["created"] = created
+        _null_ids(obj, ("prompt_token_ids",))
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and type(usage.get("completion_tokens")) is int:
+            prompt = len(self.prompt_ids or ())
+            completion = usage["completion_tokens"] + self.offset
+            if "prompt_tokens" in usage:
+                usage["prompt_tokens"] = prompt
+            if "total_tokens" in usage:
+                usage["total_tokens"] = prompt + completion
+            usage["completion_tokens"] = completion
+
+    def _add_ids(self, ids: list[int] | None) -> None:
+        if ids:
+            self.id_parts.append(_raw(ids))
+            self.n_ids += len(ids)
+
+    def _deliver(self, event: bytes, obj: dict[str, Any] | None, chunk: StreamChunk) -> None:
+        """Pass an event on: as the engine wrote it, or its data rewritten as ``obj``."""
+        self._pending += (event if obj is None else with_data(event, jsonutil.dumps(obj)), b"\n\n")
+        if chunk.ids:
+            self._add_ids(chunk.ids)
+            if chunk.text:
                 self.safe = self.n_ids
-        if _UNFINISHED not in event and _NO_CHOICES not in event:
+        if chunk.finished:
             self.finished = True
+        if chunk.usage is not None and not chunk.choices:
+            self.usage_sent = True
 
-    def _deliver(self, held: bytes, fingerprint: bytes) -> None:
-        """The held finish event, with the fingerprint vLLM moved to the (dropped) usage chunk."""
-        self.held = b""
-        event = held[:-1] + fingerprint + b"}" if fingerprint else held
-        self._pending.append(event + b"\n\n")
-        self._delivered(held, self.held_ids, _count(self.held_ids), self.held_text)
+    def _release_held(self, fingerprint: Any = None) -> None:
+        """Pass on the held finish event, with the fingerprint vLLM moved to the (dropped) usage chunk."""
+        held, self.held = self.held, None
+        if held is None:
+            return
+        if fingerprint is not None:
+            held.obj["system_fingerprint"] = fingerprint
+        changed = held.changed or fingerprint is not None
+        self._deliver(held.event, held.obj if changed else None, held.chunk)
 
-    def _restated_usage(self, event: bytes) -> bytes:
-        prompt = _count(self.prompt_raw or b"")
-
-        def restate(m: re.Match[bytes]) -> bytes:
-            completion = int(m.group(3)) + self.offset
-            return b'"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":%d' % (
-                prompt,
-                prompt + completion,
-                completion,
-            )
-
-        return _USAGE.sub(restate, event)
+    def answered(self) -> bool:
+        """Has the client the whole answer but ``[DONE]`` (its finish reason, and the usage it asked
+        for)? An engine that dies then has nothing left to say."""
+        return self.finished and not self.done and (self.usage_sent or not self.client_usage)
 
     def can_resume(self) -> bool:
         """Is there a known place to go on from?"""
-        return self.prompt_raw is not None and not self.done and not self.finished
+        return self.prompt_ids is not None and self.whole_ids and not self.done and not self.finished
 
     def resume_body(self, client: dict[str, Any]) -> dict[str, Any] | None:
         """The next leg's request: the client's, from the prompt and output so far as token ids.

@@ -497,6 +497,14 @@ class Gateway:
         schedule = t_decided - t0 if flow is not None else None
         queue = stamps["dispatched"] - t0 if "dispatched" in stamps else None
         tpot = _tpot(flow, status)
+        relay, unread = "", 0
+        if flow is not None:
+            reason, relay = flow.relay_outcome()
+            if reason:
+                self.metrics.stream_not_resumable(reason)
+            unread = flow.state.unread if flow.state is not None else 0
+            if unread:
+                self.metrics.stream_events_unread(unread)
         if flow is not None:
             # The TTFT the gateway sees: a stream's first byte, else the end of a prefill leg.
             prefilled = stamps["prefill_end"] - t0 if "prefill_end" in stamps else None
@@ -534,6 +542,8 @@ class Gateway:
                 attempts=tuple(flow.attempts) if flow is not None else (),
                 fallback=flow.fallback if flow is not None else "",
                 resumes=flow.resumes if flow is not None else 0,
+                relay=relay,
+                unread_events=unread,
             )
         )
         if log.isEnabledFor(logging.DEBUG):

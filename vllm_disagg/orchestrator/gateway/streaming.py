@@ -203,6 +203,14 @@ def error_event(message: str, status: int = 502, type_: str = "BadGatewayError")
     return b"data: " + jsonutil.dumps(error_body(message, type_, status)) + b"\n\n"
 
 
+async def end_stream(out: ClientStream, timing: LegTiming) -> None:
+    """End a stream whose client has the whole answer but ``[DONE]``: ``[DONE]``, then the end."""
+    try:
+        await out.write_eof(_DONE)
+    except ConnectionError:
+        timing.client_gone = True
+
+
 async def end_with_error(out: ClientStream, message: str, timing: LegTiming) -> None:
     """End a cut stream honestly: an error event, then ``[DONE]``, then the end of the response."""
     try:

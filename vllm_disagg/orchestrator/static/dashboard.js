@@ -515,6 +515,8 @@
     if (ex.decider && ex.decider.reason) why.push(ex.decider.reason);
     if (r.fallback) why.push(`fallback: ${r.fallback}`);
     if (r.resumes) why.push(`resumed ${r.resumes}×`);
+    if (r.relay) why.push(r.relay);
+    if (r.unread_events) why.push(`${r.unread_events} stream event(s) passed on unread`);
     if (r.error) why.push(r.error);
     if (r.kv_check) why.push(r.kv_check);
     const row = el("tr", { "data-request-id": r.request_id, className: r.status >= 400 ? "failed" : "" },
@@ -699,6 +701,8 @@
   function describe(e) {
     switch (e.kind) {
       case "joined": return `${e.instance} joined as ${e.role} (session ${e.session}, ${e.model} at ${e.url})`;
+      case "not_resumable":
+        return `${e.instance}: its engine lacks ${(e.missing || []).join(", ")}: its streams are not resumable`;
       case "state": return `${e.instance}: ${e.from || "new"} → ${e.to}${e.reason ? ` (${e.reason})` : ""}`;
       case "breaker": return `${e.instance}: breaker ${e.from} → ${e.to} after ${e.failures} failure(s)`;
       case "link": return `link ${e.prefill} → ${e.decode}: breaker ${e.from} → ${e.to}`;

@@ -1,0 +1,1 @@
+"""Test engines: recorded response shapes of several engine versions, and a server that replays them."""
