@@ -4,23 +4,21 @@ Read from the JSON's structure, never from its spelling: the same answer reaches
 vLLM 0.32 (compact, ``token_ids`` on request), older vLLM (no ids), SGLang, or a proxy that writes
 ``json.dumps`` spacing, reorders keys or adds fields. What counts as *content* is what a client reads
 beyond bookkeeping: text, a chat delta's content, reasoning, tool calls or refusal, logprobs, a finish
-reason, usage, or any field this reader does not know. Token ids, the prompt's ids, indices, ids
-and nulls or empty strings are not. A relay may drop an event only when it has no content.
+reason, usage, or any field this reader does not know. Token ids, the prompt's ids, indices, ids and
+empty values are not. A relay may drop an event only when it has no content.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-# Fields of a choice (or a chat delta) that are not content: bookkeeping, and what a relay asked for.
-_NOT_CONTENT = frozenset({"index", "token_ids", "prompt_token_ids", "role"})
+# Fields of a choice that are not content: bookkeeping, and what a relay asked for.
+_NOT_CONTENT = frozenset({"index", "token_ids", "prompt_token_ids"})
 
 
-@dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """What one event says, as far as a relay needs it."""
+class StreamChunk(NamedTuple):
+    """What one event says, as far as a relay needs it (a tuple: made for every event read)."""
 
     choices: int  # how many choices the event has
     finished: bool  # a choice has a finish reason
@@ -34,55 +32,51 @@ class StreamChunk:
 
 def token_ids(value: Any) -> list[int] | None:
     """A list of token ids as an engine writes it; None for anything else."""
-    if isinstance(value, list) and all(type(t) is int for t in value):
+    if type(value) is list and all(type(t) is int for t in value):
         return value
     return None
 
 
-def _filled(value: Any) -> bool:
-    return value is not None and value != "" and value != [] and value != {}
-
-
-def _content(fields: Mapping[str, Any]) -> bool:
-    return any(_filled(v) for k, v in fields.items() if k not in _NOT_CONTENT)
-
-
 def read_chunk(obj: Mapping[str, Any], *, chat: bool) -> StreamChunk | None:
     """The event ``obj`` (a parsed ``data`` field); None when it is not a chunk of a completion or chat
-    stream (no ``choices`` list, or choices that are not objects)."""
+    stream (no ``choices`` list, or choices that are not objects).
+
+    Empty values (null, "", [], {}, 0, false) are no content: a field is content when it says something.
+    """
     choices = obj.get("choices")
-    if not isinstance(choices, list) or not all(isinstance(c, dict) for c in choices):
+    if type(choices) is not list:
         return None
     usage = obj.get("usage")
-    usage = usage if isinstance(usage, dict) else None
+    usage = usage if type(usage) is dict else None
+    content = usage is not None
+    finished = False
+    for choice in choices:
+        if type(choice) is not dict:
+            return None
+        for key, value in choice.items():
+            if not value or key in _NOT_CONTENT:
+                continue
+            if key == "delta" and chat and type(value) is dict:
+                content = content or any(v for k, v in value.items() if k != "role")
+            else:
+                content = True  # a text, a finish reason, logprobs, a field not known here
+                finished = finished or key == "finish_reason"
     prompt_ids = token_ids(obj.get("prompt_token_ids"))
     if not choices:
-        return StreamChunk(0, False, None, prompt_ids, False, usage is not None, False, usage)
+        return StreamChunk(0, False, None, prompt_ids, False, content, False, usage)
     first = choices[0]
     if prompt_ids is None:
         prompt_ids = token_ids(first.get("prompt_token_ids"))
     role = False
     if chat:
         delta = first.get("delta")
-        delta = delta if isinstance(delta, dict) else {}
-        text = any(_filled(delta.get(k)) for k in ("content", "reasoning_content", "reasoning"))
-        role = _filled(delta.get("role"))
+        delta = delta if type(delta) is dict else {}
+        text = bool(delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning"))
+        role = bool(delta.get("role"))
     else:
-        text = _filled(first.get("text"))
-    content = usage is not None
-    for choice in choices:
-        fields = dict(choice)
-        inner = fields.pop("delta", None) if chat else None
-        content = content or _content(fields) or (isinstance(inner, dict) and _content(inner))
+        text = bool(first.get("text"))
     return StreamChunk(
-        choices=len(choices),
-        finished=any(c.get("finish_reason") is not None for c in choices),
-        ids=token_ids(first.get("token_ids")),
-        prompt_ids=prompt_ids,
-        text=text,
-        content=content,
-        role=role,
-        usage=usage,
+        len(choices), finished, token_ids(first.get("token_ids")), prompt_ids, text, content, role, usage
     )
 
 

@@ -116,8 +116,7 @@ class Flow:
         self.not_resumable = ""
         self.not_resumable_why = ""
         options = parsed.body.get("stream_options")
-        # The gateway wants D's usage that the client did not ask for.
-        self._usage_wanted = not (isinstance(options, dict) and options.get("include_usage"))
+        self._client_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self._set_headers()
 
     def _set_headers(self) -> None:
@@ -253,14 +252,8 @@ class Flow:
             if self.timing.cut:
                 gw.registry.leg_failed(d, gw.clock.monotonic(), partner=self.prefill_id)
                 self.failed.add(d)
-                if self.timing.client_gone:
-                    pass
-                elif self.state is not None and self.state.answered():
-                    # Cut after the last event with content: the client has the whole answer.
-                    await end_stream(response, self.timing)
-                    self.timing.cut = self.timing.cut_cause = ""
-                elif not await self._resume(response):
-                    await end_with_error(response, self.timing.cut, self.timing)
+                if not self.timing.client_gone:
+                    await self._end_cut(response)
             elif not self._recomputed(d, response):
                 # An audited leg's link is judged by the audit, once D's counters include it.
                 gw.registry.leg_succeeded(d, partner=self.prefill_id if audit is None else None)
@@ -400,7 +393,7 @@ class Flow:
             chat=self.chat,
             client_ids=self.parsed.body.get("return_token_ids") is True,
             max_tokens=self.parsed.max_tokens,
-            client_usage=not self._usage_wanted,
+            client_usage=self._client_usage,
         )
 
     def relay_outcome(self) -> tuple[str, str]:
@@ -419,12 +412,21 @@ class Flow:
         body = dict(self.parsed.body, return_token_ids=True)  # what a resume starts from
         # Only where D's figure says what it loaded (not vLLM 0.32's echo of P's cache hits).
         judged = kv is not None and self.prefilled is not None and self.prefilled.decode_reports_loading
-        self.state.forced_usage = judged and self._usage_wanted
+        self.state.forced_usage = judged and not self._client_usage
         if self.state.forced_usage:
             # The usage tells whether D loaded the KV or recomputed it (``_recomputed``); the relay
             # drops it again for a client that did not ask.
             body["stream_options"] = {"include_usage": True}
         return decode_body(body, kv) if kv is not None else dumps_leg(body)
+
+    async def _end_cut(self, out: ClientStream) -> None:
+        """A stream its engine cut: complete (only ``[DONE]`` was missing), resumed, or ended honestly."""
+        timing = self.timing
+        if self.state is not None and self.state.answered():
+            await end_stream(out, timing)  # cut after its last content: the client has the whole answer
+            timing.cut = timing.cut_cause = ""
+        elif not await self._resume(out):
+            await end_with_error(out, timing.cut, timing)
 
     async def _resume(self, out: ClientStream) -> bool:
         """Go on with a cut stream on other instances (``max_resumes`` in all); True once complete."""
@@ -432,13 +434,17 @@ class Flow:
         while state is not None and state.can_resume() and may_resume(state.resumes, gw.config):
             cause = timing.cut_cause
             body = state.resume_body(self.parsed.body)
+            if body is None:
+                return False
             snapshot, now = gw.registry.snapshot(), gw.clock.monotonic()
             d = resume_pick(gw.scheduler, self._excluding(), snapshot, now)
-            if d is None and colocated_pick(gw.scheduler, self._excluding(), snapshot, now) is not None:
-                what = "a streamed chat (chat_prompt_ids)" if self.chat else "a streamed completion"
-                self.not_resumable = "no_resumer"
-                self.not_resumable_why = f"not resumable: no instance left whose engine can take over {what}"
-            if body is None or d is None:
+            if d is None:
+                if colocated_pick(gw.scheduler, self._excluding(), snapshot, now) is not None:
+                    what = "a streamed chat (chat_prompt_ids)" if self.chat else "a streamed completion"
+                    self.not_resumable = "no_resumer"
+                    self.not_resumable_why = (
+                        f"not resumable: no instance left whose engine can take over {what}"
+                    )
                 return False
             gw.metrics.resume(cause)
             gw.events.publish("resume", request_id=self.scheduling.request_id, cause=cause, to=d)

@@ -37,9 +37,10 @@ from vllm_disagg.wire.stream_chunk import StreamChunk, is_error, read_chunk
 
 # vLLM 0.32's ordinary token events, exactly: one choice with text (never empty) and token ids, no
 # finish reason, no prompt ids, nothing after ``choices``. A JSON string: quotes and backslashes only
-# escaped (possessive: no backtracking into one). Whatever else an engine writes is parsed instead.
-_STR = rb'"(?:[^"\\\n]|\\.)*+"'
-_TEXT = rb'"(?:[^"\\\n]|\\.)++"'
+# escaped; written unrolled and possessive (runs of plain bytes at once, no backtracking into one), a
+# third of the time of the plain alternation. Whatever else an engine writes is parsed instead.
+_STR = rb'"[^"\\\n]*+(?:\\.[^"\\\n]*+)*+"'
+_TEXT = rb'"(?=[^"])[^"\\\n]*+(?:\\.[^"\\\n]*+)*+"'
 _HEAD = (
     rb'data: \{"id":'
     + _STR
