@@ -43,7 +43,7 @@ from tests.integration.orchestrator_support import orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
-from vllm_disagg.protocol.messages import default_agent_id
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, default_agent_id
 
 pytestmark = pytest.mark.timeout(1800)
 PROMPT = "The decode engine could not reach the prefill engine's side channel, so it computed: "
@@ -260,6 +260,10 @@ async def _recomputes_are_found(server: OrchestratorServer, session: aiohttp.Cli
         )
 
     await eventually(ready, timeout=300, what="1P1D ready, D's counters reported")
+    view = server.registry.get("decode-0")
+    assert view is not None and view.info.capabilities == VLLM_CAPABILITIES, (
+        "its agent asked the real vLLM 0.32: its streams say their token ids, its chats take ids"
+    )
 
     async def reference(request_id: str) -> str:
         """What D answers by itself, which a recomputed prompt must match. Asked after every leg is
