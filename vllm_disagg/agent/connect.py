@@ -85,10 +85,13 @@ def run(args: argparse.Namespace) -> int:
     except DiscoveryError as exc:
         print(f"vllm-disagg connect: {exc}", file=sys.stderr)
         return EXIT_CANNOT
+    caps = facts.capabilities
+    resumes = " and ".join(r for r, chat in (("completions", False), ("chats", True)) if caps.resumes(chat))
     print(
         f"connect: {args.url} is vLLM {facts.version or '?'} serving {cfg.model!r} (block size "
         f"{facts.block_size or 'unknown'}, max model len {facts.max_model_len}, connector "
-        f"{facts.kv_connector or 'none'}, kv_role {facts.kv_role or 'unknown'}); registering as "
+        f"{facts.kv_connector or 'none'}, kv_role {facts.kv_role or 'unknown'}, resumable streams: "
+        f"{resumes or 'none'}); registering as "
         f"{cfg.agent_id} ({cfg.role}) with {cfg.orchestrator}",
         flush=True,
     )

@@ -347,8 +347,8 @@ class ControlPlane:
             missing = msg.instance.capabilities.missing()
             if missing:
                 log.warning(
-                    "instance %s: its engine at %s lacks %s: its streams are relayed as they come and "
-                    "are not resumable",
+                    "instance %s: its engine at %s lacks %s: streams it cannot say the ids of are relayed "
+                    "as they come and are not resumable (docs/engines.md)",
                     msg.agent_id,
                     msg.instance.url,
                     ", ".join(missing),
