@@ -17,7 +17,15 @@ def tiny_model() -> Path:
     return build_tiny_model(tiny_model_dir()).path
 
 
-LOG_TAIL_LINES = 80
+LOG_TAIL_LINES = 120
+
+
+def _telling(line: str) -> bool:
+    """Not an engine's access log line: the agents scrape /metrics and /health several times a second,
+    and those lines would push what the orchestrator and agents said out of the tail."""
+    return not (
+        line.startswith("INFO:     127.0.0.1:") and ('"GET /metrics' in line or '"GET /health' in line)
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -31,5 +39,5 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     for value in getattr(item, "funcargs", {}).values():
         log = getattr(value, "log", None)
         if isinstance(log, Path) and log.exists():
-            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            lines = [x for x in log.read_text(errors="replace").splitlines() if _telling(x)][-LOG_TAIL_LINES:]
             report.sections.append((f"{log}, last lines", "\n".join(line[:400] for line in lines)))
