@@ -8,6 +8,7 @@ not say its ``kv_role`` (vLLM answers its first ``/server_info`` after running `
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -112,3 +113,32 @@ async def test_a_dropped_connection_fails_discovery_and_a_404_means_no_dev_mode(
         facts = await discover(http, plain_url, timeout_s=5.0)
     assert not facts.dev_mode and facts.kv_role == "" and facts.role is None
     assert any("VLLM_SERVER_DEV_MODE" in note for note in facts.notes)
+
+
+async def test_a_second_look_at_the_same_engine_version_sends_no_probes_and_a_new_version_is_probed() -> None:
+    posts: list[str] = []
+
+    async def route(request: web.Request) -> web.StreamResponse:
+        if request.method == "POST":  # a capability probe: a real request the engine must serve
+            posts.append(request.path)
+            return web.json_response({"error": "no probes here"}, status=400)
+        return await answer(request)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", route)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            first = await discover(http, url, timeout_s=5.0)
+            probed = len(posts)
+            again = await discover(http, url, timeout_s=5.0, known=first)
+            assert probed > 0 and len(posts) == probed, "the same version serving the same models"
+            assert again.capabilities == first.capabilities and again.version == "0.32.0"
+            older = dataclasses.replace(first, version="0.10.1")
+            await discover(http, url, timeout_s=5.0, known=older)
+            assert len(posts) == 2 * probed, "another version than the last look's is probed"
+    finally:
+        await runner.cleanup()

@@ -239,6 +239,7 @@ async def discover(
     *,
     timeout_s: float = 10.0,
     server_info_timeout_s: float = SERVER_INFO_TIMEOUT_S,
+    known: EngineFacts | None = None,
 ) -> EngineFacts:
     """Ask the vLLM at ``url`` what it is. ``DiscoveryError`` when a question gets no answer at all (a
     timeout or a dropped connection: silence must not be read as "not there", or an engine that was
@@ -248,6 +249,10 @@ async def discover(
     ``/server_info`` has its own, longer budget (at least ``server_info_timeout_s``): vLLM 0.32 answers
     its first one only after ``collect_env``, which shells out to pip and nvidia-smi (3.5 s on an idle
     2-core box, past 10 s beside a busy engine).
+
+    ``known``: what an earlier look found. An engine that says the same version and serves the same
+    models keeps its capabilities without being probed again: the probes are real requests, and
+    whether a server returns token ids is a matter of its version.
     """
     base = url.rstrip("/")
 
@@ -273,10 +278,16 @@ async def discover(
         why = models.decode(errors="replace")[:200] or "no answer"
         raise DiscoveryError(f"GET {base}/v1/models: {m_status}: {why}")
     names, root, max_len = parse_models(_json(models))
-    try:
-        capabilities, notes = await probe_capabilities(http, base, names[0], timeout_s=timeout_s)
-    except ProbeUnanswered as exc:
-        raise DiscoveryError(str(exc)) from None
+    v = _json(version) if v_status == 200 else {}
+    said_version = str(v.get("version", "")) if isinstance(v, dict) else ""
+    notes: list[str] = []
+    if known is not None and said_version and (known.version, known.served_names) == (said_version, names):
+        capabilities = known.capabilities
+    else:
+        try:
+            capabilities, notes = await probe_capabilities(http, base, names[0], timeout_s=timeout_s)
+        except ProbeUnanswered as exc:
+            raise DiscoveryError(str(exc)) from None
     block, caching, connector = 0, None, ""
     if x_status == 200:
         block, caching, connector = parse_metrics(metrics.decode(errors="replace"))
@@ -285,7 +296,6 @@ async def discover(
     dev = parse_server_info(_json(server)) if s_status == 200 else {}
     if not dev:
         notes.append("no /server_info (VLLM_SERVER_DEV_MODE unset): kv_role, revision, TP size unknown")
-    v = _json(version) if v_status == 200 else {}
     return EngineFacts(
         served_names=names,
         root=root,
@@ -297,7 +307,7 @@ async def discover(
         revision=dev.get("revision", ""),
         tensor_parallel_size=dev.get("tensor_parallel_size", 0),
         dtype=dev.get("dtype", ""),
-        version=str(v.get("version", "")) if isinstance(v, dict) else "",
+        version=said_version,
         kv_events_endpoint=(
             parse_kv_event_sources(_json(events[1]), yarl.URL(url).host or "127.0.0.1")
             if events[0] == 200
@@ -358,7 +368,7 @@ class AttachedEngine:
 
     async def _look_again(self, session: AgentSession) -> None:
         try:
-            facts = await discover(self._http, self._cfg.engine_url)
+            facts = await discover(self._http, self._cfg.engine_url, known=self.facts)
             # The role is the session's: the orchestrator may have changed it since the agent started.
             cfg = dataclasses.replace(self._cfg, role=session.instance.role)
             info = self._adopt(facts, cfg)
