@@ -4,12 +4,13 @@ Hierarchy::
 
     DisaggError
     ├── ConfigError                 invalid configuration, found before anything starts
-    ├── ProtocolError               orchestrator <-> agent messages
+    ├── ProtocolError               messages between processes (orchestrator, agents, connectors)
     │   ├── CodecError              a frame that cannot become a message
     │   │   ├── FrameTooLarge       over the size limit, refused before decoding
     │   │   ├── MalformedFrame      not msgpack, or not the [tag, fields] envelope
     │   │   ├── UnknownMessageType  a tag no message class carries
-    │   │   └── FieldTypeError      a missing, unknown or wrongly typed field
+    │   │   ├── FieldTypeError      a missing, unknown or wrongly typed field
+    │   │   └── UnsupportedVersion  a link version this side cannot read (KV frames, the local link)
     │   ├── VersionMismatch         an agent speaking another PROTOCOL_VERSION
     │   └── KvEventsError           a vLLM KV-cache event frame that cannot be decoded or applied
     └── RequestError                one client request; carries an HTTP status
@@ -37,7 +38,7 @@ class ConfigError(DisaggError):
 
 
 class ProtocolError(DisaggError):
-    """A problem with an orchestrator <-> agent message."""
+    """A problem with a message between processes: orchestrator <-> agent, agent <-> agent, connector."""
 
     code = "protocol_error"
 
@@ -70,6 +71,14 @@ class FieldTypeError(CodecError):
     """A field that is missing, unknown, or of the wrong type."""
 
     code = "field_type_error"
+
+
+class UnsupportedVersion(CodecError):
+    """A frame of a later version of its link than this side reads (agent <-> agent KV frames, the
+    connector's local link); the reason names both versions. The orchestrator's protocol has its own
+    rule (``VersionMismatch``: the major must match, minors may differ)."""
+
+    code = "unsupported_version"
 
 
 class VersionMismatch(ProtocolError):

@@ -84,6 +84,8 @@ def values_of(tp: Any) -> st.SearchStrategy[Any]:
         return st.floats()
     if tp is str:
         return st.text(max_size=24)
+    if tp is bytes:
+        return st.binary(max_size=40)
     if origin is Literal:
         return st.sampled_from(typing.get_args(tp))
     if origin in (Union, types.UnionType):

@@ -337,6 +337,31 @@ async def test_garbage_gets_a_refusal_and_the_holder_keeps_serving(agents: Start
     assert await fetch_all(receiver, holder, "t", KEYS) == len(KEYS)
 
 
+async def test_a_receiver_of_a_later_version_is_refused_saying_so_and_may_ask_again_in_ours(
+    agents: StartAgent,
+) -> None:
+    """A rolling upgrade: a newer agent fetches from this one. The holder reads no frames of a later
+    version; it says so with a code the receiver can act on, and serves the same grant in version 1."""
+    holder = await agents()
+    fill(holder, KEYS)
+    holder.transfer.grant("t", KEYS, None, 30)
+    ctx = zmq.asyncio.Context()
+    raw = ctx.socket(zmq.DEALER)
+    raw.connect(holder.transfer.endpoint)
+    try:
+        await raw.send(encode(FetchRequest("t", tuple(KEYS), GEOMETRY, 1, 30.0, version=2)))
+        refusal = decode(await asyncio.wait_for(raw.recv(), 5), 1 << 16)
+        assert isinstance(refusal, Refused) and refusal.code == "unsupported_version"
+        assert "v2" in refusal.reason and "v1" in refusal.reason
+        assert holder.pool.stats().referenced == len(KEYS), "the grant is still there for a fetch in v1"
+        await raw.send(encode(FetchRequest("t", tuple(KEYS), GEOMETRY, 1, 30.0)))
+        start = decode(await asyncio.wait_for(raw.recv(), 5), 1 << 16)
+        assert isinstance(start, Start) and start.version == 1 and start.blocks == len(KEYS)
+    finally:
+        raw.close(linger=0)
+        ctx.term()
+
+
 # --- with agent keys (CurveZMQ) --------------------------------------------------------------------
 @pytest.fixture
 def keypairs(tmp_path: Path) -> dict[str, Keypair]:

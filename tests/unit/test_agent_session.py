@@ -20,6 +20,7 @@ from vllm_disagg.agent.session import (
     SessionEnd,
     hello_delay,
 )
+from vllm_disagg.protocol.commands import SetRole
 from vllm_disagg.protocol.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
@@ -222,6 +223,42 @@ async def test_a_role_that_needs_a_restart_is_answered_restart_required_then_res
     assert session.instance.role == "both" and not restarted, "nothing changes until the orchestrator says"
     acks = await acks_of(pair, session, CURRENT, Command(2, "set_role", restart))
     assert acks == [Ack(2, True)] and restarted == ["decode"] and session.instance.role == "decode"
+
+
+@pytest.mark.parametrize(
+    ("ask", "restart"),
+    [
+        pytest.param(
+            Command(1, "set_role", {"role": "decode"}),
+            Command(2, "set_role", {"role": "decode", "restart": "yes"}),
+            id="args of an orchestrator before 1.5",
+        ),
+        pytest.param(
+            Command.of(1, SetRole("decode")), Command.of(2, SetRole("decode", restart=True)), id="typed (1.5)"
+        ),
+    ],
+)
+async def test_a_role_change_means_the_same_as_args_or_as_a_typed_payload(
+    pair: tuple[RouterTransport, DealerTransport], ask: Command, restart: Command
+) -> None:
+    session = new_session(pair[1])
+    session.role_switch = producer
+    restarted: list[Role] = []
+    session.restart_as = restarted.append
+    assert await acks_of(pair, session, CURRENT, ask) == [
+        Ack(1, False, "launched as a producer", code=RESTART_REQUIRED)
+    ]
+    assert await acks_of(pair, session, CURRENT, restart) == [Ack(2, True)]
+    assert restarted == ["decode"] and session.instance.role == "decode"
+
+
+async def test_a_typed_role_the_agent_does_not_know_is_answered_with_the_roles_it_does(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    session = new_session(pair[1])
+    assert await acks_of(pair, session, CURRENT, Command.of(1, SetRole("chef"))) == [
+        Ack(1, False, "unknown role 'chef'; one of ['prefill', 'decode', 'both']")
+    ]
 
 
 async def test_an_orchestrator_of_1_1_gets_a_plain_refusal_and_an_agent_that_cannot_restart_refuses(

@@ -1,7 +1,8 @@
 """The agent session's KV pool commands: ``kv_grant`` and ``kv_fetch`` reach the agent's ``KvPlane``
 (here a recording fake) and are Acked with their counts; a fetch waits in a task of its own, so the
 session keeps answering; bad args and an agent without a pool get a clear refusal. And an
-orchestrator before 1.3 never hears of the pool's KV events.
+orchestrator before 1.3 never hears of the pool's KV events. The commands come typed (1.5); what an
+orchestrator of 1.3 or 1.4 sends and reads instead: tests/unit/test_protocol_mixed_versions.py.
 
 Real ROUTER/DEALER pair on loopback.
 """
@@ -19,7 +20,7 @@ import pytest
 from tests.helpers import eventually
 from vllm_disagg.agent.kv.plane import FetchStarted
 from vllm_disagg.agent.session import NO_POOL, AgentSession
-from vllm_disagg.protocol.kv_pool import fetch_command, grant_command
+from vllm_disagg.protocol.commands import FetchResult, GrantResult, KvFetch, KvGrant, to_args
 from vllm_disagg.protocol.messages import (
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
@@ -37,6 +38,17 @@ from vllm_disagg.protocol.transport import DealerTransport, RouterTransport
 KEYS = [bytes([0xA0 + i]) * 32 for i in range(1, 4)]  # hex with letters
 HEX = [k.hex() for k in KEYS]
 PEER = b"rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"  # a z85 public key: 40 characters
+Z85 = PEER.decode()
+
+
+def grant(token: str = "tok", peer_key: str = "", ttl_s: float = 30.0) -> KvGrant:
+    return KvGrant(token, KEYS, peer_key, ttl_s)
+
+
+def fetch(endpoint: str = "tcp://h:1", peer_key: str = "", timeout_s: float = 2.0) -> KvFetch:
+    return KvFetch("tok", KEYS, endpoint, peer_key, timeout_s)
+
+
 WELCOME = Welcome(PROTOCOL_VERSION, "a1", 0.5, 2.0, protocol_minor=PROTOCOL_MINOR)
 
 
@@ -153,9 +165,47 @@ async def running(pair: tuple[RouterTransport, DealerTransport]) -> AsyncIterato
 async def test_a_grant_reaches_the_plane_and_is_acked_with_how_many_blocks_are_held(running: Any) -> None:
     plane = FakePlane(held=2)
     run = await running(plane)
-    run.send(Command(1, "kv_grant", grant_command("tok", HEX, PEER, 30.0)))
-    assert await run.next_ack() == Ack(1, True, detail={"requested": "3", "held": "2"})
+    run.send(Command.of(1, grant(peer_key=Z85)))
+    assert await run.next_ack() == Ack(1, True, result=GrantResult(requested=3, held=2))
     assert plane.grants == [("tok", KEYS, PEER, 30.0)]
+
+
+@pytest.mark.parametrize(
+    ("minor", "grant_ack", "fetch_ack"),
+    [
+        pytest.param(
+            3,
+            Ack(1, True, detail={"requested": "3", "held": "2"}),
+            Ack(2, True, detail={"requested": "3", "already_held": "1", "reserved": "2"}),
+            id="1.3: args in, string counts out",
+        ),
+        pytest.param(
+            4,
+            Ack(1, True, detail={"requested": "3", "held": "2"}),
+            Ack(2, True, detail={"requested": "3", "already_held": "1", "reserved": "2"}),
+            id="1.4: args in, string counts out",
+        ),
+        pytest.param(
+            5,
+            Ack(1, True, result=GrantResult(requested=3, held=2)),
+            Ack(2, True, result=FetchResult(requested=3, already_held=1, reserved=2)),
+            id="1.5: payloads in, typed results out",
+        ),
+    ],
+)
+async def test_an_orchestrator_of_each_minor_is_obeyed_and_answered_in_the_form_it_reads(
+    running: Any, minor: int, grant_ack: Ack, fetch_ack: Ack
+) -> None:
+    """An orchestrator of 1.3 or 1.4 sends the string args of its time (``for_minor``) and reads
+    ``detail``; the agent does the same for it as for one of 1.5."""
+    plane = FakePlane(held=2)
+    run = await running(plane, dataclasses.replace(WELCOME, protocol_minor=minor))
+    run.send(Command.of(1, grant(peer_key=Z85)).for_minor(minor))
+    assert await run.next_ack() == grant_ack
+    run.send(Command.of(2, fetch("tcp://10.0.0.5:7001")).for_minor(minor))
+    assert await run.next_ack() == fetch_ack
+    assert plane.grants == [("tok", KEYS, PEER, 30.0)]
+    assert plane.fetches == [("tcp://10.0.0.5:7001", None, "tok", KEYS, 2.0)]
 
 
 async def test_a_grant_token_never_reaches_the_log(running: Any, caplog: pytest.LogCaptureFixture) -> None:
@@ -163,7 +213,7 @@ async def test_a_grant_token_never_reaches_the_log(running: Any, caplog: pytest.
     caplog.set_level(logging.DEBUG)
     run = await running(FakePlane())
     secret = "grant-token-that-must-stay-secret"
-    run.send(Command(1, "kv_grant", grant_command(secret, HEX, PEER, 30.0)))
+    run.send(Command.of(1, grant(secret, Z85)))
     await run.next_ack()
     assert "command 1: kv_grant" in caplog.text
     assert secret not in caplog.text
@@ -174,10 +224,8 @@ async def test_a_fetch_is_acked_once_started_with_its_counts_and_without_agent_k
 ) -> None:
     plane = FakePlane()
     run = await running(plane)
-    run.send(Command(2, "kv_fetch", fetch_command("tok", HEX, "tcp://10.0.0.5:7001", None, 2.0)))
-    assert await run.next_ack() == Ack(
-        2, True, detail={"requested": "3", "already_held": "1", "reserved": "2"}
-    )
+    run.send(Command.of(2, fetch("tcp://10.0.0.5:7001")))
+    assert await run.next_ack() == Ack(2, True, result=FetchResult(requested=3, already_held=1, reserved=2))
     assert plane.fetches == [("tcp://10.0.0.5:7001", None, "tok", KEYS, 2.0)]
     assert plane.landed is not None
     plane.landed.set_result(1)  # fewer than reserved: logged, nothing else
@@ -187,7 +235,7 @@ async def test_a_fetch_waiting_for_its_transfer_does_not_hold_up_other_commands(
     plane = FakePlane()
     plane.gate = asyncio.Event()
     run = await running(plane)
-    run.send(Command(3, "kv_fetch", fetch_command("tok", HEX, "tcp://10.0.0.5:7001", PEER, 5.0)))
+    run.send(Command.of(3, fetch("tcp://10.0.0.5:7001", Z85, 5.0)))
     run.send(Command(4, "drain"))
     assert await run.next_ack() == Ack(4, True), "the drain is answered while the fetch waits"
     assert len(plane.fetches) == 1
@@ -200,7 +248,7 @@ async def test_a_fetch_that_does_not_start_in_time_is_refused_saying_so(running:
     plane = FakePlane()
     plane.gate = asyncio.Event()  # never set: the transfer never starts
     run = await running(plane)
-    run.send(Command(5, "kv_fetch", fetch_command("tok", HEX, "tcp://10.0.0.5:7001", None, 0.05)))
+    run.send(Command.of(5, fetch("tcp://10.0.0.5:7001", timeout_s=0.05)))
     ack = await run.next_ack()
     assert (ack.id, ack.ok) == (5, False)
     assert "did not start within 0.05 s" in ack.error
@@ -210,47 +258,47 @@ async def test_a_fetch_that_does_not_start_in_time_is_refused_saying_so(running:
     ("command", "error"),
     [
         pytest.param(
-            Command(1, "kv_grant", {**grant_command("tok", HEX, None, 30.0), "keys": "zz"}),
+            Command(1, "kv_grant", {**to_args(grant()), "keys": "zz"}),
             "kv_grant: 'keys'[0] is not a lowercase hex block key: 'zz'",
             id="a key that is not hex",
         ),
         pytest.param(
-            Command(1, "kv_grant", {**grant_command("tok", HEX, None, 30.0), "keys": HEX[0].upper()}),
+            Command(1, "kv_grant", {**to_args(grant()), "keys": HEX[0].upper()}),
             "kv_grant: 'keys'[0] is not a lowercase hex block key",
             id="an uppercase key",
         ),
         pytest.param(
-            Command(1, "kv_grant", {**grant_command("tok", HEX, None, 30.0), "keys": ""}),
+            Command(1, "kv_grant", {**to_args(grant()), "keys": ""}),
             "kv_grant: 'keys' names no block",
             id="no keys",
         ),
         pytest.param(
-            Command(1, "kv_grant", grant_command("", HEX, None, 30.0)),
+            Command(1, "kv_grant", to_args(grant(""))),
             "kv_grant: 'token' must not be empty",
             id="no token",
         ),
         pytest.param(
-            Command(1, "kv_grant", {**grant_command("tok", HEX, None, 30.0), "ttl_s": "soon"}),
+            Command(1, "kv_grant", {**to_args(grant()), "ttl_s": "soon"}),
             "kv_grant: 'ttl_s' must be a number of seconds, got 'soon'",
             id="a ttl that is not a number",
         ),
         pytest.param(
-            Command(1, "kv_grant", grant_command("tok", HEX, None, 0.0)),
+            Command(1, "kv_grant", to_args(grant(ttl_s=0.0))),
             "kv_grant: 'ttl_s' must be > 0 seconds",
             id="a ttl of zero",
         ),
         pytest.param(
-            Command(1, "kv_grant", {**grant_command("tok", HEX, None, 30.0), "peer_key": "short"}),
+            Command(1, "kv_grant", {**to_args(grant()), "peer_key": "short"}),
             "kv_grant: 'peer_key' must be a CurveZMQ public key (40 z85 characters) or empty",
             id="a peer key that is not one",
         ),
         pytest.param(
-            Command(1, "kv_fetch", fetch_command("tok", HEX, "10.0.0.5:7001", None, 2.0)),
+            Command(1, "kv_fetch", to_args(fetch("10.0.0.5:7001"))),
             "kv_fetch: 'endpoint' must be a ZeroMQ endpoint (tcp://host:port), got '10.0.0.5:7001'",
             id="an endpoint without a scheme",
         ),
         pytest.param(
-            Command(1, "kv_fetch", {**fetch_command("tok", HEX, "tcp://h:1", None, 2.0), "timeout_s": "inf"}),
+            Command(1, "kv_fetch", {**to_args(fetch()), "timeout_s": "inf"}),
             "kv_fetch: 'timeout_s' must be > 0 seconds",
             id="an endless timeout",
         ),
@@ -267,10 +315,49 @@ async def test_malformed_args_are_refused_with_the_reason_and_never_reach_the_pl
     assert plane.grants == [] and plane.fetches == []
 
 
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        pytest.param(grant(""), "kv_grant: 'token' must not be empty", id="no token"),
+        pytest.param(KvGrant("tok", [], "", 30.0), "kv_grant: 'keys' names no block", id="no keys"),
+        pytest.param(
+            KvGrant("tok", [b"k" * 65], "", 30.0),
+            "kv_grant: 'keys'[0] is not a block key of 1 to 64 bytes",
+            id="a key longer than any block hash",
+        ),
+        pytest.param(grant(ttl_s=0.0), "kv_grant: 'ttl_s' must be > 0 seconds", id="a ttl of zero"),
+        pytest.param(
+            grant(peer_key="short"),
+            "kv_grant: 'peer_key' must be a CurveZMQ public key (40 z85 characters) or empty",
+            id="a peer key that is not one",
+        ),
+        pytest.param(
+            fetch("10.0.0.5:7001"),
+            "kv_fetch: 'endpoint' must be a ZeroMQ endpoint (tcp://host:port), got '10.0.0.5:7001'",
+            id="an endpoint without a scheme",
+        ),
+        pytest.param(
+            fetch(timeout_s=float("inf")),
+            "kv_fetch: 'timeout_s' must be > 0 seconds",
+            id="an endless timeout",
+        ),
+    ],
+)
+async def test_typed_payloads_follow_the_same_rules_and_are_refused_with_the_reason(
+    running: Any, payload: KvGrant | KvFetch, error: str
+) -> None:
+    plane = FakePlane()
+    run = await running(plane)
+    run.send(Command.of(1, payload))
+    ack = await run.next_ack()
+    assert (ack.ok, ack.error[: len(error)]) == (False, error)
+    assert plane.grants == [] and plane.fetches == []
+
+
 async def test_an_agent_without_a_pool_refuses_both_commands_saying_how_to_run_one(running: Any) -> None:
     run = await running(None)
-    run.send(Command(1, "kv_grant", grant_command("tok", HEX, None, 30.0)))
-    run.send(Command(2, "kv_fetch", fetch_command("tok", HEX, "tcp://h:1", None, 2.0)))
+    run.send(Command.of(1, grant()))
+    run.send(Command.of(2, fetch()))
     assert [await run.next_ack(), await run.next_ack()] == [Ack(1, False, NO_POOL), Ack(2, False, NO_POOL)]
     assert "--kv-connector vllm-disagg" in NO_POOL
 
@@ -278,7 +365,7 @@ async def test_an_agent_without_a_pool_refuses_both_commands_saying_how_to_run_o
 async def test_a_plane_that_fails_is_answered_not_ok_and_the_session_goes_on(running: Any) -> None:
     plane = FakePlane(fetch_error=ConnectionRefusedError("holder gone"))
     run = await running(plane)
-    run.send(Command(1, "kv_fetch", fetch_command("tok", HEX, "tcp://h:1", None, 2.0)))
+    run.send(Command.of(1, fetch()))
     ack = await run.next_ack()
     assert (ack.ok, ack.error) == (False, "kv_fetch failed: ConnectionRefusedError: holder gone")
     run.send(Command(2, "drain"))

@@ -8,6 +8,7 @@ import pickle
 from types import MappingProxyType
 from typing import Any
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import parse_prometheus
@@ -20,6 +21,7 @@ from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.workers.hub import JournaledKvIndex, WorkerHub
 from vllm_disagg.orchestrator.workers.messages import Call, Counts, State, dump, load
 from vllm_disagg.orchestrator.workers.replica import RegistryReplica
+from vllm_disagg.orchestrator.workers.worker import Worker
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, Role
 
 NOW = 100.0
@@ -231,3 +233,10 @@ def test_a_kv_audit_note_for_a_record_kept_elsewhere_is_passed_on() -> None:
     log.note_elsewhere = lambda request_id, note: passed.append((request_id, note))
     log.note_kv_check("served-by-a-worker", "decode instance 'd0' computed 128 tokens it was handed")
     assert passed == [("served-by-a-worker", "decode instance 'd0' computed 128 tokens it was handed")]
+
+
+@pytest.mark.parametrize("link", ["tcp://127.0.0.1:5000", "inproc://link", ""])
+def test_a_worker_takes_its_pickled_link_only_over_a_local_ipc_socket(link: str) -> None:
+    """The link's frames are pickles: never on a socket that could leave the host."""
+    with pytest.raises(ValueError, match="must be an ipc:// socket"):
+        Worker(link, 1)

@@ -19,7 +19,7 @@ from vllm_disagg.orchestrator.control import (
 )
 from vllm_disagg.orchestrator.kv_moves import ControlKvMover, KvMoveSettings, MoveResult
 from vllm_disagg.orchestrator.registry import GatewayRegistry, InstanceView
-from vllm_disagg.protocol.kv_pool import FetchArgs, GrantArgs
+from vllm_disagg.protocol.commands import CommandPayload, FetchResult, GrantResult, KvFetch, KvGrant
 from vllm_disagg.protocol.messages import Ack, CommandKind
 
 KEYS = [bytes([0xB0 + i]) * 32 for i in range(4)]
@@ -41,21 +41,17 @@ class FakeRegistry:
 
 
 class FakeControl:
-    """Answers each command with what ``answer(kind, args)`` returns, or raises it."""
+    """Answers each command with what ``answer(kind, payload)`` returns, or raises it."""
 
-    def __init__(self, answer: Callable[[CommandKind, dict[str, str]], Ack | CommandError]) -> None:
+    def __init__(self, answer: Callable[[CommandKind, CommandPayload], Ack | CommandError]) -> None:
         self.answer = answer
-        self.sent: list[tuple[str, CommandKind, dict[str, str], float | None]] = []
+        self.sent: list[tuple[str, CommandPayload, float | None]] = []
 
     async def send_command(
-        self,
-        agent_id: str,
-        kind: CommandKind,
-        args: dict[str, str] | None = None,
-        timeout_s: float | None = None,
+        self, agent_id: str, payload: CommandPayload, timeout_s: float | None = None
     ) -> Ack:
-        self.sent.append((agent_id, kind, dict(args or {}), timeout_s))
-        answer = self.answer(kind, dict(args or {}))
+        self.sent.append((agent_id, payload, timeout_s))
+        answer = self.answer(payload.KIND, payload)
         if isinstance(answer, CommandError):
             raise answer
         return answer
@@ -65,7 +61,7 @@ class FakeControl:
 
 
 def mover(
-    answer: Callable[[CommandKind, dict[str, str]], Ack | CommandError], **views: str
+    answer: Callable[[CommandKind, CommandPayload], Ack | CommandError], **views: str
 ) -> tuple[ControlKvMover, FakeControl]:
     control = FakeControl(answer)
     endpoints = {"p0": "tcp://p0:1", "d0": "tcp://d0:1", **views}
@@ -76,13 +72,11 @@ def mover(
 
 def granting(
     held: int, fetch: Ack | CommandError | None = None
-) -> Callable[[CommandKind, dict[str, str]], Any]:
-    def answer(kind: CommandKind, args: dict[str, str]) -> Ack | CommandError:
+) -> Callable[[CommandKind, CommandPayload], Any]:
+    def answer(kind: CommandKind, payload: CommandPayload) -> Ack | CommandError:
         if kind == "kv_grant":
-            return Ack(1, True, detail={"requested": "4", "held": str(held)})
-        return fetch or Ack(
-            2, True, detail={"requested": str(held), "already_held": "1", "reserved": str(held - 1)}
-        )
+            return Ack(1, True, result=GrantResult(requested=4, held=held))
+        return fetch or Ack(2, True, result=FetchResult(requested=held, already_held=1, reserved=held - 1))
 
     return answer
 
@@ -91,19 +85,19 @@ async def test_a_move_grants_on_the_holder_then_fetches_what_it_holds_to_the_rec
     move, control = mover(granting(held=3))
     result = await move.move("p0", "d0", HEX)
     assert result == MoveResult(True, requested=4, held=3, already_held=1, reserved=2)
-    (g_to, g_kind, g_args, g_wait), (f_to, f_kind, f_args, f_wait) = control.sent
-    grant, fetch = GrantArgs.parse(g_args), FetchArgs.parse(f_args)
-    assert (g_to, g_kind, g_wait) == ("p0", "kv_grant", 0.5)
-    assert grant == GrantArgs(grant.token, KEYS, KEY_OF["d0"], 9.0) and len(grant.token) >= 16
-    assert (f_to, f_kind, f_wait) == ("d0", "kv_fetch", 2.0)  # its own timeout, and a margin for the Ack
-    assert fetch == FetchArgs(grant.token, KEYS[:3], "tcp://p0:1", KEY_OF["p0"], 1.5)
+    (g_to, grant, g_wait), (f_to, fetch, f_wait) = control.sent
+    assert isinstance(grant, KvGrant) and isinstance(fetch, KvFetch)
+    assert (g_to, g_wait) == ("p0", 0.5)
+    assert grant == KvGrant(grant.token, KEYS, KEY_OF["d0"].decode(), 9.0) and len(grant.token) >= 16
+    assert (f_to, f_wait) == ("d0", 2.0)  # its own timeout, and a margin for the Ack
+    assert fetch == KvFetch(grant.token, KEYS[:3], "tcp://p0:1", KEY_OF["p0"].decode(), 1.5)
 
 
 async def test_every_move_has_a_token_of_its_own() -> None:
     move, control = mover(granting(held=4))
     await move.move("p0", "d0", HEX)
     await move.move("p0", "d0", HEX)
-    tokens = {c[2]["token"] for c in control.sent if c[1] == "kv_grant"}
+    tokens = {c[1].token for c in control.sent if isinstance(c[1], KvGrant)}
     assert len(tokens) == 2
 
 
@@ -128,9 +122,7 @@ async def test_every_move_has_a_token_of_its_own() -> None:
             id="fetch times out",
         ),
         pytest.param(
-            granting(
-                held=4, fetch=Ack(2, True, detail={"requested": "4", "already_held": "0", "reserved": "0"})
-            ),
+            granting(held=4, fetch=Ack(2, True, result=FetchResult(requested=4, already_held=0, reserved=0))),
             "fetch_refused",
             ["kv_grant", "kv_fetch"],
             id="a fetch that takes none of the blocks",
@@ -144,13 +136,13 @@ async def test_every_move_has_a_token_of_its_own() -> None:
     ],
 )
 async def test_a_failure_is_a_result_with_its_reason(
-    answer: Callable[[CommandKind, dict[str, str]], Any], reason: str, commands: list[str]
+    answer: Callable[[CommandKind, CommandPayload], Any], reason: str, commands: list[str]
 ) -> None:
     move, control = mover(answer)
     result = await move.move("p0", "d0", HEX)
     assert (result.ok, result.reason, result.requested) == (False, reason, 4)
     assert result.error
-    assert [c[1] for c in control.sent] == commands
+    assert [c[1].KIND for c in control.sent] == commands
 
 
 @pytest.mark.parametrize(

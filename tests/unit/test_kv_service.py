@@ -10,13 +10,18 @@ import asyncio
 import os
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+import msgpack
 import pytest
+import zmq
+import zmq.asyncio
 
 from vllm_disagg.agent.kv.arena import Capacity, Geometry
-from vllm_disagg.agent.kv.local import LocalClient, LocalError, local_endpoint
+from vllm_disagg.agent.kv.local import LocalClient, LocalError, local_endpoint, make_local_dir
+from vllm_disagg.agent.kv.local_messages import Open, Opened, Release, Released
 from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.report import changed_events, pool_snapshot
 from vllm_disagg.agent.kv.service import PoolService
@@ -30,6 +35,13 @@ KEYS = prompt_block_hashes(TOKENS, 4)
 
 def _blocks(n: int) -> list[list[Any]]:
     return [[KEYS[i], KEYS[i - 1] if i else None, TOKENS[4 * i : 4 * i + 4]] for i in range(n)]
+
+
+@dataclass(frozen=True)
+class Teleport:
+    """An op no agent knows."""
+
+    OP: ClassVar[str] = "teleport"
 
 
 @pytest.fixture
@@ -133,6 +145,62 @@ def test_a_malformed_request_is_refused_with_a_reason(
     assert service.handle({"op": "lookup", "req": "r", "keys": KEYS})["ok"]  # and it goes on
 
 
+@pytest.mark.parametrize(
+    ("version", "answer"),
+    [
+        pytest.param(..., {"ok": True}, id="a connector before versions is read as v1"),
+        pytest.param(1, {"ok": True}, id="v1"),
+        pytest.param(
+            2,
+            {
+                "ok": False,
+                "error": "local link v2: this agent reads v1 to v1 (the engine's vllm-disagg is newer "
+                "than its agent's: upgrade the agent)",
+                "code": "unsupported_version",
+            },
+            id="v2 is refused naming both versions",
+        ),
+        pytest.param("1", {"ok": False, "error": "v must be an integer >= 1"}, id="a version as text"),
+        pytest.param(0, {"ok": False, "error": "v must be an integer >= 1"}, id="version 0"),
+    ],
+)
+def test_a_request_of_a_version_the_agent_cannot_read_is_refused_with_a_code(
+    service: PoolService, version: object, answer: dict[str, object]
+) -> None:
+    request = {"op": "release", "reqs": ["e:r1"], **({} if version is ... else {"v": version})}
+    assert service.handle(request) == answer
+
+
+async def test_the_client_raises_the_agents_refusal_with_its_code(tmp_path: Path) -> None:
+    """What a connector of a later release hears from an agent of this one."""
+    ctx = zmq.asyncio.Context()
+    endpoint = local_endpoint("t", str(tmp_path / "sock"))
+    make_local_dir(endpoint)
+    agent = ctx.socket(zmq.ROUTER)
+    agent.bind(endpoint)
+    refusal = {
+        "ok": False,
+        "error": "local link v9: this agent reads v1 to v1",
+        "code": "unsupported_version",
+    }
+
+    async def answer_once() -> None:
+        peer, empty, _ = await agent.recv_multipart()
+        await agent.send_multipart([peer, empty, msgpack.packb(refusal)])
+
+    client = LocalClient(endpoint, timeout_s=5)
+    try:
+        answering = asyncio.create_task(answer_once())
+        with pytest.raises(LocalError, match="local link v9") as caught:
+            await asyncio.to_thread(client.call, Release(["e:r1"]), Released)
+        assert caught.value.code == "unsupported_version"
+        await answering
+    finally:
+        client.close()
+        agent.close(linger=0)
+        ctx.term()
+
+
 def test_before_the_engine_says_its_geometry_there_is_no_pool_to_ask(node: PoolNode) -> None:
     answer = PoolService(node).handle({"op": "lookup", "req": "r", "keys": KEYS})
     assert answer == {"ok": False, "error": "the pool is not open (no engine said its geometry)"}
@@ -148,10 +216,10 @@ async def test_the_connectors_client_talks_to_the_service_over_its_socket(
     try:
         # The client blocks (it runs in vLLM's synchronous processes): run it off the loop.
         call = asyncio.to_thread
-        answer = await call(client.call, "open", geometry=GEOMETRY.to_wire(), engine="e", pid=os.getpid())
-        assert answer["capacity"] == 3
+        answer = await call(client.call, Open(GEOMETRY, "e", os.getpid()), Opened)
+        assert answer.capacity == 3
         with pytest.raises(LocalError, match="unknown op"):
-            await call(client.call, "teleport")
+            await call(client.call, Teleport(), Released)  # type: ignore[arg-type]
         # The directory of the socket admits only this user: the bytes behind it are prompts' KV.
         directory = Path(endpoint.removeprefix("ipc://")).parent
         assert directory.stat().st_mode & 0o777 == 0o700

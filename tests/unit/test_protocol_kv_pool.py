@@ -1,6 +1,7 @@
 """Protocol 1.3 (KV pools): the new command kinds and fields round-trip, stay out of frames while they
 hold their defaults (a peer of 1.0 refuses fields it does not know), are read with their defaults from
-an older peer's frame, and the connector's handle and the commands' args are checked."""
+an older peer's frame, and the connector's handle and the commands' args (as 1.3 and 1.4 write them)
+are checked. The typed payloads of 1.5: tests/unit/test_protocol_commands.py."""
 
 from __future__ import annotations
 
@@ -11,13 +12,10 @@ import pytest
 
 from vllm_disagg.errors import FieldTypeError
 from vllm_disagg.protocol.codec import decode, encode, for_minor
+from vllm_disagg.protocol.commands import KvFetch, KvGrant, to_args
 from vllm_disagg.protocol.kv_pool import (
     MAX_COMMAND_KEYS,
-    FetchArgs,
-    GrantArgs,
     PoolHandle,
-    fetch_command,
-    grant_command,
     pool_handle,
     read_pool_handle,
     split_keys,
@@ -35,7 +33,7 @@ from vllm_disagg.protocol.messages import (
 )
 
 KEY = bytes(range(32))
-PEER = b"rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
+PEER = "rq:rM>}U?@Lns47E1%kR.o@n%FcmmsL/@{H8]yf7"
 POOL_INSTANCE = InstanceInfo(
     url="http://127.0.0.1:8100",
     role="prefill",
@@ -49,16 +47,16 @@ def fields(message: Message) -> dict[str, Any]:
     return dict(msgpack.unpackb(encode(message))[1])
 
 
-def test_this_release_speaks_1_4_and_the_pool_commands_need_1_3() -> None:
-    assert PROTOCOL_MINOR == 4
+def test_this_release_speaks_1_5_and_the_pool_commands_need_1_3() -> None:
+    assert PROTOCOL_MINOR == 5
     assert dict(COMMAND_SINCE_MINOR) == {"kv_grant": 3, "kv_fetch": 3}
 
 
 @pytest.mark.parametrize(
     "message",
     [
-        Command(1, "kv_grant", grant_command("tok", [KEY.hex()], PEER, 30.0)),
-        Command(2, "kv_fetch", fetch_command("tok", [KEY.hex()], "tcp://h:1", None, 2.0)),
+        Command(1, "kv_grant", to_args(KvGrant("tok", [KEY], PEER, 30.0))),
+        Command(2, "kv_fetch", to_args(KvFetch("tok", [KEY], "tcp://h:1", "", 2.0))),
         Ack(2, True, detail={"requested": "1", "already_held": "0", "reserved": "1"}),
         Hello(protocol_version=1, agent_id="p0", instance=POOL_INSTANCE, protocol_minor=3),
         KvEvents(seq=1, events=[KvEvent("stored", [7], None, [1, 2], 2, medium="pool"), KvEvent("cleared")]),
@@ -175,10 +173,11 @@ def test_a_malformed_handle_is_refused_with_the_reason(params: dict[str, Any], r
 
 
 def test_grant_and_fetch_args_read_back_what_the_orchestrator_wrote() -> None:
-    grant = GrantArgs.parse(grant_command("tok", [KEY.hex()] * 2, PEER, 12.5))
-    assert grant == GrantArgs("tok", [KEY, KEY], PEER, 12.5)
-    fetch = FetchArgs.parse(fetch_command("tok", [KEY.hex()], "tcp://10.0.0.5:11100", None, 2.0))
-    assert fetch == FetchArgs("tok", [KEY], "tcp://10.0.0.5:11100", None, 2.0)
+    grant = KvGrant("tok", [KEY, KEY], PEER, 12.5)
+    assert to_args(grant)["keys"] == f"{KEY.hex()},{KEY.hex()}"  # as 1.3 and 1.4 wrote them
+    assert Command(1, "kv_grant", to_args(grant)).read() == grant
+    fetch = KvFetch("tok", [KEY], "tcp://10.0.0.5:11100", "", 2.0)
+    assert Command(2, "kv_fetch", to_args(fetch)).read() == fetch
 
 
 def test_one_command_carries_at_most_max_command_keys_and_fits_a_frame() -> None:
@@ -186,7 +185,6 @@ def test_one_command_carries_at_most_max_command_keys_and_fits_a_frame() -> None
     assert len(split_keys(keys)) == MAX_COMMAND_KEYS
     with pytest.raises(ValueError, match="more than"):
         split_keys(keys + "," + KEY.hex())
-    command = Command(
-        1, "kv_fetch", fetch_command("t" * 24, [KEY.hex()] * MAX_COMMAND_KEYS, "tcp://h:1", PEER, 2.0)
-    )
-    assert len(encode(command)) < 1 << 20
+    fetch = KvFetch("t" * 24, [KEY] * MAX_COMMAND_KEYS, "tcp://h:1", PEER, 2.0)
+    assert len(encode(Command(1, "kv_fetch", to_args(fetch)))) < 1 << 20  # to an agent of 1.3 or 1.4
+    assert len(encode(Command.of(1, fetch))) < 1 << 19  # typed (1.5): the keys as bytes, half the size

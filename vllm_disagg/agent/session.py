@@ -18,12 +18,24 @@ import random
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, assert_never
 
 from vllm_disagg.agent.kv.plane import FetchStarted, KvPlane
 from vllm_disagg.errors import FieldTypeError, VersionMismatch
 from vllm_disagg.protocol.codec import for_minor
-from vllm_disagg.protocol.kv_pool import FetchArgs, GrantArgs
+from vllm_disagg.protocol.commands import (
+    POOL_MINOR,
+    AckResult,
+    Drain,
+    FetchResult,
+    GrantResult,
+    KvFetch,
+    KvGrant,
+    SetRole,
+    Shutdown,
+    Undrain,
+    peer_public_key,
+)
 from vllm_disagg.protocol.messages import (
     MEDIUM_GPU,
     PROTOCOL_MINOR,
@@ -55,7 +67,6 @@ REHELLO_CODES = frozenset({"unknown_agent", "not_registered"})
 EXIT_OK = 0
 EXIT_REFUSED = 3  # the orchestrator will never accept this agent (protocol version)
 NO_POOL = "this agent has no KV pool (run it with --kv-connector vllm-disagg)"
-POOL_MINOR = 3  # the protocol minor that knows KV pools (``KvEvent.medium``, ``Ack.detail``)
 
 
 def hello_delay(attempt: int, jitter: float) -> float:
@@ -252,108 +263,102 @@ class AgentSession:
                 log.warning("ignoring an unexpected %s from the orchestrator", message.TAG)
 
     def _command(self, command: Command) -> None:
-        log.info("command %d: %s %s", command.id, command.kind, _loggable(command.args) or "")
-        if command.kind == "shutdown":
-            self._transport.send(Ack(id=command.id, ok=True))
-            self._finish(SessionEnd(EXIT_OK, "shutdown command", command.id))
+        log.info("command %d: %s %s", command.id, command.kind, _loggable(command) or "")
+        if command.kind in ("kv_grant", "kv_fetch") and self.kv_plane is None:
+            self._transport.send(Ack(id=command.id, ok=False, error=NO_POOL))
             return
-        if command.kind == "set_role":
-            self._transport.send(self._set_role(command))
+        try:
+            payload = command.read()  # typed (1.5), or from the args of an orchestrator before it
+        except ValueError as exc:
+            self._transport.send(Ack(id=command.id, ok=False, error=f"{command.kind}: {exc}"))
             return
-        if command.kind == "kv_grant":
-            self._transport.send(self._kv_grant(command))
-            return
-        if command.kind == "kv_fetch":
-            self._kv_fetch(command)
-            return
-        self.draining = command.kind == "drain"
-        self._transport.send(Ack(id=command.id, ok=True))
-        self._poke()  # let the orchestrator see the new draining flag at once
+        match payload:
+            case Shutdown():
+                self._transport.send(Ack(id=command.id, ok=True))
+                self._finish(SessionEnd(EXIT_OK, "shutdown command", command.id))
+            case SetRole():
+                self._transport.send(self._set_role(command.id, payload))
+            case KvGrant():
+                self._transport.send(self._kv_grant(command.id, payload))
+            case KvFetch():
+                self._kv_fetch(command.id, payload)
+            case Drain() | Undrain():
+                self.draining = isinstance(payload, Drain)
+                self._transport.send(Ack(id=command.id, ok=True))
+                self._poke()  # let the orchestrator see the new draining flag at once
+            case _:
+                assert_never(payload)  # a kind added to the protocol must be obeyed here
 
-    def _set_role(self, command: Command) -> Ack:
+    def _set_role(self, command_id: int, ask: SetRole) -> Ack:
         """Take the role the orchestrator asks for, if the engine can serve it; the Ack says which.
 
         No new Hello: the orchestrator applies the role when the Ack says yes (the session, and the
         requests on it, go on), and the Hello says it from now on (a reconnect resumes the session).
         An engine that must restart for it answers ``RESTART_REQUIRED`` first; the orchestrator drains
         the instance and asks again with ``restart``, and the engine restarts after the Ack."""
-        role = command.args.get("role", "")
+        role = ask.role
         if role not in ROLES:
-            return Ack(id=command.id, ok=False, error=f"unknown role {role!r}; one of {list(ROLES)}")
+            return Ack(id=command_id, ok=False, error=f"unknown role {role!r}; one of {list(ROLES)}")
         switch = self.role_switch(role)
         if switch.how == "refuse" or (switch.how == "restart" and self.restart_as is None):
             log.warning("refusing to become %s: %s", role, switch.why)
-            return Ack(id=command.id, ok=False, error=switch.why)
-        if switch.how == "restart" and command.args.get("restart") != "yes":
+            return Ack(id=command_id, ok=False, error=switch.why)
+        if switch.how == "restart" and not ask.restart:
             # An orchestrator of 1.0 refuses fields it does not know; one of 1.1 reads a refusal.
             code = RESTART_REQUIRED if self.peer_minor >= 2 else ""
-            return Ack(id=command.id, ok=False, error=switch.why, code=code)
+            return Ack(id=command_id, ok=False, error=switch.why, code=code)
         instance = dataclasses.replace(self._hello.instance, role=role)
         self._hello = dataclasses.replace(self._hello, instance=instance)
         if switch.how == "restart":
             assert self.restart_as is not None
             self.restart_as(role)
         log.info("now serving as %s%s", role, " (the engine restarts)" if switch.how == "restart" else "")
-        return Ack(id=command.id, ok=True)
+        return Ack(id=command_id, ok=True)
 
-    def _ack(self, command: Command, detail: dict[str, str]) -> Ack:
-        # An orchestrator before 1.3 sends no KV command; should one, it could not read the detail.
-        return Ack(id=command.id, ok=True, detail=detail if self.peer_minor >= POOL_MINOR else {})
+    def _ack(self, command_id: int, result: AckResult) -> Ack:
+        """An Ack with a command's result, as the orchestrator reads it: typed from 1.5, a string map
+        in 1.3 and 1.4 (an orchestrator before 1.3 sends no command that has one)."""
+        return Ack(id=command_id, ok=True, result=result).for_minor(self.peer_minor)
 
-    def _kv_grant(self, command: Command) -> Ack:
+    def _kv_grant(self, command_id: int, grant: KvGrant) -> Ack:
         """Let another agent fetch blocks of this pool; the Ack says how many leading ones are held."""
-        plane = self.kv_plane
-        if plane is None:
-            return Ack(id=command.id, ok=False, error=NO_POOL)
+        assert self.kv_plane is not None
         try:
-            args = GrantArgs.parse(command.args)
-        except ValueError as exc:
-            return Ack(id=command.id, ok=False, error=f"kv_grant: {exc}")
-        try:
-            held = plane.grant(args.token, args.keys, args.peer_key, args.ttl_s)
+            held = self.kv_plane.grant(grant.token, grant.keys, peer_public_key(grant.peer_key), grant.ttl_s)
         except Exception as exc:  # the plane's refusal goes back to the orchestrator, the session goes on
-            log.warning("kv_grant %d failed", command.id, exc_info=True)
-            return Ack(id=command.id, ok=False, error=f"kv_grant failed: {type(exc).__name__}: {exc}")
-        return self._ack(command, {"requested": str(len(args.keys)), "held": str(held)})
+            log.warning("kv_grant %d failed", command_id, exc_info=True)
+            return Ack(id=command_id, ok=False, error=f"kv_grant failed: {type(exc).__name__}: {exc}")
+        return self._ack(command_id, GrantResult(requested=len(grant.keys), held=held))
 
-    def _kv_fetch(self, command: Command) -> None:
+    def _kv_fetch(self, command_id: int, fetch: KvFetch) -> None:
         """Start fetching blocks from another agent's pool; Acked once the transfer has started."""
-        plane = self.kv_plane
-        if plane is None:
-            self._transport.send(Ack(id=command.id, ok=False, error=NO_POOL))
-            return
-        try:
-            args = FetchArgs.parse(command.args)
-        except ValueError as exc:
-            self._transport.send(Ack(id=command.id, ok=False, error=f"kv_fetch: {exc}"))
-            return
-        task = asyncio.get_running_loop().create_task(self._fetch(command, plane, args))
+        assert self.kv_plane is not None
+        task = asyncio.get_running_loop().create_task(self._fetch(command_id, self.kv_plane, fetch))
         self._kv_tasks.add(task)
         task.add_done_callback(self._kv_tasks.discard)
 
-    async def _fetch(self, command: Command, plane: KvPlane, args: FetchArgs) -> None:
+    async def _fetch(self, command_id: int, plane: KvPlane, fetch: KvFetch) -> None:
+        endpoint = fetch.endpoint
         try:
-            async with asyncio.timeout(args.timeout_s):
+            async with asyncio.timeout(fetch.timeout_s):
                 started = await plane.fetch(
-                    args.endpoint, args.peer_key, args.token, args.keys, args.timeout_s
+                    endpoint, peer_public_key(fetch.peer_key), fetch.token, fetch.keys, fetch.timeout_s
                 )
         except TimeoutError:
-            error = f"kv_fetch: the transfer from {args.endpoint} did not start within {args.timeout_s:g} s"
-            self._transport.send(Ack(id=command.id, ok=False, error=error))
+            error = f"kv_fetch: the transfer from {endpoint} did not start within {fetch.timeout_s:g} s"
+            self._transport.send(Ack(id=command_id, ok=False, error=error))
             return
         except Exception as exc:
-            log.warning("kv_fetch %d from %s failed: %s", command.id, args.endpoint, exc)
+            log.warning("kv_fetch %d from %s failed: %s", command_id, endpoint, exc)
             self._transport.send(
-                Ack(id=command.id, ok=False, error=f"kv_fetch failed: {type(exc).__name__}: {exc}")
+                Ack(id=command_id, ok=False, error=f"kv_fetch failed: {type(exc).__name__}: {exc}")
             )
             return
-        started.done.add_done_callback(lambda done: _fetch_landed(command.id, args.endpoint, started, done))
-        detail = {
-            "requested": str(started.requested),
-            "already_held": str(started.already_held),
-            "reserved": str(started.reserved),
-        }
-        self._transport.send(self._ack(command, detail))
+        started.done.add_done_callback(lambda done: _fetch_landed(command_id, endpoint, started, done))
+        result = FetchResult(
+            requested=started.requested, already_held=started.already_held, reserved=started.reserved
+        )
+        self._transport.send(self._ack(command_id, result))
 
     async def _talk_loop(self) -> None:
         attempt = 0
@@ -404,10 +409,15 @@ _SECRET_ARGS = frozenset({"token"})
 _LONG_ARG_CHARS = 80
 
 
-def _loggable(args: dict[str, str]) -> dict[str, str]:
-    """A command's args as a log line may show them: secrets masked, long values cut."""
+def _loggable(command: Command) -> dict[str, str]:
+    """A command's args or payload as a log line may show them: secrets masked, long values cut."""
+    if command.payload is not None:
+        fields = {f.name: getattr(command.payload, f.name) for f in dataclasses.fields(command.payload)}
+        values = {k: f"{len(v)} keys" if k == "keys" else str(v) for k, v in fields.items()}
+    else:
+        values = dict(command.args)
     out = {}
-    for name, value in args.items():
+    for name, value in values.items():
         if name in _SECRET_ARGS:
             value = "***"
         elif len(value) > _LONG_ARG_CHARS:

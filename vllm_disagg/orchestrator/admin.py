@@ -38,6 +38,7 @@ from vllm_disagg.orchestrator.roles import RoleChangeError, RoleChanger
 from vllm_disagg.orchestrator.rollout import RolloutError, Rollouts
 from vllm_disagg.orchestrator.spawner import AgentSpawner
 from vllm_disagg.orchestrator.workers.hub import WorkerHub
+from vllm_disagg.protocol.commands import SIMPLE
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 
 _DEFAULT_REQUESTS_LIMIT = 100
@@ -219,7 +220,7 @@ class Admin:
         if kind in ("drain", "undrain"):
             self._registry.set_admin_drain(agent_id, kind == "drain")
         try:
-            ack = await self._control.send_command(agent_id, kind)
+            ack = await self._control.send_command(agent_id, SIMPLE[kind])
         except CommandError as exc:
             return _error(exc.status, str(exc), type(exc).__name__)
         snap = self._registry.snapshot()

@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
@@ -35,6 +35,7 @@ from vllm_disagg.errors import DisaggError, FieldTypeError, VersionMismatch
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.protocol.commands import CommandPayload, from_detail
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
 from vllm_disagg.protocol.messages import (
     COMMAND_SINCE_MINOR,
@@ -42,7 +43,6 @@ from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
     Ack,
     Command,
-    CommandKind,
     Goodbye,
     Heartbeat,
     Hello,
@@ -498,16 +498,15 @@ class ControlPlane:
             self._peer_to_agent.pop(peer, None)
 
     async def send_command(
-        self,
-        agent_id: str,
-        kind: CommandKind,
-        args: dict[str, str] | None = None,
-        timeout_s: float | None = None,
+        self, agent_id: str, payload: CommandPayload, timeout_s: float | None = None
     ) -> Ack:
         """Send a command and wait for its ``Ack`` (``config.command_timeout_s`` by default).
 
-        Raises ``AgentUnknown``, ``AgentUnreachable``, ``AgentTooOld`` or ``CommandTimeout``.
+        The agent gets it as its protocol minor reads it (before 1.5: as string args), and its Ack's
+        result comes back typed whichever minor it speaks. Raises ``AgentUnknown``,
+        ``AgentUnreachable``, ``AgentTooOld`` or ``CommandTimeout``.
         """
+        kind = payload.KIND
         if timeout_s is None:
             timeout_s = self._config.command_timeout_s
         if self._registry.get(agent_id) is None:
@@ -515,11 +514,12 @@ class ControlPlane:
         peer = self._agent_to_peer.get(agent_id)
         if peer is None or not self._registry.is_live(agent_id):
             raise AgentUnreachable(f"instance {agent_id!r} has no live session")
+        minor = self._minors.get(agent_id, 0)
         since = COMMAND_SINCE_MINOR.get(kind, 0)
-        if self._minors.get(agent_id, 0) < since:
+        if minor < since:
             # Its codec would refuse the kind as an unknown literal, and the command would time out.
             raise AgentTooOld(
-                f"instance {agent_id!r} speaks protocol v{PROTOCOL_VERSION}.{self._minors.get(agent_id, 0)}: "
+                f"instance {agent_id!r} speaks protocol v{PROTOCOL_VERSION}.{minor}: "
                 f"{kind} needs v{PROTOCOL_VERSION}.{since}"
             )
         command_id = self._next_command_id
@@ -527,16 +527,19 @@ class ControlPlane:
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         self._pending[command_id] = _Pending(agent_id, future)
         try:
-            if not self._send(peer, Command(id=command_id, kind=kind, args=dict(args or {}))):
+            if not self._send(peer, Command.of(command_id, payload).for_minor(minor)):
                 raise AgentUnreachable(f"instance {agent_id!r} is not connected")
             try:
-                return await asyncio.wait_for(future, timeout_s)
+                ack = await asyncio.wait_for(future, timeout_s)
             except TimeoutError:
                 raise CommandTimeout(
                     f"instance {agent_id!r} did not acknowledge {kind} within {timeout_s}s"
                 ) from None
         finally:
             self._pending.pop(command_id, None)
+        if ack.result is None and ack.detail:  # an agent of 1.3 or 1.4: its counts as strings
+            ack = replace(ack, result=from_detail(kind, ack.detail))
+        return ack
 
 
 async def cancel_and_wait(task: asyncio.Task[None]) -> None:

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.control import AgentTooOld, CommandError, CommandTimeout, ControlPlane
 from vllm_disagg.orchestrator.registry import GatewayRegistry
-from vllm_disagg.protocol.kv_pool import MAX_COMMAND_KEYS, fetch_command, grant_command
+from vllm_disagg.protocol.commands import FetchResult, GrantResult, KvFetch, KvGrant, z85
+from vllm_disagg.protocol.kv_pool import MAX_COMMAND_KEYS
 
 # Why a move failed (the ``reason`` label of ``vllm_disagg_kv_pool_transfer_failures_total``).
 REASONS = (
@@ -80,13 +81,6 @@ class KvMover(Protocol):
         ...
 
 
-def _count(detail: Mapping[str, str], name: str, default: int) -> int:
-    try:
-        return int(detail.get(name, default))
-    except ValueError:
-        return default
-
-
 def failed(reason: str, error: str, requested: int = 0) -> MoveResult:
     """A failed move."""
     return MoveResult(False, reason, error, requested)
@@ -116,27 +110,30 @@ class ControlKvMover:
             return failed("no_pool", f"instance {who!r} serves no KV pool", requested)
         control, settings = self._control, self.settings
         token = secrets.token_urlsafe(18)
-        grant = grant_command(token, keys, control.public_key_of(receiver), settings.grant_ttl_s)
+        blocks = [bytes.fromhex(k) for k in keys]  # the gateway read them as lowercase hex
+        grant = KvGrant(token, blocks, z85(control.public_key_of(receiver)), settings.grant_ttl_s)
         try:
-            ack = await control.send_command(holder, "kv_grant", grant, timeout_s=settings.grant_timeout_s)
+            ack = await control.send_command(holder, grant, timeout_s=settings.grant_timeout_s)
         except CommandError as exc:
             return failed(_reason(exc, "grant_timeout"), str(exc), requested)
         if not ack.ok:
             return failed("grant_refused", f"{holder}: {ack.error}", requested)
-        held = min(requested, _count(ack.detail, "held", requested))
+        # An Ack without its counts (none of ours sends one) is taken at its word: all of them.
+        held = min(requested, ack.result.held if isinstance(ack.result, GrantResult) else requested)
         if held < 1:
             return failed("not_held", f"{holder}'s pool no longer holds the prompt's first block", requested)
-        endpoint, holder_key = h.info.kv_pool_endpoint, control.public_key_of(holder)
-        fetch = fetch_command(token, keys[:held], endpoint, holder_key, settings.fetch_timeout_s)
+        endpoint, holder_key = h.info.kv_pool_endpoint, z85(control.public_key_of(holder))
+        fetch = KvFetch(token, blocks[:held], endpoint, holder_key, settings.fetch_timeout_s)
         try:
             ack = await control.send_command(
-                receiver, "kv_fetch", fetch, timeout_s=settings.fetch_timeout_s + _ACK_MARGIN_S
+                receiver, fetch, timeout_s=settings.fetch_timeout_s + _ACK_MARGIN_S
             )
         except CommandError as exc:
             return failed(_reason(exc, "fetch_timeout"), str(exc), requested)
         if not ack.ok:
             return failed("fetch_refused", f"{receiver}: {ack.error}", requested)
-        already, reserved = _count(ack.detail, "already_held", 0), _count(ack.detail, "reserved", held)
+        got = ack.result if isinstance(ack.result, FetchResult) else FetchResult(held, 0, held)
+        already, reserved = got.already_held, got.reserved
         if already + reserved < 1:  # e.g. its pool is not open yet (its engine has not said hello)
             return failed("fetch_refused", f"{receiver} fetches none of the {held} blocks", requested)
         return MoveResult(True, requested=requested, held=held, already_held=already, reserved=reserved)

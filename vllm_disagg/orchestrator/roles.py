@@ -27,6 +27,7 @@ from vllm_disagg.orchestrator.control import CommandError, ControlPlane
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import InstanceView, Registry
+from vllm_disagg.protocol.commands import SetRole
 from vllm_disagg.protocol.messages import RESTART_REQUIRED, Ack, Role
 
 _POLL_S = 0.05  # how often a drain or a restart is looked at (the registry has no change callback)
@@ -105,9 +106,8 @@ class RoleChanger:
         return change
 
     async def _ask(self, agent_id: str, role: Role, restart: bool = False) -> Ack:
-        args = {"role": role, **({"restart": "yes"} if restart else {})}
         try:
-            return await self._control.send_command(agent_id, "set_role", args)
+            return await self._control.send_command(agent_id, SetRole(role, restart))
         except CommandError as exc:
             raise RoleChangeError(exc.status, str(exc), type(exc).__name__) from None
 

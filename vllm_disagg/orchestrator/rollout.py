@@ -33,7 +33,7 @@ from typing import Any, Literal
 from vllm_disagg.clock import Clock
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.registry import InstanceView, Registry
-from vllm_disagg.protocol.messages import CommandKind
+from vllm_disagg.protocol.commands import CommandPayload, Drain, Undrain
 
 log = logging.getLogger(__name__)
 
@@ -98,14 +98,14 @@ class Rollouts:
         registry: Registry,
         admit: Callable[[str, str, str], None],
         complete: Callable[[str, str], None],
-        command: Callable[[str, CommandKind], Awaitable[object]],
+        command: Callable[[str, CommandPayload], Awaitable[object]],
         events: EventLog,
         clock: Clock,
     ) -> None:
         self._registry = registry
         self._admit = admit  # (model, old revision, new revision): Hellos of both are accepted
         self._complete = complete  # (model, new revision): new Hellos are checked against it
-        self._command = command  # (agent id, "drain"|"undrain"): tell the agent (best effort)
+        self._command = command  # (agent id, Drain() | Undrain()): tell the agent (best effort)
         self._events = events
         self._clock = clock
         self.by_model: dict[str, Rollout] = {}
@@ -225,15 +225,15 @@ class Rollouts:
         if self._registry.get(agent_id) is None:
             return
         self._registry.set_admin_drain(agent_id, draining)  # routing follows at once
-        task = asyncio.ensure_future(self._tell(agent_id, "drain" if draining else "undrain"))
+        task = asyncio.ensure_future(self._tell(agent_id, Drain() if draining else Undrain()))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _tell(self, agent_id: str, kind: CommandKind) -> None:
+    async def _tell(self, agent_id: str, command: Drain | Undrain) -> None:
         try:
-            await self._command(agent_id, kind)
+            await self._command(agent_id, command)
         except Exception as exc:  # the registry's flag already routes around it; the agent hears later
-            log.warning("rollout: telling %s to %s failed: %s", agent_id, kind, exc)
+            log.warning("rollout: telling %s to %s failed: %s", agent_id, command.KIND, exc)
 
     def _publish(self, rollout: Rollout, what: str, **fields: Any) -> None:
         self._events.publish(

@@ -6,6 +6,9 @@ envelope, the tag, and every field against the dataclass's annotations; any fail
 protocol version may append fields this one does not know (missing fields with defaults take them;
 a wrongly typed known field is still refused).
 
+A union of dataclasses that each name a ``KIND`` (a command's payload, an Ack's result) is a
+*tagged union*: the map of the member's fields plus ``"kind": KIND``, decoded by that tag.
+
 A reason quotes the peer's values only in a bounded form (``_quote``, ``_clip``): the frame comes
 from a peer that may be hostile, and the reason goes back to it in a ``Refuse`` and into the log.
 """
@@ -22,7 +25,7 @@ from typing import Any, Literal, TypeVar, Union
 import msgpack
 
 from vllm_disagg.errors import FieldTypeError, FrameTooLarge, MalformedFrame, UnknownMessageType
-from vllm_disagg.protocol.messages import MESSAGE_TYPES, Message
+from vllm_disagg.protocol.messages import MESSAGE_TYPES, Ack, Command, Message
 
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
 M = TypeVar("M")
@@ -77,6 +80,8 @@ def _checker(tp: Any) -> Check:
         return check_float
     if tp is str:
         return lambda v, p: v if isinstance(v, str) else _fail(p, "str", v)
+    if tp is bytes:
+        return lambda v, p: v if isinstance(v, bytes) else _fail(p, "bytes", v)
     if origin is Literal:
         allowed = typing.get_args(tp)
 
@@ -88,8 +93,11 @@ def _checker(tp: Any) -> Check:
         return check_literal
     if origin in (Union, types.UnionType):
         args = typing.get_args(tp)
-        inner = [_checker(a) for a in args if a is not type(None)]
         nullable = type(None) in args
+        tagged = _tagged(tp)
+        if tagged is not None:
+            return _tagged_checker(tagged, nullable)
+        inner = [_checker(a) for a in args if a is not type(None)]
 
         def check_union(v: Any, p: str) -> Any:
             if v is None and nullable:
@@ -105,13 +113,14 @@ def _checker(tp: Any) -> Check:
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         item = _checker(item_tp)
-        ints = item_tp is int
+        exact = item_tp if item_tp in (int, bytes, str) else None
 
         def check_list(v: Any, p: str) -> list[Any]:
             if not isinstance(v, list):
                 _fail(p, "list", v)
-            # Token ids and block hashes come by the ten thousand: one pass for the common case.
-            if ints and all(type(x) is int for x in v):
+            # Token ids, block hashes and keys come by the ten thousand: one pass in C for the common
+            # case (by exact type: a bool is no int).
+            if exact is not None and set(map(type, v)) <= {exact}:
                 return v
             return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
 
@@ -129,6 +138,37 @@ def _checker(tp: Any) -> Check:
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _StructCodec(tp).decode_fields
     raise TypeError(f"the codec cannot carry annotation {tp!r}")
+
+
+def _tagged(tp: Any) -> dict[str, type[Any]] | None:
+    """A union's members by ``KIND`` when every member but None is a dataclass with one, else None."""
+    members = [a for a in typing.get_args(tp) if a is not type(None)]
+    if not all(dataclasses.is_dataclass(m) and isinstance(getattr(m, "KIND", None), str) for m in members):
+        if any(dataclasses.is_dataclass(m) for m in members):
+            raise TypeError(f"the codec cannot carry annotation {tp!r}: a union of structs needs KINDs")
+        return None
+    by_kind = {m.KIND: m for m in members}
+    if len(by_kind) != len(members):
+        raise TypeError(f"the members of {tp!r} must have KINDs of their own")
+    return by_kind
+
+
+def _tagged_checker(by_kind: dict[str, type[Any]], nullable: bool) -> Check:
+    codecs = {kind: _StructCodec(cls) for kind, cls in by_kind.items()}
+    kinds = sorted(codecs)
+
+    def check_tagged(v: Any, p: str) -> Any:
+        if v is None and nullable:
+            return None
+        if not isinstance(v, dict):
+            _fail(p, "map of fields", v)
+        kind = v.get("kind")
+        codec = codecs.get(kind) if isinstance(kind, str) else None
+        if codec is None:
+            raise FieldTypeError(f"field {_clip(p + '.kind')!r}: expected one of {kinds}, got {_quote(kind)}")
+        return codec.decode_fields(v, p)
+
+    return check_tagged
 
 
 class _StructCodec:
@@ -183,8 +223,11 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 
 def for_minor(message: M, minor: int) -> M:
     """``message`` as a peer of protocol 1.``minor`` may receive it: every field a later minor added
-    (nested structs included) back at its default, so the codec leaves it out of the frame. For the
-    rare message sent before the peer's minor is known (a Hello said again as 1.0)."""
+    (nested structs included) back at its default, so the codec leaves it out of the frame; a
+    command's payload and an Ack's result first in the string maps of 1.4 (``Command.for_minor``,
+    ``Ack.for_minor``), not dropped."""
+    if isinstance(message, Command | Ack):
+        message = typing.cast(M, message.for_minor(minor))
     return typing.cast(M, _downgrade(message, minor))
 
 
@@ -207,6 +250,13 @@ def _encoder(tp: Any) -> Callable[[Any], Any] | None:
     """How to write one annotation's value as msgpack data; None when it is written as it is."""
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _StructCodec(tp).encode_fields
+    if typing.get_origin(tp) in (Union, types.UnionType) and (tagged := _tagged(tp)) is not None:
+        codecs = {cls: _StructCodec(cls) for cls in tagged.values()}
+
+        def encode_tagged(v: Any) -> Any:
+            return None if v is None else {"kind": v.KIND, **codecs[type(v)].encode_fields(v)}
+
+        return encode_tagged
     if typing.get_origin(tp) is list:
         (item_tp,) = typing.get_args(tp)
         item = _encoder(item_tp)

@@ -10,38 +10,52 @@ every ``Welcome.heartbeat_interval_s`` (and ``KvEvents`` as its engine's prefix 
 orchestrator -> ``Command``, agent -> ``Ack``; either side -> ``Goodbye`` when it leaves. See
 docs/protocol.md for an example of each. Agents with a KV pool (1.3) also report its contents as
 ``KvEvent``s of medium ``"pool"``, and move blocks between pools on ``kv_grant`` / ``kv_fetch``.
+From 1.5 a command's payload and its Ack's result are typed per kind (``protocol/commands.py``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import ClassVar, Literal
 from urllib.parse import urlsplit
 
+from vllm_disagg.protocol.commands import COMMAND_KINDS as COMMAND_KINDS
+from vllm_disagg.protocol.commands import (
+    POOL_MINOR,
+    TYPED_MINOR,
+    AckResult,
+    CommandPayload,
+    check,
+    from_args,
+    to_args,
+    to_detail,
+)
+from vllm_disagg.protocol.commands import CommandKind as CommandKind
+
 PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # 1: unknown fields are ignored, Hello and Welcome say their minor. 2: ``Ack.code``. 3: KV pools
 # (``kv_grant``/``kv_fetch`` commands, ``Ack.detail``, ``InstanceInfo.kv_pool_endpoint``, ``KvEvent.medium``).
-# 4: ``InstanceInfo.capabilities`` (what the engine's streamed answers carry).
-PROTOCOL_MINOR = 4
+# 4: ``InstanceInfo.capabilities`` (what the engine's streamed answers carry). 5: typed payloads
+# (``Command.payload``, ``Ack.result``) in place of the string maps ``args`` and ``detail``.
+PROTOCOL_MINOR = 5
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
 SINCE_MINOR_2 = {"since_minor": 2}
 SINCE_MINOR_3 = {"since_minor": 3}
 SINCE_MINOR_4 = {"since_minor": 4}
+SINCE_MINOR_5 = {"since_minor": TYPED_MINOR}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
-# orchestrator drains the instance, then asks again with ``args["restart"] = "yes"``.
+# orchestrator drains the instance, then asks again with ``SetRole.restart`` (1.4: ``args["restart"]``).
 RESTART_REQUIRED = "restart_required"
 
 Role = Literal["prefill", "decode", "both"]
 EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
-CommandKind = Literal["drain", "undrain", "shutdown", "set_role", "kv_grant", "kv_fetch"]
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unhealthy", "restarting", "stopped")
-COMMAND_KINDS: tuple[CommandKind, ...] = ("drain", "undrain", "shutdown", "set_role", "kv_grant", "kv_fetch")
 # Command kinds an agent knows from this minor on: never sent to an agent of an older one.
 COMMAND_SINCE_MINOR: Mapping[CommandKind, int] = MappingProxyType({"kv_grant": 3, "kv_fetch": 3})
 AGENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # what the tools choose and the admin API accepts
@@ -200,12 +214,37 @@ class Heartbeat:
 
 @dataclass(frozen=True, slots=True)
 class Command:
-    """Orchestrator -> agent: do something; answered by an ``Ack`` with the same id."""
+    """Orchestrator -> agent: do something; answered by an ``Ack`` with the same id.
+
+    What to do is ``payload`` (1.5), typed per kind; to a peer before 1.5 the same goes as ``args``,
+    a string map (``for_minor``). ``read`` gives the payload whichever of the two a command carries.
+    """
 
     TAG: ClassVar[str] = "command"
     id: int
     kind: CommandKind
-    args: dict[str, str] = field(default_factory=dict)
+    args: dict[str, str] = field(default_factory=dict)  # up to 1.4; empty beside a payload
+    payload: CommandPayload | None = field(default=None, metadata=SINCE_MINOR_5)
+
+    @classmethod
+    def of(cls, id: int, payload: CommandPayload) -> Command:
+        """Command ``id`` asking for ``payload``."""
+        return cls(id=id, kind=payload.KIND, payload=payload)
+
+    def for_minor(self, minor: int) -> Command:
+        """This command as an agent of protocol 1.``minor`` reads it: before 1.5, its payload as args."""
+        if minor >= TYPED_MINOR or self.payload is None:
+            return self
+        return Command(id=self.id, kind=self.kind, args=to_args(self.payload))
+
+    def read(self) -> CommandPayload:
+        """What this command asks, from its payload or (a peer before 1.5) its args; ``ValueError``
+        naming the value that is wrong."""
+        payload = self.payload if self.payload is not None else from_args(self.kind, self.args)
+        if self.kind != payload.KIND:  # ``kind`` stays on the wire for peers before 1.5: they must agree
+            raise ValueError(f"a payload of kind {payload.KIND!r} in a {self.kind!r} command")
+        check(payload)
+        return payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +258,23 @@ class Ack:
     # Machine-readable reason of a refusal (``RESTART_REQUIRED``); sent only to an orchestrator of 1.2+.
     code: str = field(default="", metadata=SINCE_MINOR_2)
     # Small results of a command (``kv_grant``: ``held``; ``kv_fetch``: ``requested``, ``already_held``,
-    # ``reserved``), as decimal strings; sent only to an orchestrator of 1.3+.
+    # ``reserved``), as decimal strings; sent only to an orchestrator of 1.3 or 1.4.
     detail: dict[str, str] = field(default_factory=dict, metadata=SINCE_MINOR_3)
+    # The same, typed (``GrantResult``, ``FetchResult``); sent only to an orchestrator of 1.5+.
+    result: AckResult | None = field(default=None, metadata=SINCE_MINOR_5)
+
+    def for_minor(self, minor: int) -> Ack:
+        """This Ack as an orchestrator of protocol 1.``minor`` reads it: its result as ``detail``
+        before 1.5 (from 1.3; none before), and without ``code`` before 1.2."""
+        ack = self
+        if minor < TYPED_MINOR and ack.result is not None:
+            detail = to_detail(ack.result) if minor >= POOL_MINOR else {}
+            ack = replace(ack, result=None, detail=detail)
+        if minor < 3 and ack.detail:
+            ack = replace(ack, detail={})
+        if minor < 2 and ack.code:
+            ack = replace(ack, code="")
+        return ack
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,19 @@ from vllm.logger import init_logger
 
 from vllm_disagg.agent.kv.arena import FAILED, Geometry, SlotArena
 from vllm_disagg.agent.kv.local import LocalClient, LocalError
+from vllm_disagg.agent.kv.local_messages import (
+    Commit,
+    Committed,
+    Lookup,
+    Open,
+    Opened,
+    Pinned,
+    Release,
+    Released,
+    Reserve,
+    Reserved,
+    SaveBlock,
+)
 from vllm_disagg.protocol.kv_pool import pool_handle
 
 if TYPE_CHECKING:
@@ -140,11 +153,11 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if last <= first:
             return 0, False
         try:
-            answer = self._agent.call("lookup", req=self._req(request.request_id), keys=keys[first:last])
+            answer = self._agent.call(Lookup(self._req(request.request_id), keys[first:last]), Pinned)
         except LocalError as e:
             log.warning("pool lookup failed, computing the prompt: %s", e)
             return 0, False
-        slots, ready = tuple(answer["slots"]), tuple(answer["ready"])
+        slots, ready = tuple(answer.slots), tuple(answer.ready)
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         tracked.local_blocks = first
         tracked.pinned = (slots, ready)
@@ -198,7 +211,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _reserve_saves(self, scheduler_output: SchedulerOutput) -> Save | None:
         """Pool slots for the prompt blocks this step completes that the pool does not hold yet."""
-        blocks: list[list[Any]] = []
+        blocks: list[SaveBlock] = []
         where: dict[bytes, int] = {}
         for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
@@ -218,18 +231,17 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 parent = request.block_hashes[b - 1] if b else None
                 tokens = list(prompt[b * self._block_size : (b + 1) * self._block_size])
                 if key not in where:
-                    blocks.append([key, parent, tokens])
+                    blocks.append(SaveBlock(key, parent, tokens))
                     where[key] = tracked.block_ids[b]
             tracked.saved = max(tracked.saved, full)
         if not blocks:
             return None
         owner = f"{self._engine}:{self._step}"
         try:
-            answer = self._agent.call("reserve", owner=owner, blocks=blocks)
+            got = self._agent.call(Reserve(owner, blocks), Reserved).slots
         except LocalError as e:
             log.warning("pool reserve failed, not saving this step's blocks: %s", e)
             return None
-        got = [(bytes(k), int(s)) for k, s in answer["slots"]]
         if not got:
             return None
         return Save(tuple(s for _, s in got), tuple(where[k] for k, _ in got), tuple(k for k, _ in got))
@@ -248,7 +260,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def _release(self, req_ids: list[str]) -> None:
         try:
-            self._agent.call("release", reqs=[self._req(r) for r in req_ids])
+            self._agent.call(Release([self._req(r) for r in req_ids]), Released)
         except LocalError as e:  # the agent restarted: it dropped every pin with its old engine
             log.warning("pool release failed: %s", e)
 
@@ -264,15 +276,13 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         one = first.select(self._block_dim, 0)
         geometry = Geometry(len(kv_caches), one.numel() * one.element_size(), self._block_size)
         try:
-            answer = self._agent.call(
-                "open", geometry=geometry.to_wire(), engine=self._engine, pid=os.getpid()
-            )
-            self._arena = SlotArena.attach(answer["path"], geometry, int(answer["capacity"]))
+            opened = self._agent.call(Open(geometry, self._engine, os.getpid()), Opened)
+            self._arena = SlotArena.attach(opened.path, geometry, opened.capacity)
         except (LocalError, OSError, ValueError) as e:
             log.error("no pool for this engine (it computes every prompt): %s", e)
             self._arena = None
             return
-        log.info("vllm-disagg pool mapped: %s, %d slots, %s", answer["path"], answer["capacity"], geometry)
+        log.info("vllm-disagg pool mapped: %s, %d slots, %s", opened.path, opened.capacity, geometry)
 
     def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
@@ -344,7 +354,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         for slot in meta.save.slots:
             self._arena.set_layers_ready(slot, len(self._layers))
         try:
-            self._agent.call("commit", owner=f"{self._engine}:{meta.step}", keys=list(meta.save.keys))
+            self._agent.call(Commit(f"{self._engine}:{meta.step}", list(meta.save.keys)), Committed)
         except LocalError as e:
             log.warning("pool commit failed: %s", e)
 

@@ -13,6 +13,16 @@ the connection is still there.
 Every header is msgpack ``[op, field, ...]``. ``decode`` checks each field's type and bound and
 raises ``MalformedFrame`` with a short reason (the holder sends that reason back in a ``Refused``):
 a peer's frame never crashes either side.
+
+**Versions.** Agents meet other agents of other releases during a rolling upgrade, so the link has
+a version (``FRAMES_VERSION``), set by the fetch: ``FetchRequest.version`` is the version the
+receiver speaks, and the holder answers in it (``Start.version``) or refuses it. A version is
+written as one more field after the request's (and the Start's) own, and left out while it is 1:
+version 1 is the layout of the agents before versions existed, so they and this one read each other
+unchanged. A frame of a later version than this side reads raises ``UnsupportedVersion``, whose
+reason names both; the holder sends it back as ``Refused{reason, code: "unsupported_version"}``,
+which tells the receiver to ask again in an older version. A later version keeps every field of
+version 1 in place and the version where it is, and appends what it adds after it.
 """
 
 from __future__ import annotations
@@ -25,10 +35,12 @@ from typing import Any
 import msgpack
 
 from vllm_disagg.agent.kv.arena import Geometry
-from vllm_disagg.errors import MalformedFrame
+from vllm_disagg.errors import MalformedFrame, UnsupportedVersion
 
+FRAMES_VERSION = 1  # the newest version of the frames this agent reads and speaks
 MAX_KEYS = 1 << 16  # blocks in one fetch: a 1M-token prompt of 16-token blocks
 MAX_KEY_BYTES = 64  # vLLM's block hashes are 32 bytes (sha256); room for a longer one
+MAX_VERSION = 1 << 16  # a version above it is garbage, not a later release
 MAX_TOKEN_CHARS = 256
 MAX_REASON_CHARS = 500
 MAX_WINDOW = 1024
@@ -43,6 +55,7 @@ class FetchRequest:
     geometry: Geometry  # the receiver's: the holder refuses a fetch into a differently shaped pool
     window: int  # chunks the holder may send ahead of the receiver's credit
     timeout_s: float  # the receiver gives up by then, so the holder's stream may end then too
+    version: int = FRAMES_VERSION  # the frames the receiver speaks on this connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +67,7 @@ class Start:
     # Each block's token ids (empty where the holder does not know them), which the receiver's pool
     # reports with it: ``kv_fetch`` names only keys, and the orchestrator indexes a block by its tokens.
     tokens: tuple[tuple[int, ...], ...]
+    version: int = FRAMES_VERSION  # the request's: the frames of this connection
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +97,7 @@ class Refused:
     """Holder -> receiver: this request (or frame) is not served, and why."""
 
     reason: str
+    code: str = ""  # "unsupported_version": ask again in an older version; "" otherwise
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,9 +120,11 @@ def encode(frame: Frame) -> bytes:
                 frame.geometry.to_wire(),
                 frame.window,
                 frame.timeout_s,
+                *_version(frame.version),
             ]
         case Start():
-            fields = ["start", frame.blocks, frame.geometry.to_wire(), [list(t) for t in frame.tokens]]
+            tokens = [list(t) for t in frame.tokens]
+            fields = ["start", frame.blocks, frame.geometry.to_wire(), tokens, *_version(frame.version)]
         case Chunk():
             fields = ["chunk", frame.layer, frame.first]
         case Credit():
@@ -115,15 +132,21 @@ def encode(frame: Frame) -> bytes:
         case Done():
             fields = ["done", frame.landed]
         case Refused():
-            fields = ["refused", frame.reason[:MAX_REASON_CHARS]]
+            fields = ["refused", frame.reason[:MAX_REASON_CHARS], *([frame.code] if frame.code else [])]
         case Ping():
             fields = ["ping"]
     packed: bytes = msgpack.packb(fields, use_bin_type=True)
     return packed
 
 
+def _version(version: int) -> list[int]:
+    # Version 1 is written as the agents before versions wrote it: without one.
+    return [] if version == 1 else [version]
+
+
 def decode(data: bytes | memoryview, max_bytes: int) -> Frame:
-    """The frame a header part holds; ``MalformedFrame`` with a reason for anything else."""
+    """The frame a header part holds; ``UnsupportedVersion`` for a later version's, and
+    ``MalformedFrame`` with a reason for anything else."""
     if len(data) > max_bytes:
         raise MalformedFrame(f"header of {len(data)} bytes, over the limit of {max_bytes}")
     try:
@@ -137,6 +160,15 @@ def decode(data: bytes | memoryview, max_bytes: int) -> Frame:
     if decoder is None:
         raise MalformedFrame(f"unknown op {op[:40]!r}")
     want = _ARITY[op]
+    if op in _VERSIONED and len(fields) > want:
+        version = _int(fields[want], "version", 1, MAX_VERSION)
+        if version > FRAMES_VERSION:
+            raise UnsupportedVersion(
+                f"{op} of KV frames v{version}: this agent reads v1 to v{FRAMES_VERSION} (ask in v1)"
+            )
+        want += 1
+    elif op == "refused" and len(fields) == 2:
+        want = 2  # with a code
     if len(fields) != want:
         raise MalformedFrame(f"{op}: expected {want} fields, got {len(fields)}")
     return decoder(fields)
@@ -156,7 +188,8 @@ def _geometry(value: object) -> Geometry:
 
 
 def _fetch(fields: list[Any]) -> FetchRequest:
-    token, keys, geometry, window, timeout_s = fields
+    token, keys, geometry, window, timeout_s = fields[:5]
+    version = fields[5] if len(fields) > 5 else 1
     if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN_CHARS:
         raise MalformedFrame(f"token: expected a string of 1 to {MAX_TOKEN_CHARS} characters")
     if not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS:
@@ -165,9 +198,8 @@ def _fetch(fields: list[Any]) -> FetchRequest:
         raise MalformedFrame(f"keys: each must be 1 to {MAX_KEY_BYTES} bytes")
     if not isinstance(timeout_s, float | int) or not (timeout_s > 0 and math.isfinite(timeout_s)):
         raise MalformedFrame("timeout_s: expected a positive number of seconds")
-    return FetchRequest(
-        token, tuple(keys), _geometry(geometry), _int(window, "window", 1, MAX_WINDOW), float(timeout_s)
-    )
+    window = _int(window, "window", 1, MAX_WINDOW)
+    return FetchRequest(token, tuple(keys), _geometry(geometry), window, float(timeout_s), version)
 
 
 def _start(fields: list[Any]) -> Start:
@@ -179,7 +211,8 @@ def _start(fields: list[Any]) -> Start:
             raise MalformedFrame(f"tokens: expected {geometry.block_size} token ids per block, or none")
         if not all(type(t) is int and t >= 0 for t in ids):
             raise MalformedFrame("tokens: expected non-negative integers")
-    return Start(blocks, geometry, tuple(tuple(ids) for ids in tokens))
+    version = fields[3] if len(fields) > 3 else 1
+    return Start(blocks, geometry, tuple(tuple(ids) for ids in tokens), version)
 
 
 def _chunk(fields: list[Any]) -> Chunk:
@@ -187,9 +220,10 @@ def _chunk(fields: list[Any]) -> Chunk:
 
 
 def _refused(fields: list[Any]) -> Refused:
-    if not isinstance(fields[0], str):
-        raise MalformedFrame("reason: expected a string")
-    return Refused(fields[0][:MAX_REASON_CHARS])
+    code = fields[1] if len(fields) > 1 else ""
+    if not isinstance(fields[0], str) or not isinstance(code, str):
+        raise MalformedFrame("reason: expected a string (and a code)")
+    return Refused(fields[0][:MAX_REASON_CHARS], code[:MAX_TOKEN_CHARS])
 
 
 _DECODERS: dict[str, Callable[[list[Any]], Frame]] = {
@@ -201,4 +235,6 @@ _DECODERS: dict[str, Callable[[list[Any]], Frame]] = {
     "refused": _refused,
     "ping": lambda f: Ping(),
 }
+# Fields of version 1; the versioned ops may carry the version after them.
 _ARITY = {"fetch": 5, "start": 3, "chunk": 2, "credit": 1, "done": 1, "refused": 1, "ping": 0}
+_VERSIONED = frozenset({"fetch", "start"})

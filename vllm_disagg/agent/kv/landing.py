@@ -30,7 +30,7 @@ from vllm_disagg.agent.kv.arena import FAILED, SlotArena
 from vllm_disagg.agent.kv.frames import Chunk, Credit, Done, Ping, Refused, Start, decode, encode
 from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
-from vllm_disagg.errors import MalformedFrame
+from vllm_disagg.errors import MalformedFrame, UnsupportedVersion
 from vllm_disagg.protocol.transport import send_now
 
 log = logging.getLogger(__name__)
@@ -103,6 +103,8 @@ class _Landing:
     def take(self, parts: list[zmq.Frame]) -> None:
         try:
             frame = decode(parts[0].buffer, _MAX_HEADER_BYTES)
+        except UnsupportedVersion as exc:  # never sent by a holder that answers in our version
+            raise Failed(f"the holder speaks a later version: {exc}") from None
         except MalformedFrame as exc:
             raise Failed(f"garbage from the holder: {exc}") from None
         match frame:

@@ -2,20 +2,23 @@
 
 The connector runs inside vLLM's processes (the scheduler's and the worker's), which are synchronous,
 so its side is a blocking ZeroMQ REQ socket with a deadline (``LocalClient``); the agent's side is an
-asyncio ROUTER (``service.py``). Messages are msgpack maps ``{"op": ..., ...}``; every answer has
-``ok`` and, when not ok, ``error``. The socket is an ``ipc://`` path in a directory only the agent's
-user can enter (``local_endpoint``): the bytes behind it are prompts' KV, so no other user may ask.
+asyncio ROUTER (``service.py``). The messages are typed and versioned (``local_messages.py``): on the
+wire msgpack maps ``{"op": ..., "v": ..., ...}``, and every answer has ``ok`` and, when not ok,
+``error``. The socket is an ``ipc://`` path in a directory only the agent's user can enter
+(``local_endpoint``): the bytes behind it are prompts' KV, so no other user may ask.
 
-Ops (connector -> agent):
+Requests (connector -> agent), each answered by its own message:
 
-- ``open {geometry, engine, pid}``: the worker's KV geometry; the answer names the arena (``path``,
-  ``capacity``) the worker maps. Engines sharing a node's pool name their requests and saves
+- ``Open {geometry, engine, pid}`` -> ``Opened {path, capacity}``: the worker's KV geometry, and the
+  arena the worker maps. Engines sharing a node's pool name their requests and saves
   ``ENGINE:...``; a new ``pid`` for an engine is a restart: the references the old process held go.
-- ``lookup {req, keys}``: pin the leading keys held for request ``req`` (again: replaces its pins);
-  answers ``slots`` and ``ready`` (False while a transfer is landing it).
-- ``release {reqs}``: the requests loaded or finished; their pins go.
-- ``reserve {owner, blocks: [[key, parent, token_ids], ...]}``: slots to save new blocks into.
-- ``commit {owner, keys}``: the owner wrote them; they are ready, and its other reservations go.
+- ``Lookup {req, keys}`` -> ``Pinned {slots, ready}``: pin the leading keys held for request ``req``
+  (again: replaces its pins); ``ready`` is False while a transfer is landing a block.
+- ``Release {reqs}`` -> ``Released``: the requests loaded or finished; their pins go.
+- ``Reserve {owner, blocks: [[key, parent, token_ids], ...]}`` -> ``Reserved {slots}``: slots to
+  save new blocks into.
+- ``Commit {owner, keys}`` -> ``Committed {committed}``: the owner wrote them; they are ready, and
+  its other reservations go.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import hashlib
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import msgpack
 import zmq
+
+from vllm_disagg.agent.kv.local_messages import A, LocalRequest, read_answer, request_to_wire
 
 DEFAULT_TIMEOUT_S = 2.0
 _MAX_IPC_PATH = 100  # sun_path is 108 bytes with its NUL; keep a margin
@@ -60,7 +64,12 @@ def make_local_dir(endpoint: str) -> None:
 
 
 class LocalError(Exception):
-    """The agent did not answer in time, or said no."""
+    """The agent did not answer in time, said no, or answered what this side cannot read. ``code``
+    is the agent's machine-readable reason, where it gave one (``unsupported_version``)."""
+
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class LocalClient:
@@ -82,21 +91,30 @@ class LocalClient:
             self._sock = sock
         return self._sock
 
-    def call(self, op: str, **fields: Any) -> dict[str, Any]:
-        """Send one request and wait for its answer; ``LocalError`` on timeout or refusal."""
+    def call(self, request: LocalRequest, answer: type[A]) -> A:
+        """Send one request and wait for its answer, read as ``answer``; ``LocalError`` on timeout,
+        refusal, or an answer that is not one."""
         sock = self._socket()
+        op = request.OP
         try:
-            sock.send(msgpack.packb({"op": op, **fields}, use_bin_type=True))
+            sock.send(msgpack.packb(request_to_wire(request), use_bin_type=True))
             raw = sock.recv()
         except zmq.Again:
             sock.close()
             self._sock = None
             raise LocalError(f"agent at {self.endpoint} did not answer {op!r} in time") from None
-        answer = msgpack.unpackb(raw, raw=False)
-        if not isinstance(answer, dict) or not answer.get("ok"):
-            error = answer.get("error") if isinstance(answer, dict) else repr(answer)
-            raise LocalError(f"agent refused {op!r}: {error}")
-        return answer
+        try:
+            reply = msgpack.unpackb(raw, raw=False)
+        except (ValueError, msgpack.UnpackException):
+            raise LocalError(f"agent answered {op!r} with bytes that are not msgpack") from None
+        if not isinstance(reply, dict) or not reply.get("ok"):
+            error = reply.get("error") if isinstance(reply, dict) else repr(reply)
+            code = reply.get("code") if isinstance(reply, dict) else ""
+            raise LocalError(f"agent refused {op!r}: {error}", code if isinstance(code, str) else "")
+        try:
+            return read_answer(reply, answer)
+        except ValueError as e:
+            raise LocalError(f"agent answered {op!r} with what is not one: {e}") from None
 
     def close(self) -> None:
         if self._sock is not None:

@@ -1,9 +1,10 @@
 """The agent's side of the local link: its engine's connector asks, the pool answers (``local.py``).
 
 ``PoolService.handle`` is the whole protocol as a plain function of one request (tested without
-sockets); ``serve`` runs it behind a ROUTER socket on the agent's event loop, which is the pool's one
-owner, so the pool needs no locks. A malformed request gets ``ok: false`` and a reason; the service
-stays up.
+sockets): it reads the request into its typed message (``local_messages.py``), answers it, and
+writes the answer back as a map. ``serve`` runs it behind a ROUTER socket on the agent's event loop,
+which is the pool's one owner, so the pool needs no locks. A malformed request, or one of a later
+version of the link, gets ``ok: false`` and a reason; the service stays up.
 """
 
 from __future__ import annotations
@@ -17,32 +18,33 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from vllm_disagg.agent.kv.arena import Geometry
 from vllm_disagg.agent.kv.local import make_local_dir
+from vllm_disagg.agent.kv.local_messages import (
+    BadRequest,
+    Commit,
+    Committed,
+    LocalAnswer,
+    Lookup,
+    Open,
+    Opened,
+    Pinned,
+    Release,
+    Released,
+    Reserve,
+    Reserved,
+    answer_to_wire,
+    read_request,
+    refusal,
+)
 from vllm_disagg.agent.kv.node import PoolNode
-from vllm_disagg.agent.kv.pool import BlockKey
+from vllm_disagg.agent.kv.pool import PrefixPool
+from vllm_disagg.errors import UnsupportedVersion
 
 log = logging.getLogger(__name__)
 
 
-class BadRequest(ValueError):
-    pass
-
-
-def _keys(raw: object) -> list[BlockKey]:
-    if not isinstance(raw, list) or not all(isinstance(k, bytes) for k in raw):
-        raise BadRequest("keys must be a list of byte strings")
-    return list(raw)
-
-
-def _str(raw: object, what: str) -> str:
-    if not isinstance(raw, str) or not raw:
-        raise BadRequest(f"{what} must be a non-empty string")
-    return raw
-
-
 class PoolService:
-    """Answers the connector's ops on the agent's ``PoolNode``."""
+    """Answers the connector's requests on the agent's ``PoolNode``."""
 
     def __init__(self, node: PoolNode) -> None:
         self.node = node
@@ -51,60 +53,49 @@ class PoolService:
         self._task: asyncio.Task[None] | None = None
 
     # --- the protocol ------------------------------------------------------------------------------
-    def handle(self, request: object) -> dict[str, Any]:
-        if not isinstance(request, dict):
-            return {"ok": False, "error": "a request is a map with an op"}
-        op = request.get("op")
+    def handle(self, raw: object) -> dict[str, Any]:
+        """One request, as its map came off the socket, answered as a map."""
         try:
-            if op == "open":
-                return self._open(request)
-            pool = self.node.pool
-            if pool is None:
-                return {"ok": False, "error": "the pool is not open (no engine said its geometry)"}
-            if op == "lookup":
-                req = "req:" + _str(request.get("req"), "req")
-                pool.release(req)
-                pinned = pool.pin(req, _keys(request.get("keys")))
-                answer = {"ok": True, "slots": list(pinned.slots), "ready": list(pinned.ready)}
-            elif op == "release":
-                reqs = request.get("reqs")
-                if not isinstance(reqs, list):
-                    raise BadRequest("reqs must be a list")
-                for req in reqs:
-                    pool.release("req:" + _str(req, "req"))
-                answer = {"ok": True}
-            elif op == "reserve":
-                owner = "save:" + _str(request.get("owner"), "owner")
-                blocks = request.get("blocks")
-                if not isinstance(blocks, list):
-                    raise BadRequest("blocks must be a list of [key, parent, token_ids]")
-                parsed = [_block(b) for b in blocks]
-                got = pool.reserve(owner, parsed)
-                answer = {"ok": True, "slots": [[k, s] for k, s in got.items()]}
-            elif op == "commit":
-                owner = "save:" + _str(request.get("owner"), "owner")
-                done = pool.commit(owner, _keys(request.get("keys")))
-                pool.release(owner)
-                answer = {"ok": True, "committed": len(done)}
-            else:
-                return {"ok": False, "error": f"unknown op {op!r}"}
+            request = read_request(raw)
+        except UnsupportedVersion as e:
+            return refusal(str(e), e.code)
         except BadRequest as e:
-            return {"ok": False, "error": str(e)}
+            return refusal(str(e))
+        if isinstance(request, Open):
+            return answer_to_wire(self._open(request))
+        if self.node.pool is None:
+            return refusal("the pool is not open (no engine said its geometry)")
+        answer = self.answer(self.node.pool, request)
         self.node.changed()
-        return answer
+        return answer_to_wire(answer)
 
-    def _open(self, request: dict[str, Any]) -> dict[str, Any]:
-        try:
-            geometry = Geometry.from_wire(request.get("geometry"))
-        except ValueError as e:
-            raise BadRequest(str(e)) from None
-        engine = _str(request.get("engine"), "engine")
-        pid = request.get("pid")
-        if not isinstance(pid, int):
-            raise BadRequest("pid must be an integer")
-        arena = self.node.open(geometry)
+    def answer(self, pool: PrefixPool, request: Lookup | Release | Reserve | Commit) -> LocalAnswer:
+        """What the pool says to one request once an engine opened it."""
+        match request:
+            case Lookup():
+                req = "req:" + request.req
+                pool.release(req)
+                pinned = pool.pin(req, request.keys)
+                return Pinned(list(pinned.slots), list(pinned.ready))
+            case Release():
+                for req in request.reqs:
+                    pool.release("req:" + req)
+                return Released()
+            case Reserve():
+                owner = "save:" + request.owner
+                got = pool.reserve(owner, [(b.key, b.parent, b.tokens) for b in request.blocks])
+                return Reserved(list(got.items()))
+            case Commit():
+                owner = "save:" + request.owner
+                done = pool.commit(owner, request.keys)
+                pool.release(owner)
+                return Committed(len(done))
+
+    def _open(self, request: Open) -> Opened:
+        arena = self.node.open(request.geometry)
         pool = self.node.pool
         assert pool is not None
+        engine, pid = request.engine, request.pid
         if self._engine_pids.get(engine) != pid:
             # A new process for this engine: what the old one pinned or was writing, it never will.
             mine = (f"req:{engine}:", f"save:{engine}:")
@@ -113,7 +104,7 @@ class PoolService:
                     pool.release(owner)
             self._engine_pids[engine] = pid
             self.node.changed()
-        return {"ok": True, "path": str(arena.path), "capacity": arena.capacity}
+        return Opened(str(arena.path), arena.capacity)
 
     # --- the socket --------------------------------------------------------------------------------
     async def start(self, endpoint: str, ctx: zmq.asyncio.Context | None = None) -> None:
@@ -133,7 +124,7 @@ class PoolService:
             try:
                 request = msgpack.unpackb(frames[2], raw=False)
             except (ValueError, msgpack.UnpackException) as e:
-                answer: dict[str, Any] = {"ok": False, "error": f"not msgpack: {e}"}
+                answer = refusal(f"not msgpack: {e}")
             else:
                 answer = self.handle(request)
             await sock.send_multipart([frames[0], b"", msgpack.packb(answer, use_bin_type=True)])
@@ -146,14 +137,3 @@ class PoolService:
         if self._sock is not None:
             self._sock.close()
         self.node.close()
-
-
-def _block(raw: object) -> tuple[BlockKey, BlockKey | None, list[int]]:
-    if not isinstance(raw, list | tuple) or len(raw) != 3:
-        raise BadRequest("a block is [key, parent, token_ids]")
-    key, parent, tokens = raw
-    if not isinstance(key, bytes) or not (parent is None or isinstance(parent, bytes)):
-        raise BadRequest("a block's key and parent are byte strings (parent may be nil)")
-    if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-        raise BadRequest("a block's token_ids are a list of integers")
-    return key, parent, tokens

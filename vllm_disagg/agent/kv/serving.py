@@ -44,7 +44,7 @@ from vllm_disagg.agent.kv.grants import Grants, refusal, servable
 from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
 from vllm_disagg.clock import Clock
-from vllm_disagg.errors import MalformedFrame
+from vllm_disagg.errors import MalformedFrame, UnsupportedVersion
 from vllm_disagg.protocol.curve import Keypair, ServerCurve, setup_server
 from vllm_disagg.protocol.transport import send_now
 
@@ -161,6 +161,9 @@ class GrantServer:
             return
         try:
             frame = decode(parts[1].buffer, _MAX_REQUEST_BYTES)
+        except UnsupportedVersion as exc:  # a receiver of a later release: it may ask again in ours
+            self._refuse(peer, str(exc), exc.code)
+            return
         except MalformedFrame as exc:
             self._refuse(peer, str(exc))
             return
@@ -202,7 +205,7 @@ class GrantServer:
         slots = tuple(node.pool.slot_of(key) for key in request.keys[:n])
         tokens = tuple(_tokens(node.pool, key) for key in request.keys[:n])
         grant.in_use = True
-        if not self._send(peer, Start(n, node.geometry, tokens)) or n == 0:
+        if not self._send(peer, Start(n, node.geometry, tokens, request.version)) or n == 0:
             self._grants.end(request.token)
             return
         stream = _Stream(peer, request.token, tuple(s for s in slots if s is not None), request.window)
@@ -251,9 +254,9 @@ class GrantServer:
         except TimeoutError:
             await self._sock.send_multipart([stream.peer, encode(Ping())])
 
-    def _refuse(self, peer: bytes, reason: str) -> None:
+    def _refuse(self, peer: bytes, reason: str, code: str = "") -> None:
         log.info("kv fetch refused: %s", reason)
-        self._send(peer, Refused(reason))
+        self._send(peer, Refused(reason, code))
 
     def _send(self, peer: bytes, frame: Start | Refused) -> bool:
         assert self._sock is not None

@@ -1,4 +1,10 @@
-"""What the orchestrator and its gateway workers say to each other (pickled; see the package doc)."""
+"""What the orchestrator and its gateway workers say to each other (pickled; see the package doc).
+
+Pickles, not the protocol's codec: the link never leaves the host (an ``ipc://`` socket in a 0700
+directory; a worker refuses any other), both ends are processes of one orchestrator started from
+one installation, and the messages are the registry's own views and the KV index, which would each
+need a schema of their own. docs/protocol.md lists it with the links that do leave the host.
+"""
 
 from __future__ import annotations
 

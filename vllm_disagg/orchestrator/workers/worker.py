@@ -118,6 +118,9 @@ class Worker:
     """The worker's state: its link, replica, KV index and gateway."""
 
     def __init__(self, link: str, index: int) -> None:
+        if not link.startswith("ipc://"):
+            # Its frames are pickles (messages.py): only a 0700 socket on this host may carry them.
+            raise ValueError(f"the workers' link must be an ipc:// socket, not {link[:80]!r}")
         self.index = index
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
