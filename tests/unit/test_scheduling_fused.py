@@ -6,43 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.scheduling_support import context, request, snapshot, view
+from tests.unit.scheduling_support import METRICS, SCORERS, context, request, snapshot, view
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling import scheduler as scheduler_module
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, SchedulingRequest, Scorer
-from vllm_disagg.orchestrator.scheduling.fused import fused_totals
+from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
-from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
-from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler, weighted_sum
+from vllm_disagg.orchestrator.scheduling.plugins.scorers import queue
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot
 
-POSITIVE = st.floats(min_value=1e-3, max_value=1e3)
-MAYBE = st.none() | st.just(0.0) | st.floats(min_value=0.0, max_value=10.0)
-METRICS = st.builds(
-    MetricsSnapshot,
-    num_running=st.integers(0, 64),
-    num_waiting=st.integers(0, 64),
-    kv_cache_usage=st.floats(min_value=-0.5, max_value=1.5) | st.just(float("nan")),
-    tpot_s=MAYBE,
-    queue_s=MAYBE,
-    prefill_tokens_per_s=MAYBE | st.floats(min_value=-5.0, max_value=0.0),
-    mean_prompt_tokens=MAYBE,
-    # the ttft-scorer falls back to its default rate where more prompt tokens came over KV transfer
-    prompt_tokens_computed=st.none() | st.integers(0, 3),
-    prompt_tokens_transferred=st.none() | st.integers(0, 3),
-)
-# Every scorer type with random parameters; a profile is any of them, in any order, any weight.
-SCORERS = st.one_of(
-    st.builds(queue.Params, max_queue=POSITIVE).map(lambda p: PLUGIN_SPECS[queue.TYPE].factory("q", p)),
-    st.just(PLUGIN_SPECS[kv_usage.TYPE].factory("kv", kv_usage.Params())),
-    st.builds(tpot.Params, slo_s=POSITIVE, default_tpot_s=POSITIVE).map(
-        lambda p: PLUGIN_SPECS[tpot.TYPE].factory("tpot", p)
-    ),
-    st.builds(ttft.Params, slo_s=POSITIVE, default_prefill_tokens_per_s=POSITIVE).map(
-        lambda p: PLUGIN_SPECS[ttft.TYPE].factory("ttft", p)
-    ),
-    st.just(PLUGIN_SPECS[prefix.TYPE].factory("prefix", prefix.Params())),
-)
 WEIGHT = st.sampled_from([0.0, 1.0, 2.0, 0.5]) | st.floats(min_value=0.0, max_value=10.0)
 
 
@@ -75,7 +48,7 @@ def test_fused_totals_are_the_scorers_columns_weighted_and_added_bit_for_bit(
 
 
 class Opaque:
-    """A scorer without ``fused_term``."""
+    """A scorer without a ``term``."""
 
     TYPE = "opaque-scorer"
 
