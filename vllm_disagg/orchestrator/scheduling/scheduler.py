@@ -436,30 +436,26 @@ class PluginScheduler:
         """Set some scorers' weights, all or none: ``BadRequest`` for an unknown profile or scorer, or a
         weight that is not a finite number >= 0. Returns every weight after the change."""
         if not isinstance(changes, Mapping) or not changes:
-            raise BadRequest("give {profile: {scorer: weight}} with at least one weight", param="weights")
+            raise BadRequest("give {profile: {scorer: weight}} with at least one weight")
         staged: dict[str, list[tuple[Scorer, float]]] = {}
         for name, weights in changes.items():
             profile = self._profiles.get(name)  # type: ignore[call-overload]
             if profile is None:
-                raise BadRequest(f"no profile {name!r} (profiles: {sorted(self._profiles)})", param="weights")
+                raise BadRequest(f"no profile {name!r} (profiles: {sorted(self._profiles)})")
             if not isinstance(weights, Mapping):
-                raise BadRequest(f"profile {name!r}: give {{scorer: weight}}", param="weights")
+                raise BadRequest(f"profile {name!r}: give {{scorer: weight}}")
             scorers = list(profile.scorers)
             known = {s.name: i for i, (s, _) in enumerate(scorers)}
             for scorer, weight in weights.items():
                 if scorer not in known:
-                    raise BadRequest(
-                        f"profile {name!r} has no scorer {scorer!r} (scorers: {sorted(known)})",
-                        param="weights",
-                    )
+                    raise BadRequest(f"profile {name!r} has no scorer {scorer!r} (scorers: {sorted(known)})")
                 if (
                     isinstance(weight, bool)
                     or not isinstance(weight, int | float)
                     or not 0 <= weight < math.inf
                 ):
                     raise BadRequest(
-                        f"profile {name!r}, scorer {scorer!r}: a weight is a number >= 0, got {weight!r}",
-                        param="weights",
+                        f"profile {name!r}, scorer {scorer!r}: a weight is a number >= 0, got {weight!r}"
                     )
                 i = known[scorer]
                 scorers[i] = (scorers[i][0], float(weight))
