@@ -7,8 +7,11 @@ each candidate once and calls the terms on what it read, giving the weighted tot
 columns are computed only when an explanation is rendered. Both call the same terms, so the totals
 are bit for bit what ``weighted_sum`` gives of the columns (tests/unit/test_scheduling_fused.py).
 
-The pass is one of a few plain functions, chosen by the number of terms when the weights are set: a
-loop over the terms inside the loop over the candidates would cost a third more.
+The pass is one of a few plain functions, chosen by the number of terms when the weights are set (a
+loop over the terms inside the loop over the candidates costs a fifth more). Each term is a Python
+call per candidate: what the generated code this replaced saved by pasting every scorer's formula
+into one loop, at the price of a second copy of each (docs/benchmarks.md, "One definition of each
+formula", has what the calls cost).
 """
 
 from __future__ import annotations
