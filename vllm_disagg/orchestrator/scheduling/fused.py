@@ -20,24 +20,10 @@ from collections.abc import Callable, Sequence
 
 from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import ProfileContext, Scorer, Term
-from vllm_disagg.orchestrator.scheduling.predict import prompt_tokens
+from vllm_disagg.orchestrator.scheduling.terms import reads
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
 Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
-Reads = tuple[int, float, Callable[[str, int], int], Callable[[str, int], int]]
-
-
-def _reads(ctx: ProfileContext) -> Reads:
-    """What every term reads of the request, and the lookups of what it reads of a candidate."""
-    request = ctx.request
-    n = prompt_tokens(request)
-    return n, (1.0 / n if n > 0 else 0.0), ctx.snapshot.in_flight.get, request.cached_tokens.get
-
-
-def column(term: Term, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-    """``term`` of each candidate: the ``score`` of a scorer that has a term."""
-    n, inv, in_flight, cached = _reads(ctx)
-    return [term(c.metrics, in_flight(a := c.agent_id, 0), cached(a, 0), n, inv) for c in candidates]
 
 
 def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:
@@ -69,7 +55,7 @@ def _one(t0: tuple[Term, float]) -> Totals:
     term0, w0 = t0
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-        n, inv, in_flight, cached = _reads(ctx)
+        n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         append = out.append
         for c in candidates:
@@ -87,7 +73,7 @@ def _two(t0: tuple[Term, float], t1: tuple[Term, float]) -> Totals:
     (term0, w0), (term1, w1) = t0, t1
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-        n, inv, in_flight, cached = _reads(ctx)
+        n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         append = out.append
         for c in candidates:
@@ -105,7 +91,7 @@ def _three(t0: tuple[Term, float], t1: tuple[Term, float], t2: tuple[Term, float
     (term0, w0), (term1, w1), (term2, w2) = t0, t1, t2
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-        n, inv, in_flight, cached = _reads(ctx)
+        n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         append = out.append
         for c in candidates:
@@ -127,7 +113,7 @@ def _four(
     (term0, w0), (term1, w1), (term2, w2), (term3, w3) = t0, t1, t2, t3
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-        n, inv, in_flight, cached = _reads(ctx)
+        n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         append = out.append
         for c in candidates:
@@ -157,7 +143,7 @@ def _five(
     (term0, w0), (term1, w1), (term2, w2), (term3, w3), (term4, w4) = t0, t1, t2, t3, t4
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-        n, inv, in_flight, cached = _reads(ctx)
+        n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         append = out.append
         for c in candidates:
@@ -186,7 +172,7 @@ def _any(terms: Sequence[tuple[Term, float]]) -> Totals:
     pairs = tuple(terms)
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
-        n, inv, in_flight, cached = _reads(ctx)
+        n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         for c in candidates:
             m = c.metrics
