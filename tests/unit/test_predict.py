@@ -78,7 +78,7 @@ def test_tpot_is_the_measured_tpot_scaled_by_how_much_the_batch_grows(
     m: MetricsSnapshot, in_flight: int, default: float
 ) -> None:
     expected = (m.tpot_s or default) * (m.num_running + in_flight + 1) / max(1, m.num_running)
-    assert tpot_s(m, in_flight, default) == expected
+    assert tpot_s(m, in_flight, 0, 0, default) == expected
 
 
 # --- every user gives what the formulas give ---------------------------------------------------------

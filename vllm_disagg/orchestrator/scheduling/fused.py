@@ -20,6 +20,12 @@ from collections.abc import Callable, Sequence
 
 from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import ProfileContext, Scorer, Term
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.kv_usage import KvUsageScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.prefix import PrefixScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.queue import QueueScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.tpot import TpotScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
+from vllm_disagg.orchestrator.scheduling.predict import Prediction, tpot_s, ttft_s
 from vllm_disagg.orchestrator.scheduling.terms import reads
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
@@ -31,19 +37,75 @@ def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:
     every scorer with a weight has a ``term``. Terms are added as ``weighted_sum`` adds columns: from
     0.0, in the scorers' order, weight 0 dropped (``1.0 * x`` is ``x`` exactly, so weight 1 is no
     exception)."""
+    weighted = [(scorer, weight) for scorer, weight in scorers if weight]
+    if not weighted:
+        return None  # no weighted scorer: the generic path's zeros are as cheap
+    shipped = _shipped(weighted)
+    if shipped is not None:
+        return shipped
     terms: list[tuple[Term, float]] = []
-    for scorer, weight in scorers:
-        if not weight:
-            continue
+    for scorer, weight in weighted:
         make = getattr(scorer, "term", None)
         if make is None:
             return None
         terms.append((make(), weight))
-    if not terms:
-        return None  # no weighted scorer: the generic path's zeros are as cheap
     if len(terms) > len(_SHAPES):
         return _any(terms)
     return _SHAPES[len(terms) - 1](*terms)
+
+
+def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
+    """The pass of the shipped profiles (default.yaml): queue-, kv-usage-, ttft- or tpot-, and
+    prefix-scorer, each weighted, in that order; None for any other profile.
+
+    A term is a call per candidate, a fifth of a decision at 16 candidates a profile: here the three
+    scores that read only the candidate are written out a second time, inline, and the prediction is
+    the one formula's (``predict``), called. tests/unit/test_scheduling_fused.py checks, for any
+    parameters, weights and metrics, that the totals are bit for bit what the terms give.
+    """
+    if len(weighted) != 4:
+        return None
+    (queue_scorer, wq), (kv_scorer, wkv), (predicting, wp), (prefix_scorer, wx) = weighted
+    if not (
+        type(queue_scorer) is QueueScorer
+        and type(kv_scorer) is KvUsageScorer
+        and type(prefix_scorer) is PrefixScorer
+    ):
+        return None
+    predict: Prediction
+    if type(predicting) is TtftScorer:
+        predict, slo, default = (
+            ttft_s,
+            predicting.params.slo_s,
+            predicting.params.default_prefill_tokens_per_s,
+        )
+    elif type(predicting) is TpotScorer:
+        predict, slo, default = tpot_s, predicting.params.slo_s, predicting.params.default_tpot_s
+    else:
+        return None
+    max_queue = queue_scorer.params.max_queue
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            load = m.num_running + m.num_waiting + f
+            u = m.kv_cache_usage
+            append(
+                0.0
+                + wq * (0.0 if load >= max_queue else (1.0 - load / max_queue if load > 0 else 1.0))
+                + wkv * (1.0 - u if 0.0 < u < 1.0 else (0.0 if u >= 1.0 else 1.0))
+                + wp * (slo / (slo + predict(m, f, k, n, default)))
+                + wx * ((1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0)
+            )
+        return out
+
+    return totals
 
 
 # The shapes differ only in how many terms they add. Each reads a candidate's metrics, id, in-flight

@@ -9,9 +9,14 @@ that every user gives what the formulas give.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
 from vllm_disagg.protocol.messages import MetricsSnapshot
+
+# (metrics, in-flight count, cached prompt tokens, prompt length >= 0, default) -> seconds
+Prediction = Callable[[MetricsSnapshot, int, int, int, float], float]
 
 DEFAULT_PREFILL_TOKENS_PER_S = 4096.0  # the ttft-scorer's and slo-filter's default
 DEFAULT_TPOT_S = 0.02  # the tpot-scorer's and slo-filter's default
@@ -60,10 +65,11 @@ def ttft_s(
     return (m.queue_s or 0.0) + work / prefill_rate(m, default_tokens_per_s)
 
 
-def tpot_s(m: MetricsSnapshot, in_flight: int, default_tpot_s: float) -> float:
+def tpot_s(m: MetricsSnapshot, in_flight: int, cached: int, prompt_len: int, default_tpot_s: float) -> float:
     """Seconds per output token on an instance with metrics ``m`` once the ``in_flight`` requests the
     gateway sent it and this one join its batch: the measured TPOT (else the default, where it is
-    unmeasured or zero) scaled by how much bigger the batch gets."""
+    unmeasured or zero) scaled by how much bigger the batch gets. The prompt does not change it; it
+    takes ``ttft_s``'s arguments so that a pass over the candidates calls either alike."""
     running = m.num_running
     return (m.tpot_s or default_tpot_s) * (running + in_flight + 1) / (running if running > 1 else 1)
 
@@ -81,7 +87,7 @@ def predicted_ttft(
 
 def predicted_tpot(view: InstanceView, in_flight: int, default_tpot_s: float = DEFAULT_TPOT_S) -> float:
     """``tpot_s`` on ``view``."""
-    return tpot_s(view.metrics, in_flight, default_tpot_s)
+    return tpot_s(view.metrics, in_flight, 0, 0, default_tpot_s)
 
 
 def uncached_tokens(view: InstanceView, request: SchedulingRequest) -> int:

@@ -52,7 +52,7 @@ class TpotScorer:
         slo, default = self.params.slo_s, self.params.default_tpot_s
 
         def tpot(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
-            return slo / (slo + tpot_s(m, f, default))
+            return slo / (slo + tpot_s(m, f, k, n, default))
 
         return tpot
 
