@@ -1,4 +1,4 @@
-"""Every error vllm-disagg raises on purpose, and the one map from error to HTTP status.
+"""Every error vllm-disagg raises on purpose, and the one map from error to HTTP answer.
 
 Hierarchy::
 
@@ -13,20 +13,41 @@ Hierarchy::
     │   │   └── UnsupportedVersion  a link version this side cannot read (KV frames, the local link)
     │   ├── VersionMismatch         an agent speaking another PROTOCOL_VERSION
     │   └── KvEventsError           a vLLM KV-cache event frame that cannot be decoded or applied
-    └── RequestError                one client request; carries an HTTP status
+    └── RequestError                a request (a client's or an operator's) that cannot be served
         ├── BadRequest          400 malformed JSON, missing prompt/messages, bad field
-        ├── ModelNotFound       404 no instance serves the model
+        ├── Unauthorized        401 the admin API without its token
+        ├── NotFound            404 no such instance, route, record or rollout action
+        │   └── ModelNotFound   404 no instance serves the model
+        ├── MethodNotAllowed    405 an admin route that takes other methods (``Allow`` names them)
+        ├── Conflict            409 what the cluster is doing forbids it now
         ├── PayloadTooLarge     413 body over the gateway limit
+        ├── Unprocessable       422 understood and tried, and it failed (connect's reason)
         ├── HeadersTooLarge     431 request line and headers over the gateway limit
         ├── NoCapacity          503 no ready instance can take the request
+        ├── TimedOut            504 an operation did not finish in time (an engine's restart)
         ├── UpstreamError       502 an engine failed or answered garbage (``cause`` says how)
         │   └── UpstreamTimeout 504 an engine did not answer in time
+        ├── OrchestratorUnreachable 502 a gateway worker could not reach its orchestrator
+        ├── CommandError        502 an agent command was not delivered or not acknowledged
+        │   ├── AgentUnknown        404 no instance with this agent id was ever registered
+        │   ├── AgentUnreachable    502 no live session, or its socket is not connected
+        │   ├── CommandTimeout      504 the agent did not acknowledge in time
+        │   └── AgentTooOld         409 the agent's protocol minor does not know the command
+        ├── RolloutError            a rollout that cannot be done
+        │   ├── RolloutInvalid      400 the request does not say what to roll
+        │   ├── RolloutNotFound     404 nothing to roll, or no such rollout
+        │   └── RolloutConflict     409 a rollout under way, or nothing would change
         └── EngineRejected      4xx an engine refused the request itself (its status, its reason)
 
-Errors leave the gateway as OpenAI-style JSON: ``{"error": {"message", "type", "param", "code"}}``.
+A ``RequestError``'s class is its HTTP answer: ``status``, the error's ``type`` and any ``headers``;
+nothing else decides them. Handlers raise; ``http_errors`` turns what they raise into the OpenAI-style
+JSON every error of ours carries: ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
 
 
 class DisaggError(Exception):
@@ -93,16 +114,12 @@ class KvEventsError(ProtocolError):
     code = "kv_events_error"
 
 
-def error_body(message: str, type_: str, status: int, param: str | None = None) -> dict[str, object]:
-    """The OpenAI-style error object every HTTP error of ours carries (vLLM's shape too)."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
-
-
 class RequestError(DisaggError):
-    """A client request that cannot be served; ``status`` is its HTTP status."""
+    """A request that cannot be served; the class gives its HTTP ``status``, ``type`` and ``headers``."""
 
     status = 500
     type = "InternalServerError"
+    headers: Mapping[str, str] = MappingProxyType({})
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -110,8 +127,10 @@ class RequestError(DisaggError):
         self.param = param
 
     def to_json(self) -> dict[str, object]:
-        """The OpenAI-style error object."""
-        return error_body(self.message, self.type, self.status, self.param)
+        """The OpenAI-style error object every HTTP error of ours carries (vLLM's shape too)."""
+        return {
+            "error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}
+        }
 
 
 class BadRequest(RequestError):
@@ -121,11 +140,48 @@ class BadRequest(RequestError):
     type = "BadRequestError"
 
 
-class ModelNotFound(RequestError):
-    """No registered instance serves the requested model."""
+class Unauthorized(RequestError):
+    """The admin API asked without its bearer token, or with another."""
+
+    status = 401
+    type = "AuthenticationError"
+    headers = MappingProxyType({"WWW-Authenticate": 'Bearer realm="vllm-disagg admin"'})
+
+
+class NotFound(RequestError):
+    """No such instance, admin route, request record, or rollout action."""
 
     status = 404
     type = "NotFoundError"
+
+
+class ModelNotFound(NotFound):
+    """No registered instance serves the requested model."""
+
+
+class MethodNotAllowed(RequestError):
+    """An admin route that exists for other methods; ``Allow`` names them."""
+
+    status = 405
+    type = "MethodNotAllowed"
+
+    def __init__(self, message: str, allowed: list[str]) -> None:
+        super().__init__(message)
+        self.headers = MappingProxyType({"Allow": ", ".join(allowed)})
+
+
+class Conflict(RequestError):
+    """What the cluster is doing forbids it now: the instance is live, a change is under way."""
+
+    status = 409
+    type = "ConflictError"
+
+
+class Unprocessable(RequestError):
+    """Understood and tried, and it failed: ``vllm-disagg connect`` could not attach the engine."""
+
+    status = 422
+    type = "UnprocessableEntityError"
 
 
 class PayloadTooLarge(RequestError):
@@ -147,6 +203,13 @@ class NoCapacity(RequestError):
 
     status = 503
     type = "ServiceUnavailableError"
+
+
+class TimedOut(RequestError):
+    """An operation the admin API started did not finish in time (an engine restarting in a new role)."""
+
+    status = 504
+    type = "TimeoutError"
 
 
 # How an engine leg failed: the label of the retry, fallback and resume metrics.
@@ -179,6 +242,73 @@ class UpstreamTimeout(UpstreamError):
         super().__init__(message, cause=cause, param=param)
 
 
+class OrchestratorUnreachable(RequestError):
+    """A gateway worker could not reach its orchestrator to relay an admin or dashboard request."""
+
+    status = 502
+    type = "UpstreamError"
+
+
+class CommandError(RequestError):
+    """An agent command could not be delivered or was not acknowledged."""
+
+    status = 502
+    type = "CommandError"
+
+
+class AgentUnknown(CommandError):
+    """No instance with this agent id was ever registered."""
+
+    status = 404
+    type = "AgentUnknown"
+
+
+class AgentUnreachable(CommandError):
+    """The agent has no live session or its socket is not connected."""
+
+    status = 502
+    type = "AgentUnreachable"
+
+
+class CommandTimeout(CommandError):
+    """The agent did not acknowledge in time."""
+
+    status = 504
+    type = "CommandTimeout"
+
+
+class AgentTooOld(CommandError):
+    """The agent's protocol minor does not know this command kind (it would refuse the frame)."""
+
+    status = 409
+    type = "AgentTooOld"
+
+
+class RolloutError(RequestError):
+    """A rollout request that cannot be done; its type is ``RolloutError`` whatever its status."""
+
+    type = "RolloutError"
+
+
+class RolloutInvalid(RolloutError):
+    """The request does not say what to roll (several models are served and it names none)."""
+
+    status = 400
+
+
+class RolloutNotFound(RolloutError):
+    """No live instance serves the model, or it has no rollout to act on."""
+
+    status = 404
+
+
+class RolloutConflict(RolloutError):
+    """A rollout of the model is under way, or in a phase the action does not apply to, or the model
+    is served by the target revision (or several) already."""
+
+    status = 409
+
+
 class EngineRejected(RequestError):
     """An engine answered 4xx: the request itself is at fault, so no other engine would take it."""
 
@@ -188,10 +318,3 @@ class EngineRejected(RequestError):
         super().__init__(message)
         self.status = status
         self.body = body  # the engine's own error body, relayed to the client as it is
-
-
-def http_status(error: BaseException) -> int:
-    """The one map from an error to the HTTP status a client sees."""
-    if isinstance(error, RequestError):
-        return error.status
-    return 500

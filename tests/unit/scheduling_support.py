@@ -1,10 +1,13 @@
-"""In-memory instances, snapshots and contexts for the scheduling plugin tests (no Registry involved)."""
+"""In-memory instances, snapshots and contexts for the scheduling plugin tests (no Registry involved), and
+the hypothesis strategies of the scheduling property tests."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
+
+from hypothesis import strategies as st
 
 from vllm_disagg.orchestrator.registry import (
     DECODE_ROLES,
@@ -19,6 +22,8 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     ProfileName,
     SchedulingRequest,
 )
+from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
+from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
 from vllm_disagg.protocol.messages import InstanceInfo, MetricsSnapshot, Role
 
 MODEL = "m"
@@ -116,3 +121,33 @@ def context(
         profile=profile,
         partner=partner,
     )
+
+
+POSITIVE = st.floats(min_value=1e-3, max_value=1e3)
+MAYBE = st.none() | st.just(0.0) | st.floats(min_value=0.0, max_value=10.0)
+# Metrics as heartbeats bring them, broken scrapes included (NaN usage, negative or zero rates).
+METRICS = st.builds(
+    MetricsSnapshot,
+    num_running=st.integers(0, 64),
+    num_waiting=st.integers(0, 64),
+    kv_cache_usage=st.floats(min_value=-0.5, max_value=1.5) | st.just(float("nan")),
+    tpot_s=MAYBE,
+    queue_s=MAYBE,
+    prefill_tokens_per_s=MAYBE | st.floats(min_value=-5.0, max_value=0.0),
+    mean_prompt_tokens=MAYBE,
+    # the ttft-scorer falls back to its default rate where more prompt tokens came over KV transfer
+    prompt_tokens_computed=st.none() | st.integers(0, 3),
+    prompt_tokens_transferred=st.none() | st.integers(0, 3),
+)
+# Every scorer type with random parameters; a profile is any of them, in any order, any weight.
+SCORERS = st.one_of(
+    st.builds(queue.Params, max_queue=POSITIVE).map(lambda p: PLUGIN_SPECS[queue.TYPE].factory("q", p)),
+    st.just(PLUGIN_SPECS[kv_usage.TYPE].factory("kv", kv_usage.Params())),
+    st.builds(tpot.Params, slo_s=POSITIVE, default_tpot_s=POSITIVE).map(
+        lambda p: PLUGIN_SPECS[tpot.TYPE].factory("tpot", p)
+    ),
+    st.builds(ttft.Params, slo_s=POSITIVE, default_prefill_tokens_per_s=POSITIVE).map(
+        lambda p: PLUGIN_SPECS[ttft.TYPE].factory("ttft", p)
+    ),
+    st.just(PLUGIN_SPECS[prefix.TYPE].factory("prefix", prefix.Params())),
+)

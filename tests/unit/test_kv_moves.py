@@ -10,13 +10,8 @@ from typing import Any, cast
 import pytest
 
 from tests.unit.scheduling_support import view
-from vllm_disagg.orchestrator.control import (
-    AgentTooOld,
-    AgentUnreachable,
-    CommandError,
-    CommandTimeout,
-    ControlPlane,
-)
+from vllm_disagg.errors import AgentTooOld, AgentUnreachable, CommandError, CommandTimeout
+from vllm_disagg.orchestrator.control import ControlPlane
 from vllm_disagg.orchestrator.kv_moves import ControlKvMover, KvMoveSettings, MoveResult
 from vllm_disagg.orchestrator.registry import GatewayRegistry, InstanceView
 from vllm_disagg.protocol.commands import CommandPayload, FetchResult, GrantResult, KvFetch, KvGrant

@@ -1,6 +1,6 @@
 """The packages form layers, and no module imports upward (lazy imports inside functions count too).
 
-- **base**: errors, clock, jsonutil, config, procfs, runtime, keys; ``protocol`` (ours), ``wire``
+- **base**: errors, http_errors, clock, jsonutil, config, procfs, runtime, keys; ``protocol`` (ours), ``wire``
   (vLLM's formats) and ``model`` (test models, the simulated model's tokenizer) import only the
   package root and the plain utilities (errors, clock, jsonutil);
 - **engines and services**: ``sim`` (the simulated engine) sees the base; ``agent`` the base and
@@ -21,11 +21,24 @@ import pytest
 
 ROOT = Path(__file__).parents[2] / "vllm_disagg"
 BASE = frozenset(
-    {"errors", "clock", "jsonutil", "config", "procfs", "runtime", "keys", "protocol", "wire", "model"}
+    {
+        "errors",
+        "http_errors",
+        "clock",
+        "jsonutil",
+        "config",
+        "procfs",
+        "runtime",
+        "keys",
+        "protocol",
+        "wire",
+        "model",
+    }
 )
 CORE = frozenset({"__init__", "errors", "clock", "jsonutil"})  # the package root, and plain utilities
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
+    "http_errors": CORE,
     "clock": frozenset(),
     "jsonutil": frozenset(),
     "procfs": frozenset(),

@@ -15,7 +15,8 @@ from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
 from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.config import default_config_text, load_config
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
-from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler, weighted_sum
+from vllm_disagg.orchestrator.scheduling.fused import weighted_sum
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 NOW = 1000.0

@@ -6,43 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.unit.scheduling_support import context, request, snapshot, view
+from tests.unit.scheduling_support import METRICS, POSITIVE, SCORERS, context, request, snapshot, view
 from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling import scheduler as scheduler_module
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, SchedulingRequest, Scorer
-from vllm_disagg.orchestrator.scheduling.fused import fused_totals
+from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
-from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler, weighted_sum
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot
 
-POSITIVE = st.floats(min_value=1e-3, max_value=1e3)
-MAYBE = st.none() | st.just(0.0) | st.floats(min_value=0.0, max_value=10.0)
-METRICS = st.builds(
-    MetricsSnapshot,
-    num_running=st.integers(0, 64),
-    num_waiting=st.integers(0, 64),
-    kv_cache_usage=st.floats(min_value=-0.5, max_value=1.5) | st.just(float("nan")),
-    tpot_s=MAYBE,
-    queue_s=MAYBE,
-    prefill_tokens_per_s=MAYBE | st.floats(min_value=-5.0, max_value=0.0),
-    mean_prompt_tokens=MAYBE,
-    # the ttft-scorer falls back to its default rate where more prompt tokens came over KV transfer
-    prompt_tokens_computed=st.none() | st.integers(0, 3),
-    prompt_tokens_transferred=st.none() | st.integers(0, 3),
-)
-# Every scorer type with random parameters; a profile is any of them, in any order, any weight.
-SCORERS = st.one_of(
-    st.builds(queue.Params, max_queue=POSITIVE).map(lambda p: PLUGIN_SPECS[queue.TYPE].factory("q", p)),
-    st.just(PLUGIN_SPECS[kv_usage.TYPE].factory("kv", kv_usage.Params())),
-    st.builds(tpot.Params, slo_s=POSITIVE, default_tpot_s=POSITIVE).map(
-        lambda p: PLUGIN_SPECS[tpot.TYPE].factory("tpot", p)
-    ),
-    st.builds(ttft.Params, slo_s=POSITIVE, default_prefill_tokens_per_s=POSITIVE).map(
-        lambda p: PLUGIN_SPECS[ttft.TYPE].factory("ttft", p)
-    ),
-    st.just(PLUGIN_SPECS[prefix.TYPE].factory("prefix", prefix.Params())),
-)
 WEIGHT = st.sampled_from([0.0, 1.0, 2.0, 0.5]) | st.floats(min_value=0.0, max_value=10.0)
 
 
@@ -74,8 +47,72 @@ def test_fused_totals_are_the_scorers_columns_weighted_and_added_bit_for_bit(
     assert hexes(fused(ctx, candidates)) == hexes(expected)
 
 
+# The shipped profiles' scorers in their order (default.yaml), any parameters, any positive weights.
+SHIPPED = st.tuples(
+    st.builds(queue.Params, max_queue=POSITIVE).map(lambda p: PLUGIN_SPECS[queue.TYPE].factory("q", p)),
+    st.just(PLUGIN_SPECS[kv_usage.TYPE].factory("kv", kv_usage.Params())),
+    st.builds(tpot.Params, slo_s=POSITIVE, default_tpot_s=POSITIVE).map(
+        lambda p: PLUGIN_SPECS[tpot.TYPE].factory("tpot", p)
+    )
+    | st.builds(ttft.Params, slo_s=POSITIVE, default_prefill_tokens_per_s=POSITIVE).map(
+        lambda p: PLUGIN_SPECS[ttft.TYPE].factory("ttft", p)
+    ),
+    st.just(PLUGIN_SPECS[prefix.TYPE].factory("prefix", prefix.Params())),
+)
+POSITIVE_WEIGHT = st.sampled_from([1.0, 2.0, 0.5]) | st.floats(min_value=1e-3, max_value=10.0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    SHIPPED,
+    st.tuples(POSITIVE_WEIGHT, POSITIVE_WEIGHT, POSITIVE_WEIGHT, POSITIVE_WEIGHT),
+    st.lists(st.tuples(METRICS, st.integers(0, 40), st.integers(-5, 3000)), min_size=1, max_size=8),
+    st.integers(-10, 2000),
+)
+def test_the_shipped_profiles_pass_gives_what_their_terms_give_bit_for_bit(
+    shipped: tuple[Scorer, Scorer, Scorer, Scorer],
+    weights: tuple[float, float, float, float],
+    loads: list[tuple[MetricsSnapshot, int, int]],
+    prompt_len: int,
+) -> None:
+    # Its three candidate-only scores are written out a second time for speed: this is what keeps
+    # them the terms' (and its prediction the one formula's).
+    scorers = list(zip(shipped, weights, strict=True))
+    candidates = [view(f"c{i}", metrics=m) for i, (m, _, _) in enumerate(loads)]
+    in_flight = {f"c{i}": f for i, (_, f, _) in enumerate(loads) if f}
+    cached = {f"c{i}": k for i, (_, _, k) in enumerate(loads) if k}
+    ctx = context(
+        snapshot(*candidates, in_flight=in_flight), req=request(prompt_len=prompt_len, cached=cached)
+    )
+    fused = fused_totals(scorers)
+    assert fused is not None and fused.__qualname__.startswith("_shipped"), "the precompiled pass is chosen"
+    columns = [s.score(ctx, candidates) for s in shipped]  # each the scorer's term, candidate by candidate
+    expected = weighted_sum(list(weights))(columns, len(candidates))
+    assert hexes(fused(ctx, candidates)) == hexes(expected)
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        pytest.param(
+            (prefix.TYPE, tpot.TYPE, kv_usage.TYPE, queue.TYPE), id="the shipped scorers in another order"
+        ),
+        pytest.param((queue.TYPE, kv_usage.TYPE, tpot.TYPE), id="one of them left out"),
+        pytest.param((queue.TYPE, kv_usage.TYPE, ttft.TYPE, tpot.TYPE), id="both predictions"),
+    ],
+)
+def test_any_other_profile_adds_its_scorers_terms(types: tuple[str, ...]) -> None:
+    modules = {m.TYPE: m for m in (queue, kv_usage, tpot, ttft, prefix)}
+    scorers: list[tuple[Scorer, float]] = [
+        (PLUGIN_SPECS[t].factory(t, modules[t].Params()), 1.0)  # type: ignore[misc]
+        for t in types
+    ]
+    fused = fused_totals(scorers)
+    assert fused is not None and not fused.__qualname__.startswith("_shipped")
+
+
 class Opaque:
-    """A scorer without ``fused_term``."""
+    """A scorer without a ``term``."""
 
     TYPE = "opaque-scorer"
 

@@ -1,6 +1,6 @@
 """How the agent launches real vLLM: the OpenAI server's argv and environment for the agent's role.
 
-The flags and variables are the ones verified on vLLM 0.32 (docs/engine.md, notes/vllm.md): NIXL as the
+The flags and variables are the ones verified on vLLM 0.32 (docs/engine.md): NIXL as the
 KV connector with the role's ``kv_role``, KV buffers in host memory on CPU, a side channel per instance,
 and KV cache events on a ZMQ PUB socket. Everything here is a pure function of ``AgentConfig`` and the
 resolved device, so the exact command is unit-tested; only ``detect_device`` looks at the machine.

@@ -40,7 +40,7 @@ _JSON = {"Content-Type": "application/json"}
 # "before": as shipped; "after": the planner shifting and the SLO targets on. The other two are "after"
 # with one of its parts alone, to tell which part did what.
 ARMS = ("before", "after", "planner-only", "slo-only")
-TARGET_ATTAINMENT = 0.75  # the load the issue asks about: where "before" attains about this much
+TARGET_ATTAINMENT = 0.75  # the load compared: where "before" attains about this much (docs/planner.md)
 _WORDS = ("alpha", "beta", "gamma", "delta", "kappa", "lambda", "omega", "sigma", "theta", "zeta")
 
 

@@ -19,10 +19,11 @@ from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
-from vllm_disagg.errors import BadRequest, error_body
+from vllm_disagg.errors import BadRequest, Conflict, MethodNotAllowed, NotFound, Unprocessable
+from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator import openapi
 from vllm_disagg.orchestrator.auth import guarded
-from vllm_disagg.orchestrator.control import CommandError, ControlPlane
+from vllm_disagg.orchestrator.control import ControlPlane
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
@@ -34,8 +35,8 @@ from vllm_disagg.orchestrator.registry import (
     Registry,
     RegistrySnapshot,
 )
-from vllm_disagg.orchestrator.roles import RoleChangeError, RoleChanger
-from vllm_disagg.orchestrator.rollout import RolloutError, Rollouts
+from vllm_disagg.orchestrator.roles import RoleChanger
+from vllm_disagg.orchestrator.rollout import Rollouts
 from vllm_disagg.orchestrator.spawner import AgentSpawner
 from vllm_disagg.orchestrator.workers.hub import WorkerHub
 from vllm_disagg.protocol.commands import SIMPLE
@@ -49,16 +50,12 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, body=jsonutil.dumps(body), content_type="application/json")
 
 
-def _error(status: int, message: str, type_: str) -> web.Response:
-    return _json(error_body(message, type_, status), status)
-
-
 async def _read_json(request: web.Request) -> Any:
-    """The request's JSON body, or the 400 to answer when it is not JSON."""
+    """The request's JSON body; ``BadRequest`` when it is not JSON."""
     try:
         return jsonutil.loads(await request.read())
     except ValueError as exc:
-        return _error(400, f"the body is not JSON: {exc}", "BadRequestError")
+        raise BadRequest(f"the body is not JSON: {exc}") from None
 
 
 def _add_request(body: Any) -> tuple[str, Role | None, str, str]:
@@ -216,13 +213,10 @@ class Admin:
     async def _command(self, request: web.Request, kind: CommandKind) -> web.Response:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
-            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+            raise NotFound(f"no instance {agent_id!r}")
         if kind in ("drain", "undrain"):
             self._registry.set_admin_drain(agent_id, kind == "drain")
-        try:
-            ack = await self._control.send_command(agent_id, SIMPLE[kind])
-        except CommandError as exc:
-            return _error(exc.status, str(exc), type(exc).__name__)
+        ack = await self._control.send_command(agent_id, SIMPLE[kind])
         snap = self._registry.snapshot()
         view = snap.by_id.get(agent_id)
         return _json(
@@ -242,24 +236,19 @@ class Admin:
         ``{"role": "auto"}`` lifts the pin."""
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
-            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+            raise NotFound(f"no instance {agent_id!r}")
         body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
         role = body.get("role") if isinstance(body, dict) else None
         how, timeline = "none", dict[str, float]()
         if role == "auto":
             view = self._registry.set_role_pin(agent_id, False)
             old = view.info.role
         elif role in ROLES:
-            try:
-                change = await self._roles.change(agent_id, role)
-            except RoleChangeError as exc:
-                return _error(exc.status, exc.message, exc.kind)
+            change = await self._roles.change(agent_id, role)
             old, how, timeline = change.old, change.how, change.timeline
             view = self._registry.set_role_pin(agent_id, True)
         else:
-            return _error(400, f"'role' must be one of {[*ROLES, 'auto']}, got {role!r}", "BadRequestError")
+            raise BadRequest(f"'role' must be one of {[*ROLES, 'auto']}, got {role!r}")
         snap = self._registry.snapshot()
         body = {"agent_id": agent_id, "from": old, "role": view.info.role, "pinned": view.role_pinned}
         body |= {"how": how, "timeline": timeline}
@@ -268,7 +257,7 @@ class Admin:
     async def _cordon(self, request: web.Request, cordoned: bool) -> web.Response:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
-            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+            raise NotFound(f"no instance {agent_id!r}")
         view = self._registry.set_cordon(agent_id, cordoned)
         snap = self._registry.snapshot()
         return _json({"agent_id": agent_id, "instance": self._instance(view, snap, self._clock.monotonic())})
@@ -278,21 +267,14 @@ class Admin:
         "model"}``; only ``url`` is required): the orchestrator starts ``vllm-disagg connect`` for it.
         201 once its agent registered, 202 while it is still starting, 422 with connect's reason."""
         if self._spawner is None:
-            return _error(404, "this orchestrator does not start agents", "NotFoundError")
+            raise NotFound("this orchestrator does not start agents")
         body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
-        try:
-            url, role, agent_id, model = _add_request(body)
-        except BadRequest as exc:
-            return _error(400, exc.message, "BadRequestError")
+        url, role, agent_id, model = _add_request(body)
         if self._registry.is_live(agent_id):
-            return _error(
-                409, f"instance {agent_id!r} is live; remove it or pick another agent_id", "ConflictError"
-            )
+            raise Conflict(f"instance {agent_id!r} is live; remove it or pick another agent_id")
         spawned = await self._spawner.add(url, role, agent_id, model)
         if spawned.outcome == "failed":
-            return _error(422, f"connect {url}: {spawned.reason}", "UnprocessableEntityError")
+            raise Unprocessable(f"connect {url}: {spawned.reason}")
         answer: dict[str, Any] = {"agent_id": agent_id, "outcome": spawned.outcome, "pid": spawned.pid}
         view = self._registry.get(agent_id)
         if view is not None and spawned.outcome == "registered":
@@ -305,9 +287,9 @@ class Admin:
         try:
             self._registry.remove(agent_id)
         except KeyError:
-            return _error(404, f"no instance {agent_id!r}", "NotFoundError")
+            raise NotFound(f"no instance {agent_id!r}") from None
         except ValueError as exc:
-            return _error(409, str(exc), "ConflictError")
+            raise Conflict(str(exc)) from None
         return _json({"agent_id": agent_id, "removed": True})
 
     async def cordon(self, request: web.Request) -> web.Response:
@@ -332,14 +314,14 @@ class Admin:
 
     async def elsewhere(self, request: web.Request) -> web.Response:
         """``/admin/...`` on the gateway's port when the admin API has a listener of its own."""
-        return _error(404, "the admin API is not served on this port (see --admin-port)", "NotFoundError")
+        raise NotFound("the admin API is not served on this port (see --admin-port)")
 
     async def requests(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/requests?limit=N``: the newest request records."""
         try:
             limit = int(request.query.get("limit", _DEFAULT_REQUESTS_LIMIT))
         except ValueError:
-            return _error(400, "'limit' must be an integer", "BadRequestError")
+            raise BadRequest("'limit' must be an integer") from None
         limit = max(0, limit)
         records = self._request_log.recent(limit)
         if self._workers is not None:  # each gateway process keeps the records of what it served
@@ -353,37 +335,32 @@ class Admin:
         """``GET /admin/v1/planner``: its config, last look (reason, figures, the P:D split it would
         choose), the shifts it decided, and the instances operators pinned (docs/planner.md)."""
         if self._planner is None:
-            return _error(404, "this orchestrator has no planner", "NotFoundError")
+            raise NotFound("this orchestrator has no planner")
         return _json(self._planner())
 
     async def rollout_list(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/rollouts``: every model's rollout, its phase and both revisions' instances."""
         if self._rollouts is None:
-            return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
+            raise NotFound("this orchestrator runs no rollouts")
         return _json(self._rollouts.describe())
 
     async def rollout_start(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/rollouts``: ``{"to": REVISION, "model": NAME}`` (model optional when one is
         served): new-revision instances may join, and the old revision drains out as they are ready."""
         if self._rollouts is None:
-            return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
+            raise NotFound("this orchestrator runs no rollouts")
         body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
         to = body.get("to") if isinstance(body, dict) else None
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(to, str) or (model is not None and not isinstance(model, str)):
-            return _error(400, 'give {"to": REVISION} and optionally {"model": NAME}', "BadRequestError")
-        try:
-            rollout = self._rollouts.start(model, to)
-        except RolloutError as exc:
-            return _error(exc.status, exc.message, "RolloutError")
+            raise BadRequest('give {"to": REVISION} and optionally {"model": NAME}')
+        rollout = self._rollouts.start(model, to)
         return _json(rollout.to_json(self._registry), status=201)
 
     async def rollout_action(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/rollouts/{model}/pause|resume|rollback``."""
         if self._rollouts is None:
-            return _error(404, "this orchestrator runs no rollouts", "NotFoundError")
+            raise NotFound("this orchestrator runs no rollouts")
         model, action = request.match_info["model"], request.match_info["action"]
         act = {
             "pause": self._rollouts.pause,
@@ -391,18 +368,15 @@ class Admin:
             "rollback": self._rollouts.rollback,
         }
         if action not in act:
-            return _error(404, f"no rollout action {action!r} (pause, resume, rollback)", "NotFoundError")
-        try:
-            rollout = act[action](model)
-        except RolloutError as exc:
-            return _error(exc.status, exc.message, "RolloutError")
+            raise NotFound(f"no rollout action {action!r} (pause, resume, rollback)")
+        rollout = act[action](model)
         return _json(rollout.to_json(self._registry))
 
     async def weights(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""
         get = getattr(self._scheduler, "weights", None)
         if get is None:
-            return _error(404, "this scheduler has no weights", "NotFoundError")
+            raise NotFound("this scheduler has no weights")
         return _json({"weights": get()})
 
     async def update_weights(self, request: web.Request) -> web.Response:
@@ -410,15 +384,10 @@ class Admin:
         applied all at once (the next decision uses them); the weights after the change."""
         update = getattr(self._scheduler, "update_weights", None)
         if update is None:
-            return _error(404, "this scheduler has no weights", "NotFoundError")
+            raise NotFound("this scheduler has no weights")
         body = await _read_json(request)
-        if isinstance(body, web.Response):
-            return body
         weights = body.get("weights") if isinstance(body, dict) else None
-        try:
-            return _json({"weights": update(weights)})
-        except BadRequest as exc:
-            return _error(400, exc.message, "BadRequestError")
+        return _json({"weights": update(weights)})
 
     async def live_requests(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/live-requests``: requests in flight now (stage, pair, age), oldest first."""
@@ -434,7 +403,7 @@ class Admin:
         try:
             since = int(request.query.get("since") or request.headers.get("Last-Event-ID") or 0)
         except ValueError:
-            return _error(400, "'since' (or Last-Event-ID) must be an integer", "BadRequestError")
+            raise BadRequest("'since' (or Last-Event-ID) must be an integer") from None
         follow = request.query.get("follow", "true").lower() not in ("0", "false", "no")
         response = web.StreamResponse(
             headers={
@@ -477,15 +446,13 @@ class Admin:
             ]
             record = found[0] if found else None
         if record is None:
-            return _error(
-                404, "no record of this request (unknown, or older than the log keeps)", "NotFoundError"
-            )
+            raise NotFound("no record of this request (unknown, or older than the log keeps)")
         return _json(record_json(record))
 
     async def scheduler(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler``: config in use, tokenizer per model, KV index size per instance."""
         if self._describe_scheduler is None:
-            return _error(404, "no scheduler is attached", "NotFoundError")
+            raise NotFound("no scheduler is attached")
         return _json(self._describe_scheduler())
 
     def add_public_routes(self, app: web.Application) -> None:
@@ -529,21 +496,17 @@ class Admin:
         routes = self.admin_routes()
         self._openapi = jsonutil.dumps(openapi.document(routes))
         for route in routes:
-            app.router.add_route(route.method, route.path, guarded(route.handler, token))
+            app.router.add_route(route.method, route.path, answering(guarded(route.handler, token)))
         # Last: anything else under /admin/ gets the one JSON error shape too (after the token check).
         self._patterns = [(re.compile(openapi.path_regex(r.path)), r.method) for r in routes]
-        app.router.add_route("*", "/admin/{tail:.*}", guarded(self.unknown, token))
+        app.router.add_route("*", "/admin/{tail:.*}", answering(guarded(self.unknown, token)))
 
     async def unknown(self, request: web.Request) -> web.Response:
         """No admin route for this method and path: 405 with the allowed methods, else 404."""
         allowed = sorted({method for pattern, method in self._patterns if pattern.fullmatch(request.path)})
         if allowed:
-            response = _error(
-                405, f"{request.method} is not allowed here; use {', '.join(allowed)}", "MethodNotAllowed"
-            )
-            response.headers["Allow"] = ", ".join(allowed)
-            return response
-        return _error(404, f"no admin route {request.path} (see /admin/v1/openapi.json)", "NotFoundError")
+            raise MethodNotAllowed(f"{request.method} is not allowed here; use {', '.join(allowed)}", allowed)
+        raise NotFound(f"no admin route {request.path} (see /admin/v1/openapi.json)")
 
     async def openapi(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/openapi.json``: this API's OpenAPI document, generated from its routes."""

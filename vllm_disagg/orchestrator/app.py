@@ -16,6 +16,7 @@ from aiohttp import web
 
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.admin import Admin
 from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
 from vllm_disagg.orchestrator.dashboard import add_dashboard_routes
@@ -201,7 +202,7 @@ def build_app(
         admin.add_admin_routes(admin_app, config.admin_token)
         add_dashboard_routes(admin_app)  # not on the public port: there it is a 404
         app[ADMIN_APP_KEY] = admin_app
-        app.router.add_route("*", "/admin/{tail:.*}", admin.elsewhere)
+        app.router.add_route("*", "/admin/{tail:.*}", answering(admin.elsewhere))
     app.cleanup_ctx.append(_control_ctx)
     app.cleanup_ctx.append(_session_ctx)
     return app

@@ -17,8 +17,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from vllm_disagg import jsonutil
-from vllm_disagg.errors import ConfigError, error_body
+from vllm_disagg.errors import ConfigError, Unauthorized
 
 ENV_ADMIN_TOKEN = "VLLM_DISAGG_ADMIN_TOKEN"
 ENV_ENGINE_API_KEY = "VLLM_DISAGG_ENGINE_API_KEY"
@@ -69,15 +68,6 @@ def admin_headers(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def _unauthorized(message: str) -> web.Response:
-    return web.Response(
-        status=401,
-        body=jsonutil.dumps(error_body(message, "AuthenticationError", 401)),
-        content_type="application/json",
-        headers={"WWW-Authenticate": 'Bearer realm="vllm-disagg admin"'},
-    )
-
-
 def bearer_matches(header: str | None, token: str) -> bool:
     """Does an ``Authorization`` header carry ``token`` (constant time in the token's contents)?"""
     if not token or header is None:
@@ -89,19 +79,20 @@ def bearer_matches(header: str | None, token: str) -> bool:
 
 
 def guarded(handler: Handler, token: str) -> Handler:
-    """``handler`` behind the admin token."""
+    """``handler`` behind the admin token; ``Unauthorized`` without it (``http_errors.answering``
+    answers that)."""
 
     async def check(request: web.Request) -> web.StreamResponse:
         if not token:
-            return _unauthorized(
+            raise Unauthorized(
                 "the admin API is closed: no admin token is configured (start the orchestrator with "
                 f"--admin-token-file FILE or {ENV_ADMIN_TOKEN})"
             )
         header = request.headers.get("Authorization")
         if header is None:
-            return _unauthorized("missing 'Authorization: Bearer <admin token>'")
+            raise Unauthorized("missing 'Authorization: Bearer <admin token>'")
         if not bearer_matches(header, token):
-            return _unauthorized("wrong admin token")
+            raise Unauthorized("wrong admin token")
         return await handler(request)
 
     check.__doc__ = handler.__doc__

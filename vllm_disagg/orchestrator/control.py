@@ -31,7 +31,14 @@ from dataclasses import dataclass, replace
 
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import DisaggError, FieldTypeError, VersionMismatch
+from vllm_disagg.errors import (
+    AgentTooOld,
+    AgentUnknown,
+    AgentUnreachable,
+    CommandTimeout,
+    FieldTypeError,
+    VersionMismatch,
+)
 from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import Registry
@@ -61,36 +68,6 @@ _MAX_REFUSED_PEERS = 10_000  # bounds the once-per-peer log memo against a flood
 def starved_after(period_s: float) -> float:
     """A tick of a ``period_s`` loop that comes this late means the process did not get the CPU."""
     return 2 * period_s + 0.05
-
-
-class CommandError(DisaggError):
-    """A command could not be delivered or was not acknowledged; ``status`` is for the admin API."""
-
-    status = 502
-
-
-class AgentUnknown(CommandError):
-    """No instance with this agent id was ever registered."""
-
-    status = 404
-
-
-class AgentUnreachable(CommandError):
-    """The agent has no live session or its socket is not connected."""
-
-    status = 502
-
-
-class CommandTimeout(CommandError):
-    """The agent did not acknowledge in time."""
-
-    status = 504
-
-
-class AgentTooOld(CommandError):
-    """The agent's protocol minor does not know this command kind (it would refuse the frame)."""
-
-    status = 409
 
 
 @dataclass(frozen=True, slots=True)

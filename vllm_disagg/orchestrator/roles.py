@@ -1,6 +1,6 @@
 """The one way an instance changes role: the operator's (``vllm-disagg role``, the admin API) and the
-planner's. Its agent is asked first (``set_role``: it checks that the engine can serve the role, 409
-with its reason if not). Two ways follow:
+planner's. Its agent is asked first (``set_role``: it checks that the engine can serve the role;
+``Conflict`` with its reason if not). Two ways follow:
 
 - **routing** (vLLM ``kv_both`` engines, the simulator: they serve either role as they run): on yes
   the registry moves the instance to the other pool at once, its session and its requests in flight
@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vllm_disagg.clock import Clock
-from vllm_disagg.orchestrator.control import CommandError, ControlPlane
+from vllm_disagg.errors import Conflict, NotFound, RequestError, TimedOut
+from vllm_disagg.orchestrator.control import ControlPlane
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.registry import InstanceView, Registry
@@ -31,16 +32,6 @@ from vllm_disagg.protocol.commands import SetRole
 from vllm_disagg.protocol.messages import RESTART_REQUIRED, Ack, Role
 
 _POLL_S = 0.05  # how often a drain or a restart is looked at (the registry has no change callback)
-
-
-class RoleChangeError(Exception):
-    """A role change that did not happen; ``status`` is the admin API's answer to it."""
-
-    def __init__(self, status: int, message: str, kind: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind  # the error's type in the admin API's answer
 
 
 @dataclass(slots=True)
@@ -80,15 +71,16 @@ class RoleChanger:
         self._changing: set[str] = set()  # instances whose change is under way
 
     async def change(self, agent_id: str, role: Role) -> RoleChange:
-        """Serve ``agent_id`` as ``role``; ``RoleChangeError`` when it does not."""
+        """Serve ``agent_id`` as ``role``; when it does not, the ``RequestError`` that says why (the
+        admin API's answer): ``NotFound``, ``Conflict``, ``TimedOut`` or the agent's ``CommandError``."""
         view = self._registry.get(agent_id)
         if view is None:
-            raise RoleChangeError(404, f"no instance {agent_id!r}", "NotFoundError")
+            raise NotFound(f"no instance {agent_id!r}")
         old = view.info.role
         if role == old:
             return RoleChange(old, view, "none")
         if agent_id in self._changing:
-            raise RoleChangeError(409, f"a role change of {agent_id} is under way", "ConflictError")
+            raise Conflict(f"a role change of {agent_id} is under way")
         self._changing.add(agent_id)
         try:
             started = self._clock.monotonic()
@@ -98,7 +90,7 @@ class RoleChanger:
             elif ack.code == RESTART_REQUIRED:
                 change = await self._restart(agent_id, old, role, started)
             else:
-                raise RoleChangeError(409, f"{agent_id} cannot serve as {role}: {ack.error}", "ConflictError")
+                raise Conflict(f"{agent_id} cannot serve as {role}: {ack.error}")
         finally:
             self._changing.discard(agent_id)
         self._metrics.role_changed(agent_id, old, role, change.how, self._clock.monotonic() - started)
@@ -106,10 +98,7 @@ class RoleChanger:
         return change
 
     async def _ask(self, agent_id: str, role: Role, restart: bool = False) -> Ack:
-        try:
-            return await self._control.send_command(agent_id, SetRole(role, restart))
-        except CommandError as exc:
-            raise RoleChangeError(exc.status, str(exc), type(exc).__name__) from None
+        return await self._control.send_command(agent_id, SetRole(role, restart))
 
     async def _restart(self, agent_id: str, old: Role, role: Role, started: float) -> RoleChange:
         """Drain, have the agent restart its engine as ``role``, wait for it to be ready, undrain."""
@@ -126,7 +115,7 @@ class RoleChanger:
             self._alive(agent_id, session)
             ack = await self._ask(agent_id, role, restart=True)
             if not ack.ok:
-                raise RoleChangeError(409, f"{agent_id} cannot serve as {role}: {ack.error}", "ConflictError")
+                raise Conflict(f"{agent_id} cannot serve as {role}: {ack.error}")
             # The Ack arrives before the heartbeat that says so: the old engine must not look ready.
             self._registry.engine_restarting(agent_id, f"restarting as {role}")
             change.view = self._registry.set_role(agent_id, role)
@@ -139,14 +128,12 @@ class RoleChanger:
                 return v is not None and v.engine_state == "ready"
 
             if not await self._until(ready, self.restart_timeout_s):
-                raise RoleChangeError(
-                    504,
+                raise TimedOut(
                     f"{agent_id} restarted as {role} but its engine was not ready within "
-                    f"{self.restart_timeout_s:g} s (it is routed to once it is)",
-                    "TimeoutError",
+                    f"{self.restart_timeout_s:g} s (it is routed to once it is)"
                 )
             self._mark(change, "ready", started)
-        except RoleChangeError as exc:
+        except RequestError as exc:
             self._step(change, agent_id, role, "failed", error=exc.message)
             raise
         finally:
@@ -156,11 +143,11 @@ class RoleChanger:
         return change
 
     def _alive(self, agent_id: str, session: int) -> None:
-        """``RoleChangeError`` once the instance died or its agent started another session."""
+        """``Conflict`` once the instance died or its agent started another session."""
         view = self._registry.get(agent_id)
         if view is None or view.state == "dead" or view.session != session:
             why = "is gone" if view is None or view.state == "dead" else "started a new session"
-            raise RoleChangeError(409, f"{agent_id} {why} during its role change", "ConflictError")
+            raise Conflict(f"{agent_id} {why} during its role change")
 
     def _in_flight(self, agent_id: str) -> int:
         return self._registry.snapshot().in_flight_of(agent_id)

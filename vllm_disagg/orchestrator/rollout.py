@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vllm_disagg.clock import Clock
+from vllm_disagg.errors import RolloutConflict, RolloutInvalid, RolloutNotFound
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.registry import InstanceView, Registry
 from vllm_disagg.protocol.commands import CommandPayload, Drain, Undrain
@@ -39,15 +40,6 @@ log = logging.getLogger(__name__)
 
 STEP_S = 0.25
 Phase = Literal["rolling", "paused", "complete", "rolling_back", "rolled_back"]
-
-
-class RolloutError(Exception):
-    """A rollout request that cannot be done; ``status`` is the admin API's answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
 
 
 @dataclass
@@ -117,19 +109,19 @@ class Rollouts:
         models = sorted({v.info.model for v in snap.instances if v.state != "dead"})
         if model is None:
             if len(models) != 1:
-                raise RolloutError(400, f"name the model: served models are {models}")
+                raise RolloutInvalid(f"name the model: served models are {models}")
             model = models[0]
         live = [v for v in snap.instances if v.info.model == model and v.state != "dead"]
         if not live:
-            raise RolloutError(404, f"no live instance serves model {model!r}")
+            raise RolloutNotFound(f"no live instance serves model {model!r}")
         revisions = sorted({v.info.revision for v in live})
         current = self.by_model.get(model)
         if current is not None and current.phase in ("rolling", "paused", "rolling_back"):
-            raise RolloutError(
-                409, f"model {model!r} is already rolling to {current.to_revision!r} ({current.phase})"
+            raise RolloutConflict(
+                f"model {model!r} is already rolling to {current.to_revision!r} ({current.phase})"
             )
         if revisions == [to_revision]:
-            raise RolloutError(409, f"model {model!r} is served by revision {to_revision!r} already")
+            raise RolloutConflict(f"model {model!r} is served by revision {to_revision!r} already")
         from_revision = revisions[0] if len(revisions) == 1 else self._serving(model, live, to_revision)
         rollout = Rollout(model, from_revision, to_revision, self._clock.wall())
         self.by_model[model] = rollout
@@ -141,8 +133,8 @@ class Rollouts:
     def _serving(self, model: str, live: list[InstanceView], to_revision: str) -> str:
         others = sorted({v.info.revision for v in live if v.info.revision != to_revision})
         if len(others) != 1:
-            raise RolloutError(
-                409, f"model {model!r} is served by several revisions {others}: finish one first"
+            raise RolloutConflict(
+                f"model {model!r} is served by several revisions {others}: finish one first"
             )
         return others[0]
 
@@ -173,9 +165,9 @@ class Rollouts:
     def _get(self, model: str, phases: tuple[Phase, ...]) -> Rollout:
         rollout = self.by_model.get(model)
         if rollout is None:
-            raise RolloutError(404, f"no rollout of model {model!r}")
+            raise RolloutNotFound(f"no rollout of model {model!r}")
         if rollout.phase not in phases:
-            raise RolloutError(409, f"the rollout of {model!r} is {rollout.phase}")
+            raise RolloutConflict(f"the rollout of {model!r} is {rollout.phase}")
         return rollout
 
     def step(self) -> None:

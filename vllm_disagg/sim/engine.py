@@ -16,7 +16,8 @@ from aiohttp import web
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import SimEngineConfig
-from vllm_disagg.errors import BadRequest, RequestError, error_body
+from vllm_disagg.errors import BadRequest, NotFound, RequestError
+from vllm_disagg.http_errors import error_response
 from vllm_disagg.sim import perf_model
 from vllm_disagg.sim.core import ABORTED, EngineCore, Seq
 from vllm_disagg.sim.kv_publisher import KvEventPublisher
@@ -118,22 +119,6 @@ def _error_message(payload: bytes) -> str:
     return payload[:200].decode("utf-8", "replace")
 
 
-def _error(status: int, err_type: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    body = error_body(message, err_type, status)
-    return web.Response(
-        status=status, body=jsonutil.dumps(body), content_type="application/json", headers=headers
-    )
-
-
-def _request_error(exc: RequestError, headers: dict[str, str]) -> web.Response:
-    return web.Response(
-        status=exc.status,
-        body=jsonutil.dumps(exc.to_json()),
-        content_type="application/json",
-        headers=headers,
-    )
-
-
 async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     config = engine.config
@@ -161,7 +146,7 @@ async def _generate(request: web.Request, kind: Kind) -> web.StreamResponse:
         )
         external = await engine.pull_kv(req.remote_prefill, prompt) if req.remote_prefill else 0
     except RequestError as exc:
-        return _request_error(exc, headers)
+        return error_response(exc, headers)
     seq = Seq(req, prompt, external, arrival)
     encoder = ResponseEncoder(
         kind,
@@ -248,7 +233,7 @@ async def _respond_stepped(
             try:
                 await seq.done
             except RequestError as exc:
-                return _request_error(exc, headers)
+                return error_response(exc, headers)
             return _full_response(engine, seq, encoder, headers)
         assert seq.tokens is not None
         words = engine.prompts.json_words(seq.prompt, req.max_tokens)
@@ -357,15 +342,15 @@ async def kv_pull(request: web.Request) -> web.Response:
         if request_id is not None and not isinstance(request_id, str):
             raise BadRequest("remote_request_id must be a string")
     except jsonutil.JSONDecodeError:
-        return _error(400, "BadRequestError", "malformed JSON body")
+        return error_response(BadRequest("malformed JSON body"), {})
     except BadRequest as exc:
-        return _error(400, "BadRequestError", exc.message)
+        return error_response(exc, {})
     own = engine.core.engine_id
     if body.get("remote_engine_id") != own:
-        return _error(404, "NotFoundError", f"engine id {body.get('remote_engine_id')!r} is not {own!r}")
+        return error_response(NotFound(f"engine id {body.get('remote_engine_id')!r} is not {own!r}"), {})
     outcome = engine.core.serve_pull(block_ids, request_id)
     if outcome.token_ids is None:
-        return _error(404, "NotFoundError", outcome.reason)
+        return error_response(NotFound(outcome.reason), {})
     return web.Response(
         body=jsonutil.dumps({"token_ids": outcome.token_ids}), content_type="application/json"
     )

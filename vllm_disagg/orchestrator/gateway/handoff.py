@@ -1,8 +1,8 @@
 """The P -> D handoff: building each leg's body, calling engines, and naming what went wrong.
 
-Prefill leg (DESIGN §2): the client's body with ``max_tokens=1``, ``stream=false``, no
-``stream_options`` and ``kv_transfer_params.do_remote_decode=true``; its response's
-``kv_transfer_params`` go unchanged into the decode body. Each body is serialised exactly once.
+Prefill leg (docs/architecture.md, "A request's way"): the client's body with ``max_tokens=1``,
+``stream=false``, no ``stream_options`` and ``kv_transfer_params.do_remote_decode=true``; its
+response's ``kv_transfer_params`` go unchanged into the decode body. Each body is serialised exactly once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The OpenAI-compatible routes: validate, schedule, prefill leg, decode leg, record.
 
 ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``GET /v1/models``. Errors leave as
-OpenAI-style JSON with the status from ``vllm_disagg.errors.http_status``. Every request carries an
+OpenAI-style JSON as ``vllm_disagg.http_errors`` builds them. Every request carries an
 ``X-Request-Id`` (the client's, or a new one) on both engine legs and back to the client, with
 ``X-Disagg-Mode``, ``X-Disagg-Prefill`` and ``X-Disagg-Decode`` saying where it went.
 
@@ -33,6 +33,7 @@ from vllm_disagg.errors import (
     RequestError,
     UpstreamError,
 )
+from vllm_disagg.http_errors import error_response
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body, one_token_body
@@ -42,7 +43,6 @@ from vllm_disagg.orchestrator.gateway.server import (
     ClientRequest,
     FastRequest,
     Handler,
-    error_response,
 )
 from vllm_disagg.orchestrator.gateway.slo import attainment, best_effort, request_slo, slo_class
 from vllm_disagg.orchestrator.gateway.streaming import LegTiming

@@ -38,8 +38,8 @@ from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE  # what aiohttp says on the same port
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from vllm_disagg import jsonutil
-from vllm_disagg.errors import BadRequest, EngineRejected, HeadersTooLarge, PayloadTooLarge, RequestError
+from vllm_disagg.errors import BadRequest, HeadersTooLarge, PayloadTooLarge, RequestError
+from vllm_disagg.http_errors import error_response
 
 log = logging.getLogger(__name__)
 
@@ -569,17 +569,3 @@ class GatewayProtocol(asyncio.Protocol):
 # What the gateway's handlers take and give, on either server.
 ClientRequest = web.BaseRequest | FastRequest
 Answer = web.StreamResponse | FastStream
-
-
-def error_response(error: RequestError, headers: dict[str, str]) -> web.Response:
-    """An OpenAI-style JSON error (the one builder); an engine's own refusal goes back as it came."""
-    if isinstance(error, EngineRejected) and error.body:
-        return web.Response(
-            status=error.status, body=error.body, content_type="application/json", headers=headers
-        )
-    return web.Response(
-        status=error.status,
-        body=jsonutil.dumps(error.to_json()),
-        content_type="application/json",
-        headers=headers,
-    )

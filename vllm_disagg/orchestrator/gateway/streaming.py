@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from vllm_disagg import jsonutil
-from vllm_disagg.errors import UpstreamError, error_body
+from vllm_disagg.errors import UpstreamError
 from vllm_disagg.orchestrator.gateway.handoff import Target, status_failure, upstream_failure
 from vllm_disagg.orchestrator.gateway.resume import StreamBroken, StreamState
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream, FastRequest
@@ -198,9 +198,9 @@ async def continue_stream(
     timing.finished = now()
 
 
-def error_event(message: str, status: int = 502, type_: str = "BadGatewayError") -> bytes:
-    """An SSE error event shaped like the one vLLM sends when a stream fails."""
-    return b"data: " + jsonutil.dumps(error_body(message, type_, status)) + b"\n\n"
+def error_event(message: str) -> bytes:
+    """An SSE error event shaped like the one vLLM sends when a stream fails: an ``UpstreamError``'s."""
+    return b"data: " + jsonutil.dumps(UpstreamError(message).to_json()) + b"\n\n"
 
 
 async def end_stream(out: ClientStream, timing: LegTiming) -> None:

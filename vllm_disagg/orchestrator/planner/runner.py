@@ -18,6 +18,7 @@ from collections import deque
 from typing import Any
 
 from vllm_disagg.clock import Clock
+from vllm_disagg.errors import RequestError
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
@@ -25,7 +26,7 @@ from vllm_disagg.orchestrator.planner.decide import Memory, Plan, pressure
 from vllm_disagg.orchestrator.planner.decide import plan as decide
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
 from vllm_disagg.orchestrator.registry import Registry
-from vllm_disagg.orchestrator.roles import RoleChangeError, RoleChanger
+from vllm_disagg.orchestrator.roles import RoleChanger
 
 log = logging.getLogger(__name__)
 _HISTORY = 50  # shifts kept for the admin API
@@ -115,7 +116,7 @@ class PlannerRunner:
         started = self._clock.monotonic()
         try:
             change = await self._roles.change(record["instance"], record["to"])
-        except RoleChangeError as exc:
+        except RequestError as exc:  # the role change did not happen (``RoleChanger.change``)
             record["outcome"], record["error"] = "failed", exc.message
             log.warning("planner: moving %s to %s failed: %s", record["instance"], record["to"], exc.message)
         else:

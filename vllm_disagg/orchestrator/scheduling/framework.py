@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Protocol
 
 from vllm_disagg.orchestrator.registry import InstanceView, RegistrySnapshot
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 Mode = Literal["disaggregated", "colocated"]
 MODES: tuple[Mode, ...] = ("disaggregated", "colocated")
@@ -156,36 +157,24 @@ class Scorer(Plugin, Protocol):
         ...
 
 
-class FusedScorer(Scorer, Protocol):
-    """A scorer that can also state its score of one candidate as an expression.
+# A scorer's score of one candidate from what a profile's pass reads of the candidate once: its
+# metrics, the gateway's in-flight count on it, the prompt tokens its cache holds (0 when none), the
+# request's prompt length (0 when not positive) and that length's inverse (0.0 for 0).
+Term = Callable[[MetricsSnapshot, int, int, int, float], float]
 
-    When every weighted scorer of a profile is one, the profile compiles their expressions into one
-    loop over the candidates (``fused.py``) instead of one comprehension per scorer plus the sum.
+
+class TermScorer(Scorer, Protocol):
+    """A scorer whose score of a candidate depends only on what a ``Term`` reads.
+
+    ``term()`` is the one definition of its score: its ``score`` is the term of each candidate
+    (``fused.column``), and a profile whose weighted scorers all have one adds their terms up in one
+    pass over the candidates (``fused.fused_totals``), computing the columns only when an explanation
+    is rendered (from the request and the in-flight counts alone).
     """
 
-    def fused_term(self) -> tuple[str, Mapping[str, float]]:
-        """``score`` of candidate ``c`` as a Python expression, and the values of its ``{placeholders}``.
-
-        The expression may read ``FUSED_NAMES`` and must give exactly (bit for bit) what ``score``
-        gives; any temporaries it binds with ``:=`` must not be one of those names. ``score`` itself
-        may read only ``ctx.request`` and ``ctx.snapshot.in_flight``: an explanation recomputes the
-        columns later from those alone.
-        """
+    def term(self) -> Term:
+        """The score of one candidate, for this scorer's parameters."""
         ...
-
-
-# What a fused term may read, bound once per candidate (or per request) by the fused loop.
-FUSED_NAMES: Mapping[str, str] = MappingProxyType(
-    {
-        "c": "the candidate's InstanceView",
-        "m": "c.metrics",
-        "a": "c.agent_id",
-        "f": "the gateway's in-flight count on c",
-        "k": "leading prompt tokens c caches (0 when none)",
-        "n": "the request's prompt_len, 0 when not positive",
-        "inv": "1.0 / n (0.0 when n is 0)",
-    }
-)
 
 
 class Picker(Plugin, Protocol):

@@ -1,69 +1,266 @@
-"""One pass over a profile's candidates for all its scorers, when each can state its score as a term.
+"""A profile's weighted totals: one pass over the candidates for all its scorers where each has a term.
 
-Each scorer's ``score`` is one comprehension, so a profile of four scorers walks its candidates five
-times (the weighted sum included) and reads a candidate's metrics, in-flight count and cached tokens
-once per scorer. When every weighted scorer offers ``fused_term`` (``framework.FusedScorer``), the
-profile compiles the terms into one loop that gives the weighted totals directly: 8 -> 4 us a profile
-at 16 candidates. The totals are bit-identical to ``weighted_sum`` of the ``score`` columns
-(tests/unit/test_scheduling_fused.py), so the columns themselves are computed only when an
-explanation is rendered.
+Each scorer's ``score`` is a column, so a profile of four scorers walks its candidates five times (the
+weighted sum included) and reads a candidate's metrics, in-flight count and cached tokens once per
+scorer. When every weighted scorer has a ``term`` (``framework.TermScorer``), ``fused_totals`` reads
+each candidate once and calls the terms on what it read, giving the weighted totals directly; the
+columns are computed only when an explanation is rendered. Both call the same terms, so the totals
+are bit for bit what ``weighted_sum`` gives of the columns (tests/unit/test_scheduling_fused.py).
+
+The pass is one of a few plain functions, chosen by the number of terms when the weights are set (a
+loop over the terms inside the loop over the candidates costs a fifth more). Each term is a Python
+call per candidate: what the generated code this replaced saved by pasting every scorer's formula
+into one loop, at the price of a second copy of each (docs/benchmarks.md, "One definition of each
+formula", has what the calls cost).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from vllm_disagg.orchestrator.registry import InstanceView
-from vllm_disagg.orchestrator.scheduling.framework import ProfileContext, Scorer
+from vllm_disagg.orchestrator.scheduling.framework import ProfileContext, Scorer, Term
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.kv_usage import KvUsageScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.prefix import PrefixScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.queue import QueueScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.tpot import TpotScorer
+from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
+from vllm_disagg.orchestrator.scheduling.predict import Prediction, tpot_s, ttft_s
+from vllm_disagg.orchestrator.scheduling.terms import reads
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
-
-# A loop with plain local assignments: in Python 3.11 this beats a comprehension that binds the
-# per-candidate names with ``for m in [c.metrics]`` (not optimized there) or with ``:=``.
-_TEMPLATE = """
-def totals(ctx, candidates):
-    request = ctx.request
-    n = request.prompt_len if request.prompt_len > 0 else 0
-    inv = 1.0 / n if n > 0 else 0.0
-    in_flight = ctx.snapshot.in_flight.get
-    cached = request.cached_tokens.get
-    out = []
-    append = out.append
-    for c in candidates:
-        m = c.metrics
-        a = c.agent_id
-        f = in_flight(a, 0)
-        k = cached(a, 0)
-        append({total})
-    return out
-"""
+Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
 
 
 def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:
     """A function of (ctx, candidates) giving each candidate's weighted total in one pass; None unless
-    every scorer with a weight has ``fused_term``. Terms are added as ``weighted_sum`` adds columns:
-    from 0.0, in the scorers' order, weight 0 dropped and weight 1 not multiplied."""
-    namespace: dict[str, Any] = {"__builtins__": {}}
-    terms = ["0.0"]
-    for i, (scorer, weight) in enumerate(scorers):
-        if not weight:
-            continue
-        term = getattr(scorer, "fused_term", None)
-        if term is None:
-            return None
-        expression, constants = term()
-        # Constants are values in the namespace, never text; each scorer's get their own names.
-        names = {name: f"p{i}_{name}" for name in constants}
-        namespace.update({names[name]: value for name, value in constants.items()})
-        text = f"({expression.format(**names)})"
-        if weight != 1.0:
-            namespace[f"w{i}"] = weight
-            text = f"w{i} * {text}"
-        terms.append(text)
-    if len(terms) == 1:
+    every scorer with a weight has a ``term``. Terms are added as ``weighted_sum`` adds columns: from
+    0.0, in the scorers' order, weight 0 dropped (``1.0 * x`` is ``x`` exactly, so weight 1 is no
+    exception)."""
+    weighted = [(scorer, weight) for scorer, weight in scorers if weight]
+    if not weighted:
         return None  # no weighted scorer: the generic path's zeros are as cheap
-    # The source is the scorers' own expressions (code of this package, not configuration).
-    exec(_TEMPLATE.format(total=" + ".join(terms)), namespace)
-    totals: Totals = namespace["totals"]
+    shipped = _shipped(weighted)
+    if shipped is not None:
+        return shipped
+    terms: list[tuple[Term, float]] = []
+    for scorer, weight in weighted:
+        make = getattr(scorer, "term", None)
+        if make is None:
+            return None
+        terms.append((make(), weight))
+    if len(terms) > len(_SHAPES):
+        return _any(terms)
+    return _SHAPES[len(terms) - 1](*terms)
+
+
+def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
+    """The pass of the shipped profiles (default.yaml): queue-, kv-usage-, ttft- or tpot-, and
+    prefix-scorer, each weighted, in that order; None for any other profile.
+
+    A term is a call per candidate, a fifth of a decision at 16 candidates a profile: here the three
+    scores that read only the candidate are written out a second time, inline, and the prediction is
+    the one formula's (``predict``), called. tests/unit/test_scheduling_fused.py checks, for any
+    parameters, weights and metrics, that the totals are bit for bit what the terms give.
+    """
+    if len(weighted) != 4:
+        return None
+    (queue_scorer, wq), (kv_scorer, wkv), (predicting, wp), (prefix_scorer, wx) = weighted
+    if not (
+        type(queue_scorer) is QueueScorer
+        and type(kv_scorer) is KvUsageScorer
+        and type(prefix_scorer) is PrefixScorer
+    ):
+        return None
+    predict: Prediction
+    if type(predicting) is TtftScorer:
+        predict, slo, default = (
+            ttft_s,
+            predicting.params.slo_s,
+            predicting.params.default_prefill_tokens_per_s,
+        )
+    elif type(predicting) is TpotScorer:
+        predict, slo, default = tpot_s, predicting.params.slo_s, predicting.params.default_tpot_s
+    else:
+        return None
+    max_queue = queue_scorer.params.max_queue
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            load = m.num_running + m.num_waiting + f
+            u = m.kv_cache_usage
+            append(
+                0.0
+                + wq * (0.0 if load >= max_queue else (1.0 - load / max_queue if load > 0 else 1.0))
+                + wkv * (1.0 - u if 0.0 < u < 1.0 else (0.0 if u >= 1.0 else 1.0))
+                + wp * (slo / (slo + predict(m, f, k, n, default)))
+                + wx * ((1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0)
+            )
+        return out
+
     return totals
+
+
+# The shapes differ only in how many terms they add. Each reads a candidate's metrics, id, in-flight
+# count and cached tokens once, in plain local assignments: in Python 3.11 that beats a comprehension
+# binding them with ``for m in [c.metrics]`` (not optimized there) or with ``:=``.
+
+
+def _one(t0: tuple[Term, float]) -> Totals:
+    term0, w0 = t0
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            append(0.0 + w0 * term0(m, f, k, n, inv))
+        return out
+
+    return totals
+
+
+def _two(t0: tuple[Term, float], t1: tuple[Term, float]) -> Totals:
+    (term0, w0), (term1, w1) = t0, t1
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            append(0.0 + w0 * term0(m, f, k, n, inv) + w1 * term1(m, f, k, n, inv))
+        return out
+
+    return totals
+
+
+def _three(t0: tuple[Term, float], t1: tuple[Term, float], t2: tuple[Term, float]) -> Totals:
+    (term0, w0), (term1, w1), (term2, w2) = t0, t1, t2
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            append(
+                0.0 + w0 * term0(m, f, k, n, inv) + w1 * term1(m, f, k, n, inv) + w2 * term2(m, f, k, n, inv)
+            )
+        return out
+
+    return totals
+
+
+def _four(
+    t0: tuple[Term, float], t1: tuple[Term, float], t2: tuple[Term, float], t3: tuple[Term, float]
+) -> Totals:
+    (term0, w0), (term1, w1), (term2, w2), (term3, w3) = t0, t1, t2, t3
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            append(
+                0.0
+                + w0 * term0(m, f, k, n, inv)
+                + w1 * term1(m, f, k, n, inv)
+                + w2 * term2(m, f, k, n, inv)
+                + w3 * term3(m, f, k, n, inv)
+            )
+        return out
+
+    return totals
+
+
+def _five(
+    t0: tuple[Term, float],
+    t1: tuple[Term, float],
+    t2: tuple[Term, float],
+    t3: tuple[Term, float],
+    t4: tuple[Term, float],
+) -> Totals:
+    (term0, w0), (term1, w1), (term2, w2), (term3, w3), (term4, w4) = t0, t1, t2, t3, t4
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        append = out.append
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            append(
+                0.0
+                + w0 * term0(m, f, k, n, inv)
+                + w1 * term1(m, f, k, n, inv)
+                + w2 * term2(m, f, k, n, inv)
+                + w3 * term3(m, f, k, n, inv)
+                + w4 * term4(m, f, k, n, inv)
+            )
+        return out
+
+    return totals
+
+
+_SHAPES: tuple[Callable[..., Totals], ...] = (_one, _two, _three, _four, _five)
+
+
+def _any(terms: Sequence[tuple[Term, float]]) -> Totals:
+    """More terms than the shapes take (one of each shipped scorer is five): a loop over them."""
+    pairs = tuple(terms)
+
+    def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
+        n, inv, in_flight, cached = reads(ctx)
+        out: list[float] = []
+        for c in candidates:
+            m = c.metrics
+            a = c.agent_id
+            f = in_flight(a, 0)
+            k = cached(a, 0)
+            total = 0.0
+            for term, weight in pairs:
+                total += weight * term(m, f, k, n, inv)
+            out.append(total)
+        return out
+
+    return totals
+
+
+def weighted_sum(weights: Sequence[float]) -> Combine:
+    """A function of (score columns, n) giving each candidate's total, ``sum(weight * score)`` in the
+    scorers' order, from 0.0 and one column at a time; a column of weight 0 is not read. The path of
+    profiles with a scorer that has no term (no shipped scorer), and so bit-identical to
+    ``fused_totals`` where both apply."""
+    used = tuple((i, w) for i, w in enumerate(weights) if w)
+
+    def combine(scores: Sequence[Sequence[float]], n: int) -> list[float]:
+        totals = [0.0] * n
+        for i, weight in used:
+            totals = [total + weight * score for total, score in zip(totals, scores[i], strict=True)]
+        return totals
+
+    return combine

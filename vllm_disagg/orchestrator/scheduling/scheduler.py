@@ -38,7 +38,7 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     SchedulingRequest,
     Scorer,
 )
-from vllm_disagg.orchestrator.scheduling.fused import fused_totals
+from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     predicted_ttft,
@@ -80,8 +80,8 @@ class ProfileTrace:
     picker: str
     picked: int  # index into candidates; -1 when none
     # Each scorer's column; None after a fused pass, which gives only the totals: ``scores`` then
-    # computes them as the generic pass would have, from what a fused scorer may read (the request
-    # and the in-flight counts: ``framework.FusedScorer``). Not the whole context: records keep their
+    # computes them as the generic pass would have, from what a term may read (the request and the
+    # in-flight counts: ``framework.TermScorer``). Not the whole context: records keep their
     # explanation, and a snapshot per record would hold every instance's view alive.
     columns: tuple[Sequence[float], ...] | None = ()
     basis: tuple[SchedulingRequest, float, Any, Mapping[str, int]] | None = None  # request, now, profile
@@ -323,30 +323,11 @@ class _Profile:
 
 
 def _in_flight_only(in_flight: Mapping[str, int]) -> RegistrySnapshot:
-    """A snapshot holding only in-flight counts: what a fused scorer's ``score`` may read of one."""
+    """A snapshot holding only in-flight counts: what a term scorer's ``score`` may read of one."""
     return RegistrySnapshot(0, 0, 0, MappingProxyType({}), in_flight, frozenset(), _NONE, _NONE, _NONE)
 
 
 _NONE: Mapping[str, tuple[str, ...]] = MappingProxyType({})
-
-
-def weighted_sum(weights: Sequence[float]) -> Callable[[Sequence[Sequence[float]], int], list[float]]:
-    """A function of (score columns, n) giving each candidate's total, ``sum(weight * score)`` in the
-    scorers' order, as one list comprehension generated for these weights (built once per weight
-    change): one pass over the candidates instead of one per scorer, 10 -> 3 us a profile at 16
-    candidates. Bit-identical to adding the weighted scores one scorer at a time from 0.0; a weight of
-    0 drops its column and a weight of 1 adds the score as it is."""
-    used = [(i, w) for i, w in enumerate(weights) if w]
-    if not used:
-        return lambda scores, n: [0.0] * n
-    names = ", ".join(f"s{i}" for i, _ in used)
-    terms = " + ".join(f"s{i}" if w == 1.0 else f"w{i} * s{i}" for i, w in used)
-    columns = ", ".join(f"scores[{i}]" for i, _ in used)
-    source = f"lambda scores, n: [0.0 + {terms} for ({names},) in zip({columns})]"
-    namespace: dict[str, Any] = {"__builtins__": {"zip": zip}, **{f"w{i}": w for i, w in used}}
-    # The source holds only column indices; the weights are values in its namespace, never text.
-    combine: Callable[[Sequence[Sequence[float]], int], list[float]] = eval(source, namespace)
-    return combine
 
 
 def _resolve_pin(pin: str, snapshot: RegistrySnapshot, model: str) -> InstanceView:
@@ -455,30 +436,26 @@ class PluginScheduler:
         """Set some scorers' weights, all or none: ``BadRequest`` for an unknown profile or scorer, or a
         weight that is not a finite number >= 0. Returns every weight after the change."""
         if not isinstance(changes, Mapping) or not changes:
-            raise BadRequest("give {profile: {scorer: weight}} with at least one weight", param="weights")
+            raise BadRequest("give {profile: {scorer: weight}} with at least one weight")
         staged: dict[str, list[tuple[Scorer, float]]] = {}
         for name, weights in changes.items():
             profile = self._profiles.get(name)  # type: ignore[call-overload]
             if profile is None:
-                raise BadRequest(f"no profile {name!r} (profiles: {sorted(self._profiles)})", param="weights")
+                raise BadRequest(f"no profile {name!r} (profiles: {sorted(self._profiles)})")
             if not isinstance(weights, Mapping):
-                raise BadRequest(f"profile {name!r}: give {{scorer: weight}}", param="weights")
+                raise BadRequest(f"profile {name!r}: give {{scorer: weight}}")
             scorers = list(profile.scorers)
             known = {s.name: i for i, (s, _) in enumerate(scorers)}
             for scorer, weight in weights.items():
                 if scorer not in known:
-                    raise BadRequest(
-                        f"profile {name!r} has no scorer {scorer!r} (scorers: {sorted(known)})",
-                        param="weights",
-                    )
+                    raise BadRequest(f"profile {name!r} has no scorer {scorer!r} (scorers: {sorted(known)})")
                 if (
                     isinstance(weight, bool)
                     or not isinstance(weight, int | float)
                     or not 0 <= weight < math.inf
                 ):
                     raise BadRequest(
-                        f"profile {name!r}, scorer {scorer!r}: a weight is a number >= 0, got {weight!r}",
-                        param="weights",
+                        f"profile {name!r}, scorer {scorer!r}: a weight is a number >= 0, got {weight!r}"
                     )
                 i = known[scorer]
                 scorers[i] = (scorers[i][0], float(weight))

@@ -27,7 +27,8 @@ from aiohttp import web
 from vllm_disagg import runtime
 from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import error_body
+from vllm_disagg.errors import OrchestratorUnreachable
+from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
@@ -162,7 +163,7 @@ class Worker:
         self.gateway = gateway
         app = web.Application(client_max_size=config.max_body_bytes)
         gateway.add_routes(app)
-        app.router.add_route("*", "/{tail:.*}", self.proxy)
+        app.router.add_route("*", "/{tail:.*}", answering(self.proxy))
         app.cleanup_ctx.append(self._session_ctx)
         return app
 
@@ -192,8 +193,7 @@ class Worker:
                 request.method, self.primary_url + request.raw_path, headers=headers, data=body
             )
         except aiohttp.ClientError as exc:
-            why = f"the orchestrator did not answer: {exc}"
-            return web.json_response(error_body(why, "UpstreamError", 502), status=502)
+            raise OrchestratorUnreachable(f"the orchestrator did not answer: {exc}") from None
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for key, value in upstream.headers.items():

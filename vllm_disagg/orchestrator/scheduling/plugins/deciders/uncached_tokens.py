@@ -12,6 +12,7 @@ from typing import ClassVar
 from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import ModeChoice, PluginSpec, ProfileContext
 from vllm_disagg.orchestrator.scheduling.plugins import check_int
+from vllm_disagg.orchestrator.scheduling.predict import uncached_tokens
 
 TYPE = "uncached-tokens-decider"
 
@@ -44,8 +45,7 @@ class UncachedTokensDecider:
             return ModeChoice("colocated", NO_PREFILL)
         request = ctx.request
         threshold = self.params.threshold
-        cached = request.cached_tokens.get(decode.agent_id, 0)
-        uncached = max(0, request.prompt_len - cached)
+        uncached = uncached_tokens(decode, request)
         if uncached < threshold:
             return ModeChoice(
                 "colocated", f"only {uncached} uncached prompt tokens (below threshold {threshold})"

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_disagg.orchestrator.registry import InstanceView
-from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, Term
+from vllm_disagg.orchestrator.scheduling.terms import column
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "kv-usage-scorer"
 
@@ -29,18 +31,17 @@ class KvUsageScorer:
 
     def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
         """One score per candidate in [0, 1]."""
-        # Written so that a NaN usage (a broken scrape) lands in a branch and never leaks out as a score.
-        return [
-            1.0 - u if 0.0 < (u := c.metrics.kv_cache_usage) < 1.0 else (0.0 if u >= 1.0 else 1.0)
-            for c in candidates
-        ]
+        return column(self.term(), ctx, candidates)
 
-    def fused_term(self) -> tuple[str, Mapping[str, float]]:
-        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
-        return (
-            "1.0 - u if 0.0 < (u := m.kv_cache_usage) < 1.0 else (0.0 if u >= 1.0 else 1.0)",
-            {},
-        )
+    def term(self) -> Term:
+        """The score of one candidate (``framework.TermScorer``)."""
+        return _kv_usage
+
+
+def _kv_usage(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
+    # Written so that a NaN usage (a broken scrape) lands in a branch and never leaks out as a score.
+    u = m.kv_cache_usage
+    return 1.0 - u if 0.0 < u < 1.0 else (0.0 if u >= 1.0 else 1.0)
 
 
 PLUGIN = PluginSpec(TYPE, Params, KvUsageScorer, "scorer")

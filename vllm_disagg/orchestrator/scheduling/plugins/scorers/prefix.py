@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_disagg.orchestrator.registry import InstanceView
-from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, Term
+from vllm_disagg.orchestrator.scheduling.terms import column
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "prefix-scorer"
 
@@ -29,25 +31,16 @@ class PrefixScorer:
 
     def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
         """One score per candidate in [0, 1]."""
-        request = ctx.request
-        cached = request.cached_tokens
-        prompt_len = request.prompt_len
-        if not cached or prompt_len <= 0:
-            return [0.0] * len(candidates)
-        # The prompt length may be an estimate, so a cache can hold "more" than the whole prompt.
-        get = cached.get
-        inv = 1.0 / prompt_len
-        return [
-            (1.0 if (n := get(c.agent_id, 0)) >= prompt_len else n * inv if n > 0 else 0.0)
-            for c in candidates
-        ]
+        return column(self.term(), ctx, candidates)
 
-    def fused_term(self) -> tuple[str, Mapping[str, float]]:
-        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
-        return (
-            "(1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0",
-            {},
-        )
+    def term(self) -> Term:
+        """The score of one candidate (``framework.TermScorer``)."""
+        return _prefix
+
+
+def _prefix(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
+    # The prompt length may be an estimate, so a cache can hold "more" than the whole prompt.
+    return (1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0
 
 
 PLUGIN = PluginSpec(TYPE, Params, PrefixScorer, "scorer")

@@ -7,13 +7,15 @@ cannot show yet.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_disagg.orchestrator.registry import InstanceView
-from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, Term
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
+from vllm_disagg.orchestrator.scheduling.terms import column
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "queue-scorer"
 
@@ -40,26 +42,17 @@ class QueueScorer:
 
     def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
         """One score per candidate in [0, 1]."""
-        # ``in_flight.get`` rather than ``snapshot.in_flight_of``: one call per candidate, not two.
-        in_flight = ctx.snapshot.in_flight.get
-        max_queue = self.params.max_queue
-        return [
-            (
-                0.0
-                if (load := (m := c.metrics).num_running + m.num_waiting + in_flight(c.agent_id, 0))
-                >= max_queue
-                else (1.0 - load / max_queue if load > 0 else 1.0)
-            )
-            for c in candidates
-        ]
+        return column(self.term(), ctx, candidates)
 
-    def fused_term(self) -> tuple[str, Mapping[str, float]]:
-        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
-        return (
-            "0.0 if (load := m.num_running + m.num_waiting + f) >= {max_queue}"
-            " else (1.0 - load / {max_queue} if load > 0 else 1.0)",
-            {"max_queue": self.params.max_queue},
-        )
+    def term(self) -> Term:
+        """The score of one candidate (``framework.TermScorer``)."""
+        max_queue = self.params.max_queue
+
+        def queue(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
+            load = m.num_running + m.num_waiting + f
+            return 0.0 if load >= max_queue else (1.0 - load / max_queue if load > 0 else 1.0)
+
+        return queue
 
 
 PLUGIN = PluginSpec(TYPE, Params, QueueScorer, "scorer")

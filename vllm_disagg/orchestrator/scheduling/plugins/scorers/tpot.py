@@ -1,20 +1,22 @@
 """tpot-scorer: a lower predicted time per output token scores higher.
 
-``predicted = (tpot_s, else the default) * (num_running + in_flight + 1) / max(1, num_running)``: the
-measured inter-token latency scaled by how much bigger the batch gets once the requests the gateway
-has sent and this one join it ("else" when ``tpot_s`` is unmeasured or zero).
-``score = slo_s / (slo_s + predicted)``, 0.5 at the SLO.
+``score = slo_s / (slo_s + predicted)``, 0.5 at the SLO, where ``predicted`` is ``predict.tpot_s`` (the
+one TPOT formula: the measured inter-token latency scaled by how much bigger the batch gets once the
+requests the gateway has sent and this one join it; docs/scheduler.md, Predictions).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_disagg.orchestrator.registry import InstanceView
-from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, Term
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
+from vllm_disagg.orchestrator.scheduling.predict import tpot_s
+from vllm_disagg.orchestrator.scheduling.terms import column
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "tpot-scorer"
 
@@ -32,7 +34,7 @@ class Params:
 
 
 class TpotScorer:
-    """Scores ``slo / (slo + predicted TPOT)``; see the module docstring for the prediction."""
+    """Scores ``slo / (slo + predict.tpot_s)``."""
 
     TYPE: ClassVar[str] = TYPE
     __slots__ = ("name", "params")
@@ -43,28 +45,16 @@ class TpotScorer:
 
     def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
         """One score per candidate in (0, 1]."""
-        in_flight = ctx.snapshot.in_flight.get
-        slo = self.params.slo_s
-        default = self.params.default_tpot_s
-        # ``tpot_s or default``: an unmeasured (None) and a zero reading alike fall back.
-        return [
-            slo
-            / (
-                slo
-                + ((m := c.metrics).tpot_s or default)
-                * ((running := m.num_running) + in_flight(c.agent_id, 0) + 1)
-                / (running if running > 1 else 1)
-            )
-            for c in candidates
-        ]
+        return column(self.term(), ctx, candidates)
 
-    def fused_term(self) -> tuple[str, Mapping[str, float]]:
-        """``score`` of one candidate as a term of the profile's fused pass (``framework.FusedScorer``)."""
-        return (
-            "{slo} / ({slo} + (m.tpot_s or {default})"
-            " * ((running := m.num_running) + f + 1) / (running if running > 1 else 1))",
-            {"slo": self.params.slo_s, "default": self.params.default_tpot_s},
-        )
+    def term(self) -> Term:
+        """The score of one candidate (``framework.TermScorer``)."""
+        slo, default = self.params.slo_s, self.params.default_tpot_s
+
+        def tpot(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
+            return slo / (slo + tpot_s(m, f, k, n, default))
+
+        return tpot
 
 
 PLUGIN = PluginSpec(TYPE, Params, TpotScorer, "scorer")
