@@ -11,7 +11,7 @@ TREE=$1; PORT=$2; shift 2
 ZMQ=$((PORT + 51))
 PY=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
 export PYTHONPATH="$TREE"
-CLI="from vllm_disagg.cli import main; raise SystemExit(main())"
+CLI="from vllm_disagg.cli.commands import main; raise SystemExit(main())"
 role=prefill; i=0
 for arg in "$@"; do
   case $arg in

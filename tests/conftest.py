@@ -8,7 +8,7 @@ operator's would; test code sends ``tests.helpers.ADMIN``.
 import os
 
 from tests.helpers import ADMIN_TOKEN
-from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN
+from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
 
 os.environ[ENV_ADMIN_TOKEN] = ADMIN_TOKEN
 

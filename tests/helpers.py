@@ -136,7 +136,12 @@ def http_json(
 
 def cli_argv(*args: str) -> list[str]:
     """The ``vllm-disagg`` command line as a child process of this interpreter."""
-    return [sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())", *args]
+    return [
+        sys.executable,
+        "-c",
+        "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
+        *args,
+    ]
 
 
 def parse_prometheus(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 # This interpreter running ``vllm-disagg``: how the cluster's children (agents, engines) are started.
-SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli import main; raise SystemExit(main())")
+SELF_ARGV = (sys.executable, "-c", "from vllm_disagg.cli.commands import main; raise SystemExit(main())")
 
 # The orchestrator's secrets: a child other than the orchestrator (agents, engines, connect) never
 # needs them, and an engine would log them among its unknown variables (vLLM does) or pass them on.

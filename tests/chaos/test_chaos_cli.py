@@ -17,7 +17,7 @@ import pytest
 from tests.e2e.up_support import engine_pids
 from tests.helpers import eventually_sync
 from vllm_disagg.chaos.killer import alive
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 
 # Seed 5 draws an agent, then an engine: both kinds of fault within the first two.
 CHAOS = [

@@ -28,7 +28,7 @@ from vllm_disagg.chaos.load import (
     Tally,
 )
 from vllm_disagg.chaos.report import counter_sums
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 
 
 def planner(seed: int, tag: str = "t") -> RequestPlanner:

@@ -13,8 +13,8 @@ import pytest
 from vllm_disagg import jsonutil
 from vllm_disagg.chaos.check import Checker, RequestSpec, error_event, split_tokens
 from vllm_disagg.config import SimEngineConfig, SimTiming
-from vllm_disagg.sim.engine import SimServer, start_engine
-from vllm_disagg.sim.openai_api import DONE
+from vllm_disagg.sim_engine.engine import SimServer, start_engine
+from vllm_disagg.sim_engine.openai_api import DONE
 
 MODEL = "sim-model"
 ZERO = SimTiming()

@@ -30,9 +30,9 @@ import pytest
 from tests.chaos.netns_support import NetnsLink, netns_link
 from tests.helpers import ADMIN, cli_argv, eventually, eventually_sync, free_port
 from vllm_disagg import jsonutil
+from vllm_disagg.cli.up import stop_processes
 from vllm_disagg.runtime import die_with_parent
-from vllm_disagg.sim.textgen import expected_text
-from vllm_disagg.up import stop_processes
+from vllm_disagg.sim_engine.textgen import expected_text
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="network namespaces are Linux's")
 

@@ -11,8 +11,8 @@ import pytest
 @pytest.fixture(scope="module")
 def tiny_model() -> Path:
     """The tiny offline model (built once, then reused from its directory)."""
+    from vllm_disagg.cli.up import tiny_model_dir
     from vllm_disagg.model.tiny import build_tiny_model
-    from vllm_disagg.up import tiny_model_dir
 
     return build_tiny_model(tiny_model_dir()).path
 

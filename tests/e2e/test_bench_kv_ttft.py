@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(1200)
 def test_the_pool_round_loads_the_two_blocks_instead_of_computing_them(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from vllm_disagg.cli import main
+    from vllm_disagg.cli.commands import main
 
     argv = ["bench", "kv", "--blocks", "2", "--rounds", "1", "--layers", "2", "--layer-block-kib", "16"]
     assert main([*argv, "--ttft-rounds", "2", "--json"]) == 0

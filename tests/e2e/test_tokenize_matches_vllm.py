@@ -110,8 +110,8 @@ class Dirs:
 def dirs(tmp_path_factory: pytest.TempPathFactory) -> Dirs:
     from tokenizers import Tokenizer, processors
 
+    from vllm_disagg.cli.up import tiny_model_dir
     from vllm_disagg.model.tiny import build_tiny_model
-    from vllm_disagg.up import tiny_model_dir
 
     tiny = build_tiny_model(tiny_model_dir()).path
     root = tmp_path_factory.mktemp("tokenize-models")

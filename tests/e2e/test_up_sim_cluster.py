@@ -27,8 +27,8 @@ from tests.helpers import (
     sse_text,
 )
 from vllm_disagg import jsonutil
-from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers
-from vllm_disagg.sim.textgen import expected_chat_text, expected_text
+from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN, admin_headers
+from vllm_disagg.sim_engine.textgen import expected_chat_text, expected_text
 
 MODEL = "sim-model"
 PROMPTS = [

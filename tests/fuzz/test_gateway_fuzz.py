@@ -26,8 +26,8 @@ from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import Heartbeat, MetricsSnapshot
-from vllm_disagg.sim.engine import SimServer, start_engine
-from vllm_disagg.sim.textgen import expected_chat_text, expected_text
+from vllm_disagg.sim_engine.engine import SimServer, start_engine
+from vllm_disagg.sim_engine.textgen import expected_chat_text, expected_text
 
 MAX_BODY = 64 * 1024  # the gateway's limit here: small, so oversized bodies are cheap to make
 MAX_MODEL_LEN = 512  # the engines' context: a long generation is refused rather than run

@@ -14,7 +14,7 @@ from tests.integration.sim_support import ZERO, StartEngine
 from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import Role
-from vllm_disagg.sim.engine import SimServer, start_engine
+from vllm_disagg.sim_engine.engine import SimServer, start_engine
 
 AgentFactory = Callable[..., Awaitable[FakeAgent]]
 EngineFactory = Callable[..., Awaitable[SimServer]]

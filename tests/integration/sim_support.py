@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import eventually, free_port  # noqa: F401  (re-exported)
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
-from vllm_disagg.sim.engine import SimServer
+from vllm_disagg.sim_engine.engine import SimServer
 
 MODEL = "sim-model"
 BLOCK = 16

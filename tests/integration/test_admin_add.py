@@ -20,10 +20,10 @@ import pytest
 from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import EngineFactory
 from tests.integration.orchestrator_support import MODEL, orch_config
-from vllm_disagg import cli
+from vllm_disagg.cli import commands as cli
 from vllm_disagg.orchestrator.app import SPAWNER_KEY, OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.curve import make_keypair
-from vllm_disagg.sim.engine import ENGINE_KEY
+from vllm_disagg.sim_engine.engine import ENGINE_KEY
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -13,7 +13,7 @@ import aiohttp
 from tests.helpers import ADMIN, eventually, metric_sum, parse_prometheus
 from tests.integration.conftest import AgentFactory
 from tests.integration.orchestrator_support import MODEL
-from vllm_disagg import cli
+from vllm_disagg.cli import commands as cli
 from vllm_disagg.orchestrator.app import OrchestratorServer
 
 

@@ -37,7 +37,7 @@ from vllm_disagg.protocol.messages import (
     Welcome,
 )
 from vllm_disagg.protocol.transport import Incoming, RouterTransport
-from vllm_disagg.sim.engine import SimServer, start_engine
+from vllm_disagg.sim_engine.engine import SimServer, start_engine
 
 M = TypeVar("M", bound=Message)
 

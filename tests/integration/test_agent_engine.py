@@ -12,9 +12,11 @@ import pytest
 
 from tests.helpers import eventually, free_port
 from tests.integration.test_agent import gone
-from vllm_disagg.agent.engine import SELF_ARGV, EngineCommand, EngineSupervisor
+from vllm_disagg.agent.engine import EngineSupervisor
+from vllm_disagg.agent.engine_command import EngineCommand
 from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import AgentConfig
+from vllm_disagg.runtime import SELF_ARGV
 
 DEADLINE_S = 60.0
 

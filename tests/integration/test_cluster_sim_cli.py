@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from vllm_disagg import jsonutil
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 from vllm_disagg.cluster_sim.mooncake import dump_mooncake
 from vllm_disagg.cluster_sim.policies import POLICIES
 from vllm_disagg.cluster_sim.traces import SYNTHETIC

@@ -23,6 +23,8 @@ from collections.abc import Iterable
 import pytest
 
 from tests.helpers import free_port, free_ports
+from vllm_disagg.cli.up import ClusterSpec as LocalSpec
+from vllm_disagg.cli.up import LocalCluster
 from vllm_disagg.cluster_sim.cluster import MODEL, Cluster, ClusterSpec, Outcome
 from vllm_disagg.cluster_sim.fidelity import Measured, replay, token_request, token_trace
 from vllm_disagg.cluster_sim.profile import from_sim_timing
@@ -30,8 +32,6 @@ from vllm_disagg.cluster_sim.trace import Trace, prompt_token_ids
 from vllm_disagg.config import SimTiming
 from vllm_disagg.model.sim import VOCAB_SIZE
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
-from vllm_disagg.up import ClusterSpec as LocalSpec
-from vllm_disagg.up import LocalCluster
 
 PREFILL, DECODE = 2, 2
 # A prompt of 96 tokens costs ~0.1 s of prefill and ~0.2 s to pull; every step costs 0.1 s plus 1 ms

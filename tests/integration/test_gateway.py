@@ -16,8 +16,8 @@ from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
-from vllm_disagg.sim.engine import SimServer
-from vllm_disagg.sim.textgen import expected_chat_text, expected_text
+from vllm_disagg.sim_engine.engine import SimServer
+from vllm_disagg.sim_engine.textgen import expected_chat_text, expected_text
 
 # Several full KV blocks (16 tokens each in the sim), so the handoff moves real blocks.
 PROMPT = "The quick brown fox jumps over the lazy dog while the gateway relays every byte. " * 2

@@ -23,7 +23,7 @@ from tests.integration.orchestrator_support import MODEL, fake_engine, sample, s
 from tests.integration.recovery_support import Cluster, record
 from vllm_disagg import jsonutil
 from vllm_disagg.protocol.messages import EngineCapabilities
-from vllm_disagg.sim.engine import SimServer
+from vllm_disagg.sim_engine.engine import SimServer
 
 PROMPT = "Spell it any way you like, the answer is the same. " * 3
 NO_IDS = EngineCapabilities(known=True)  # an engine whose agent found that it says no token ids

@@ -33,7 +33,7 @@ from vllm_disagg.orchestrator.app import GATEWAY_KEY, OrchestratorServer, start_
 from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public, make_keypair
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent, KvEvents, MetricsSnapshot, Role
 from vllm_disagg.protocol.transport import DealerTransport
-from vllm_disagg.sim.engine import SimServer, start_engine
+from vllm_disagg.sim_engine.engine import SimServer, start_engine
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
 
 MODEL = "sim-model"

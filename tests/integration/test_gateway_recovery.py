@@ -30,7 +30,7 @@ from tests.integration.recovery_support import (
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
 from vllm_disagg.orchestrator.app import REQUEST_LOG_KEY
-from vllm_disagg.sim.textgen import expected_text
+from vllm_disagg.sim_engine.textgen import expected_text
 
 
 async def _hang(request: web.Request) -> web.Response:

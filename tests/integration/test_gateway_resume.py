@@ -21,7 +21,7 @@ from tests.integration.orchestrator_support import MODEL, fake_engine, sample, s
 from tests.integration.recovery_support import Cluster, attempts, record
 from vllm_disagg import jsonutil
 from vllm_disagg.chaos.check import Checker, RequestSpec
-from vllm_disagg.sim.engine import SimServer
+from vllm_disagg.sim_engine.engine import SimServer
 
 CHECKER = Checker(MODEL)
 ENGINE_CORE_DIED = (

@@ -14,7 +14,7 @@ from tests.integration.orchestrator_support import MODEL, fake_engine
 from tests.integration.test_gateway import KV_FROM_PREFILL, wait_ready
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import GATEWAY_KEY, OrchestratorServer
-from vllm_disagg.sim.textgen import tokenize
+from vllm_disagg.sim_engine.textgen import tokenize
 
 
 async def _post(

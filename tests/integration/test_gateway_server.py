@@ -17,7 +17,7 @@ from tests.integration.test_gateway import expected, request_body, text_of, wait
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer
-from vllm_disagg.sim.engine import SimServer
+from vllm_disagg.sim_engine.engine import SimServer
 
 ROUTE = "/v1/completions"
 

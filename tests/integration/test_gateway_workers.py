@@ -23,7 +23,7 @@ from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg.config import SimTiming
 from vllm_disagg.orchestrator.app import GATEWAY_KEY, WORKERS_KEY, OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import KvEvent, KvEvents, Role
-from vllm_disagg.sim.textgen import expected_text, tokenize
+from vllm_disagg.sim_engine.textgen import expected_text, tokenize
 
 pytestmark = pytest.mark.timeout(300)
 

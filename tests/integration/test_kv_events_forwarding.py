@@ -25,7 +25,7 @@ from vllm_disagg.agent.main import serve
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer
 from vllm_disagg.protocol.messages import Heartbeat, KvEvent, KvEvents
-from vllm_disagg.sim.textgen import tokenize
+from vllm_disagg.sim_engine.textgen import tokenize
 from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames
 
 AGENT = "agent-kv"

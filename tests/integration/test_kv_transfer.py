@@ -480,7 +480,7 @@ async def test_a_silent_holder_times_the_fetch_out(agents: StartAgent) -> None:
 
 # --- the benchmark ---------------------------------------------------------------------------------
 def test_bench_kv_runs_small_and_reports_its_keys(capsys: pytest.CaptureFixture[str]) -> None:
-    from vllm_disagg.cli import main
+    from vllm_disagg.cli.commands import main
 
     argv = ["bench", "kv", "--blocks", "4", "--rounds", "1", "--layers", "4", "--layer-block-kib", "16"]
     argv += ["--ttft-rounds", "0"]  # the real-vLLM part: tests/e2e/test_bench_kv_ttft.py

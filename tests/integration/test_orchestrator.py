@@ -19,11 +19,11 @@ from tests.helpers import ADMIN, ADMIN_TOKEN, eventually, free_port
 from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, sample, scrape
 from vllm_disagg import jsonutil
-from vllm_disagg.cli import main as cli_main
+from vllm_disagg.cli.commands import main as cli_main
+from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
-from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN
 from vllm_disagg.protocol.messages import PROTOCOL_MINOR, PROTOCOL_VERSION, Goodbye, Heartbeat, Welcome
-from vllm_disagg.sim.textgen import expected_text
+from vllm_disagg.sim_engine.textgen import expected_text
 
 
 async def get_json(http: aiohttp.ClientSession, url: str) -> tuple[int, Any]:
@@ -465,7 +465,7 @@ async def test_orchestrator_subcommand_serves_and_stops_cleanly_on_sigterm(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        "from vllm_disagg.cli import main; raise SystemExit(main())",
+        "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
         "orchestrator",
         "--port",
         str(port),
@@ -501,7 +501,7 @@ async def test_orchestrator_subcommand_refuses_bad_config() -> None:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        "from vllm_disagg.cli import main; raise SystemExit(main())",
+        "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
         "orchestrator",
         "--heartbeat-interval-s",
         "2",

@@ -28,7 +28,7 @@ from tests.helpers import ADMIN, cli_argv, eventually, free_port
 from tests.integration.orchestrator_support import MODEL, orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
-from vllm_disagg.sim.textgen import tokenize
+from vllm_disagg.sim_engine.textgen import tokenize
 
 pytestmark = pytest.mark.slow
 

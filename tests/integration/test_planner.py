@@ -19,7 +19,7 @@ from tests.integration.test_gateway import wait_ready
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
 from vllm_disagg.orchestrator.app import PLANNER_KEY, OrchestratorServer, start_orchestrator
-from vllm_disagg.sim.textgen import expected_text
+from vllm_disagg.sim_engine.textgen import expected_text
 
 PROMPT = "a prompt of a hundred or so bytes, which the simulated engine prefills as so many tokens. " * 2
 

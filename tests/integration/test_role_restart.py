@@ -24,7 +24,7 @@ from vllm_disagg.agent.main import serve
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import Role
-from vllm_disagg.sim.textgen import expected_text
+from vllm_disagg.sim_engine.textgen import expected_text
 
 PROMPT = "a prompt for a role change that restarts the engine: "
 TIMING = SimTiming(decode_step_s=0.02)  # a 100-token stream lasts about 2 s

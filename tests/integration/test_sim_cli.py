@@ -15,10 +15,10 @@ import pytest
 
 from tests.helpers import eventually, free_port
 from vllm_disagg import jsonutil
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 from vllm_disagg.config import SimEngineConfig, SimTiming
-from vllm_disagg.sim import textgen
-from vllm_disagg.sim.cli import add_arguments, config_from_args, sim_engine_argv
+from vllm_disagg.sim_engine import textgen
+from vllm_disagg.sim_engine.cli import add_arguments, config_from_args, sim_engine_argv
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ async def test_sim_engine_command_serves_and_exits_0_on_sigterm(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
-        "from vllm_disagg.cli import main; raise SystemExit(main())",
+        "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
         "sim-engine",
         *sim_engine_argv(config),
         cwd=ROOT,

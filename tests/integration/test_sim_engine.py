@@ -24,8 +24,8 @@ from tests.integration.sim_support import (
     value,
 )
 from vllm_disagg.config import SimEngineConfig, SimTiming
-from vllm_disagg.sim import textgen
-from vllm_disagg.sim.engine import SimServer, build_app
+from vllm_disagg.sim_engine import textgen
+from vllm_disagg.sim_engine.engine import SimServer, build_app
 
 
 async def prefill(

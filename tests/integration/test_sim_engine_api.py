@@ -21,8 +21,8 @@ from tests.integration.sim_support import (
 )
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
-from vllm_disagg.sim import textgen
-from vllm_disagg.sim.openai_api import DONE, Kind, ResponseEncoder
+from vllm_disagg.sim_engine import textgen
+from vllm_disagg.sim_engine.openai_api import DONE, Kind, ResponseEncoder
 
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Say something."}]
 PLAIN: dict[str, Any] = {}

@@ -12,9 +12,9 @@ import zmq.asyncio
 from tests.helpers import eventually, free_port
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimEngineConfig, SimTiming
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, apply_batch, prompt_block_hashes
-from vllm_disagg.sim.engine import ENGINE_KEY, SimServer, start_engine
-from vllm_disagg.sim.textgen import tokenize
+from vllm_disagg.orchestrator.state.prefix_index import PrefixIndex, apply_batch, prompt_block_hashes
+from vllm_disagg.sim_engine.engine import ENGINE_KEY, SimServer, start_engine
+from vllm_disagg.sim_engine.textgen import tokenize
 from vllm_disagg.wire.kv_events import BlockStored, KvEventBatch, decode_frames
 
 BLOCK = 16

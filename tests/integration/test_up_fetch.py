@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from vllm_disagg.up import fetch_instances
+from vllm_disagg.cli.up import fetch_instances
 
 
 @pytest.fixture

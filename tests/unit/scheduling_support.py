@@ -9,13 +9,6 @@ from types import MappingProxyType
 
 from hypothesis import strategies as st
 
-from vllm_disagg.orchestrator.registry import (
-    DECODE_ROLES,
-    PREFILL_ROLES,
-    InstanceState,
-    InstanceView,
-    RegistrySnapshot,
-)
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
     ProfileContext,
@@ -24,6 +17,13 @@ from vllm_disagg.orchestrator.scheduling.framework import (
 )
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
+from vllm_disagg.orchestrator.state.registry import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    InstanceState,
+    InstanceView,
+    RegistrySnapshot,
+)
 from vllm_disagg.protocol.messages import InstanceInfo, MetricsSnapshot, Role
 
 MODEL = "m"

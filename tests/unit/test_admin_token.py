@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from vllm_disagg.cli.up import ClusterSpec
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.orchestrator.auth import (
+from vllm_disagg.orchestrator.admin.auth import (
     ENV_ADMIN_TOKEN,
     bearer_matches,
     load_admin_token,
     write_admin_token,
 )
-from vllm_disagg.up import ClusterSpec
 
 TOKEN = "a-token-long-enough-0123"
 

@@ -7,15 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.agent.engine import (
-    Decision,
-    Observation,
-    SimEngineCommand,
-    decide,
-    engine_command,
-    instance_info,
-    restart_delay,
-)
+from vllm_disagg.agent.engine import Decision, Observation, decide, restart_delay
+from vllm_disagg.agent.engine_command import SimEngineCommand
+from vllm_disagg.agent.engine_kinds import engine_command, instance_info
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo

@@ -24,7 +24,7 @@ from vllm_disagg.bench.goodput import (
     summarise,
     zipf_cdf,
 )
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.planner.config import load_planner_config
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 
 
 def test_bench_scheduler_prints_json_with_percentiles_and_prefix_aware_picks(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from vllm_disagg.cluster_sim.engine import Engine, Leg
-from vllm_disagg.cluster_sim.events import EventLoop, VirtualClock
 from vllm_disagg.cluster_sim.profile import EngineProfile
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
+from vllm_disagg.cluster_sim.virtual_clock import EventLoop, VirtualClock
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
 from vllm_disagg.protocol.messages import KvEvent
 
 PROFILE = EngineProfile(

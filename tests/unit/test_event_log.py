@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from vllm_disagg.orchestrator.events import EventLog
+from vllm_disagg.orchestrator.state.event_log import EventLog
 
 
 def log(capacity: int = 1000, per_subscriber: int = 1000) -> EventLog:

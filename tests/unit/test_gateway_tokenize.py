@@ -16,8 +16,8 @@ import pytest
 from tests.helpers import eventually_sync
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.gateway.tokenize import Route, Tokenizers, content_format
-from vllm_disagg.sim.openai_api import Kind, parse_request
-from vllm_disagg.sim.prompts import PromptTable
+from vllm_disagg.sim_engine.openai_api import Kind, parse_request
+from vllm_disagg.sim_engine.prompts import PromptTable
 
 SIM = "sim-model"
 BOS = 0  # the tiny tokenizer's <|bos|>
@@ -300,8 +300,8 @@ KWARGS_TEMPLATE = (
 @pytest.fixture(scope="module")
 def tiny_tokenizer_dir() -> Path:
     pytest.importorskip("transformers")
+    from vllm_disagg.cli.up import tiny_model_dir
     from vllm_disagg.model.tiny import build_tiny_model
-    from vllm_disagg.up import tiny_model_dir
 
     return build_tiny_model(tiny_model_dir()).path
 

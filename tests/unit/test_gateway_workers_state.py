@@ -13,15 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import parse_prometheus
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.orchestrator.events import EventLog
 from vllm_disagg.orchestrator.gateway.records import RequestLog
-from vllm_disagg.orchestrator.health import BreakerPolicy
+from vllm_disagg.orchestrator.gateway.workers.hub import JournaledKvIndex, WorkerHub
+from vllm_disagg.orchestrator.gateway.workers.messages import Call, Counts, State, dump, load
+from vllm_disagg.orchestrator.gateway.workers.replica import RegistryReplica
+from vllm_disagg.orchestrator.gateway.workers.worker import Worker
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
-from vllm_disagg.orchestrator.registry import Registry
-from vllm_disagg.orchestrator.workers.hub import JournaledKvIndex, WorkerHub
-from vllm_disagg.orchestrator.workers.messages import Call, Counts, State, dump, load
-from vllm_disagg.orchestrator.workers.replica import RegistryReplica
-from vllm_disagg.orchestrator.workers.worker import Worker
+from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.health import BreakerPolicy
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, Role
 
 NOW = 100.0
@@ -148,7 +148,7 @@ def test_worker_counts_reach_the_registrys_snapshot_and_sent_totals() -> None:
 
 
 def hub_worker(index: int) -> Any:
-    from vllm_disagg.orchestrator.workers import hub as hub_module
+    from vllm_disagg.orchestrator.gateway.workers import hub as hub_module
 
     class _Done:
         pid = 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.curve import load_agent_keys, load_keypair, load_public
 

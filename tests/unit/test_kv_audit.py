@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from vllm_disagg.orchestrator.health import BreakerPolicy
-from vllm_disagg.orchestrator.kv_audit import SETTLE_S, DecodeAudit, Outcome, Recomputed
-from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.state.health import BreakerPolicy
+from vllm_disagg.orchestrator.state.kv_audit import SETTLE_S, DecodeAudit, Outcome, Recomputed
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot
 
 BLOCK = 16

@@ -9,8 +9,8 @@ import pytest
 
 from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.errors import ConfigError, KvEventsError, ProtocolError
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, apply_batch, prompt_block_hashes
-from vllm_disagg.sim.kv import PrefixCache, chain_hashes
+from vllm_disagg.orchestrator.state.prefix_index import PrefixIndex, apply_batch, prompt_block_hashes
+from vllm_disagg.sim_engine.kv import PrefixCache, chain_hashes
 from vllm_disagg.wire.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -21,7 +21,7 @@ from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.session import AgentSession
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
     InstanceInfo,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.protocol.messages import KvEvent
 
 PROMPT = list(range(1000, 1019))  # 19 tokens: four full blocks of 4, two of 8, a partial tail

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
 from vllm_disagg.protocol.messages import KvEvent
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
 

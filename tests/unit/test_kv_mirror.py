@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from vllm_disagg.agent.kv_forwarder import _items
 from vllm_disagg.agent.kv_mirror import BLOCK_BYTES, KvMirror
-from vllm_disagg.orchestrator.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.protocol.messages import KvEvent
 
 A = "agent-a"

@@ -6,7 +6,7 @@ field goes at the end with a default, marked with the minor that added it (docs/
 
 The links: orchestrator <-> agent (``protocol/``), agent <-> agent KV frames (``agent/kv/frames.py``),
 connector <-> agent (``agent/kv/local_messages.py``). The gateway workers' link is pickles on a local
-socket of one installation (``orchestrator/workers``), and vLLM's KV events and HTTP API are vLLM's.
+socket of one installation (``orchestrator/gateway/workers``), and vLLM's KV events and HTTP API are vLLM's.
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.scheduling_support import METRICS, POSITIVE, context, request, snapshot, view
-from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import (
     PROFILE_NAMES,
     ProfileContext,
@@ -28,6 +27,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     ttft_s,
     uncached,
 )
+from vllm_disagg.orchestrator.state.registry import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 # Broken scrapes too: a NaN rate or TPOT must not reach a score.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, PromptTokens, prompt_block_hashes
+from vllm_disagg.orchestrator.state.prefix_index import PrefixIndex, PromptTokens, prompt_block_hashes
 
 BS = 4
 PROMPT = list(range(100, 116))  # four full blocks of 4 tokens

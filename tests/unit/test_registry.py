@@ -7,8 +7,8 @@ from collections.abc import Callable
 import pytest
 
 from vllm_disagg.clock import FakeClock
-from vllm_disagg.orchestrator.control import starved_after
-from vllm_disagg.orchestrator.registry import InstanceState, Registry
+from vllm_disagg.orchestrator.control.plane import starved_after
+from vllm_disagg.orchestrator.state.registry import InstanceState, Registry
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 TIMEOUT = 1.0

@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.scheduling_support import METRICS, POSITIVE, SCORERS, context, request, snapshot, view
-from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling import scheduler as scheduler_module
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, SchedulingRequest, Scorer
 from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot
 
 WEIGHT = st.sampled_from([0.0, 1.0, 2.0, 0.5]) | st.floats(min_value=0.0, max_value=10.0)

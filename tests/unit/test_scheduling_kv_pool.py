@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from vllm_disagg.orchestrator.registry import Registry, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.config import default_config_text, load_config
 from vllm_disagg.orchestrator.scheduling.framework import NO_CACHE, Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.deciders import kv_pool
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.registry import Registry, RegistrySnapshot
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 NOW = 1000.0

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from vllm_disagg.agent.scraper import Scrape, Series, parse_exposition, push, snapshot
 from vllm_disagg.protocol.messages import MetricsSnapshot
-from vllm_disagg.sim.metrics import EngineMetrics, GaugeValues
+from vllm_disagg.sim_engine.metrics import EngineMetrics, GaugeValues
 
 HEADER = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

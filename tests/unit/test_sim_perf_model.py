@@ -6,9 +6,9 @@ import pytest
 
 from vllm_disagg.config import SimTiming
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.sim import perf_model
-from vllm_disagg.sim.kv import PrefixCache, TransferHolds, chain_hashes
-from vllm_disagg.sim.metrics import Histogram
+from vllm_disagg.sim_engine import perf_model
+from vllm_disagg.sim_engine.kv import PrefixCache, TransferHolds, chain_hashes
+from vllm_disagg.sim_engine.metrics import Histogram
 
 TIMING = SimTiming(
     prefill_s_per_token=0.001,

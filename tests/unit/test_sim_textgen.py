@@ -10,9 +10,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_disagg import jsonutil
-from vllm_disagg.sim import textgen
-from vllm_disagg.sim.openai_api import DONE, ResponseEncoder
-from vllm_disagg.sim.prompts import PromptTable
+from vllm_disagg.sim_engine import textgen
+from vllm_disagg.sim_engine.openai_api import DONE, ResponseEncoder
+from vllm_disagg.sim_engine.prompts import PromptTable
 
 
 @pytest.mark.parametrize(

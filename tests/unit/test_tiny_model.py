@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_disagg.cli import main
+from vllm_disagg.cli.commands import main
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.model.tiny import (
     STAMP_FILE,

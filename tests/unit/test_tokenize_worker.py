@@ -20,9 +20,9 @@ from vllm_disagg.orchestrator.gateway.tokenize import Route, Tokenizers, load_hf
 from vllm_disagg.orchestrator.gateway.tokenize_worker import TokenizeWorker
 from vllm_disagg.orchestrator.main import add_arguments, config_from_args
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
-from vllm_disagg.orchestrator.registry import Registry
-from vllm_disagg.orchestrator.scheduling import prefix_index
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens, prompt_block_hashes
+from vllm_disagg.orchestrator.state import prefix_index
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens, prompt_block_hashes
+from vllm_disagg.orchestrator.state.registry import Registry
 
 MODEL = "tiny"
 DEADLINE = 10.0  # seconds any wait below may take before the test fails
@@ -99,8 +99,8 @@ class Setup:
 @pytest.fixture(scope="module")
 def tiny_tokenizer_dir() -> Path:
     pytest.importorskip("transformers")
+    from vllm_disagg.cli.up import tiny_model_dir
     from vllm_disagg.model.tiny import build_tiny_model
-    from vllm_disagg.up import tiny_model_dir
 
     return build_tiny_model(tiny_model_dir()).path
 

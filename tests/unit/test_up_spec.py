@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from vllm_disagg.cli.up import add_arguments, spec_from_args
 from vllm_disagg.orchestrator import main as orchestrator_main
 from vllm_disagg.orchestrator.flags import SHARED_FLAGS
-from vllm_disagg.up import add_arguments, spec_from_args
 
 
 def spec_of(*flags: str) -> list[list[str]]:

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.engine import engine_command, instance_info
+from vllm_disagg.agent.engine_kinds import engine_command, instance_info
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.vllm_command import (
     VllmEngineCommand,

@@ -32,9 +32,10 @@ import aiohttp
 import yarl
 
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.engine import tokenizer_source
+from vllm_disagg.agent.engine_kinds import tokenizer_source
 from vllm_disagg.agent.probe import ProbeUnanswered, probe_capabilities
 from vllm_disagg.agent.session import AgentSession, RoleSwitch
+from vllm_disagg.agent.vllm_command import KV_ROLES, uses_pool
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, Role
 
@@ -109,7 +110,6 @@ def role_switch(cfg: AgentConfig, role: Role, facts: EngineFacts | None) -> Role
         return RoleSwitch("restart", f"role_switch is restart: the engine restarts as {role}")
     if cfg.engine != "vllm":
         return RoleSwitch("live")
-    from vllm_disagg.agent.vllm_command import KV_ROLES, uses_pool  # it imports the engine module
 
     kv_role = "kv_both" if uses_pool(cfg) else KV_ROLES[cfg.role]
     if kv_role != "kv_both":

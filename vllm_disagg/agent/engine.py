@@ -9,7 +9,7 @@ States (``EngineState``)::
     any ── stop() ──▶ stopped
 
 The decisions are pure functions (``decide``, ``restart_delay``); ``EngineSupervisor`` does the I/O.
-An engine kind is an ``EngineCommand`` (how to start it): ``sim`` here, ``vllm`` in ``vllm_command``.
+An engine kind is an ``EngineCommand`` (how to start it, ``engine_command``); ``engine_kinds`` picks one.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ import logging
 import os
 import signal
 import subprocess
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Literal
 
 import aiohttp
 
+from vllm_disagg.agent.engine_command import EngineCommand
+from vllm_disagg.agent.engine_kinds import engine_command
 from vllm_disagg.clock import Clock
-from vllm_disagg.config import AgentConfig, SimEngineConfig
-from vllm_disagg.errors import ConfigError
+from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import group_members
-from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, EngineState, InstanceInfo, Role
-from vllm_disagg.runtime import SELF_ARGV, child_env, engine_preexec, signal_group
+from vllm_disagg.protocol.messages import EngineState, Role
+from vllm_disagg.runtime import child_env, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
 
@@ -42,115 +42,6 @@ _GROUP_EXIT_POLLS = 250
 _GROUP_EXIT_POLL_S = 0.02  # up to 5 s in all for the kernel to finish SIGKILLed processes
 
 Action = Literal["none", "restart", "kill"]
-
-
-# --- engine kinds -------------------------------------------------------------------------------
-
-
-class EngineCommand(ABC):
-    """How to launch one kind of engine and what to tell the orchestrator about it."""
-
-    kind: ClassVar[str]
-
-    @abstractmethod
-    def argv(self, cfg: AgentConfig) -> list[str]:
-        """The engine's command line."""
-
-    def env(self, cfg: AgentConfig) -> Mapping[str, str]:
-        """Variables added to the agent's environment for the engine."""
-        return {}
-
-    def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
-        """The ``InstanceInfo`` the agent says Hello with."""
-        return _configured_instance_info(cfg)
-
-
-def _configured_instance_info(cfg: AgentConfig) -> InstanceInfo:
-    """The engine as the config describes it (all an attached engine's agent knows about it)."""
-    return InstanceInfo(
-        url=cfg.engine_url, role=cfg.role, model=cfg.model, engine=cfg.engine, block_size=cfg.sim.block_size
-    )
-
-
-class SimEngineCommand(EngineCommand):
-    """The simulated engine, run as ``vllm-disagg sim-engine`` by this interpreter."""
-
-    kind = "sim"
-
-    @staticmethod
-    def engine_config(cfg: AgentConfig) -> SimEngineConfig:
-        """The simulated engine's config for this agent: KV events on the port vLLM would use."""
-        from vllm_disagg.agent.vllm_command import kv_events_port  # it imports this module
-
-        return SimEngineConfig(
-            model=cfg.model,
-            host=cfg.engine_host,
-            port=cfg.engine_port,
-            timing=cfg.sim,
-            kv_events_port=kv_events_port(cfg),
-            kv_load_failure_policy=cfg.kv_load_failure_policy or "fail",  # vLLM 0.32's default
-            kv_lease_s=float(cfg.kv_lease_s or 30),  # vLLM's default
-        )
-
-    def argv(self, cfg: AgentConfig) -> list[str]:
-        """``vllm-disagg sim-engine`` with the agent's model, port and timing."""
-        from vllm_disagg.sim.cli import sim_engine_argv  # the sim is only imported when launched
-
-        return [*SELF_ARGV, "sim-engine", *sim_engine_argv(self.engine_config(cfg))]
-
-    def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
-        """Block size and context length as the simulated engine will use them."""
-        sim = self.engine_config(cfg)
-        return InstanceInfo(
-            url=cfg.engine_url,
-            role=cfg.role,
-            model=cfg.model,
-            engine="sim",
-            block_size=sim.timing.block_size,
-            max_model_len=sim.max_model_len,
-            capabilities=VLLM_CAPABILITIES,  # the simulator speaks vLLM 0.32
-        )
-
-
-def _vllm_command() -> EngineCommand:
-    from vllm_disagg.agent.vllm_command import VllmEngineCommand  # it imports this module
-
-    return VllmEngineCommand()
-
-
-ENGINE_COMMANDS: Mapping[str, Callable[[], EngineCommand]] = {
-    SimEngineCommand.kind: SimEngineCommand,
-    "vllm": _vllm_command,
-}
-
-
-def engine_command(cfg: AgentConfig) -> EngineCommand | None:
-    """The launcher for ``cfg.engine``; None in attach mode. ``ConfigError`` if it cannot be launched."""
-    if cfg.attach_url:
-        return None
-    factory = ENGINE_COMMANDS.get(cfg.engine)
-    if factory is None:
-        raise ConfigError(
-            f"agent.engine {cfg.engine!r} cannot be launched by the agent yet "
-            f"(launchable: {sorted(ENGINE_COMMANDS)}); start it yourself and pass --attach URL"
-        )
-    return factory()
-
-
-def tokenizer_source(cfg: AgentConfig) -> str:
-    """Where the orchestrator can load the engine's tokenizer: vLLM's weights directory (absolute when
-    it is one here, else as given, e.g. a hub id); "" for the simulated engine, whose tokens are bytes.
-    """
-    if cfg.engine != "vllm" or not cfg.model_path:
-        return ""
-    return os.path.abspath(cfg.model_path) if os.path.isdir(cfg.model_path) else cfg.model_path
-
-
-def instance_info(cfg: AgentConfig) -> InstanceInfo:
-    """What the agent tells the orchestrator about its engine."""
-    command = engine_command(cfg)
-    info = command.instance_info(cfg) if command is not None else _configured_instance_info(cfg)
-    return dataclasses.replace(info, tokenizer=tokenizer_source(cfg))
 
 
 # --- decisions (pure) ---------------------------------------------------------------------------

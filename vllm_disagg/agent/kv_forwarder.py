@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import zmq
 import zmq.asyncio
 
+from vllm_disagg.agent.engine_command import kv_events_port
 from vllm_disagg.agent.kv_mirror import KvMirror
 from vllm_disagg.agent.session import AgentSession
 from vllm_disagg.config import AgentConfig
@@ -54,8 +55,6 @@ def forwarder_endpoint(cfg: AgentConfig) -> str:
     """The engine's KV-events endpoint the agent subscribes to; "" for none (attach mode without one)."""
     if cfg.attach_url:
         return cfg.kv_events_endpoint
-    from vllm_disagg.agent.vllm_command import kv_events_port  # it imports the agent's engine module
-
     # The agent launched the engine on this host: vLLM binds every interface, the sim loopback only.
     return f"tcp://127.0.0.1:{kv_events_port(cfg)}"
 

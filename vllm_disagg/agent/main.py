@@ -14,7 +14,8 @@ import sys
 import aiohttp
 
 from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch
-from vllm_disagg.agent.engine import EngineSupervisor, instance_info
+from vllm_disagg.agent.engine import EngineSupervisor
+from vllm_disagg.agent.engine_kinds import instance_info
 from vllm_disagg.agent.kv.agent_pool import KvPool
 from vllm_disagg.agent.kv.arena import Capacity
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint

@@ -15,7 +15,10 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.engine import EngineCommand
+from vllm_disagg.agent.engine_command import (
+    EngineCommand,
+    kv_events_port,
+)
 from vllm_disagg.agent.kv.local import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
@@ -36,7 +39,6 @@ CLI_MODULE = "vllm.entrypoints.cli.main"
 KV_ROLES: Mapping[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 BLOCK_SIZES: Mapping[Device, int] = {"cpu": 128, "cuda": 16}  # vLLM's own defaults per device
 SIDE_CHANNEL_PORT_OFFSET = 1000
-KV_EVENTS_PORT_OFFSET = 2000
 KV_POOL_PORT_OFFSET = 3000
 KV_EVENTS_TOPIC = "kv-events"
 # What the CPU build needs on this project's machines (and the tiny float32 test model): float32,
@@ -70,16 +72,6 @@ def served_model_name(cfg: AgentConfig) -> str:
 def side_channel_port(cfg: AgentConfig) -> int:
     """NIXL's handshake port for this instance (each instance on a host needs its own)."""
     return cfg.nixl_side_channel_port or cfg.engine_port + SIDE_CHANNEL_PORT_OFFSET
-
-
-def kv_events_port(cfg: AgentConfig) -> int:
-    """The port vLLM binds its KV cache event PUB socket on."""
-    return cfg.kv_events_port or cfg.engine_port + KV_EVENTS_PORT_OFFSET
-
-
-def kv_events_endpoint(cfg: AgentConfig) -> str:
-    """Where a subscriber connects to hear this engine's KV cache events."""
-    return f"tcp://{cfg.engine_host}:{kv_events_port(cfg)}"
 
 
 def kv_pool_port(cfg: AgentConfig) -> int:

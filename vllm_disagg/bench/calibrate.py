@@ -28,10 +28,10 @@ import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.pd import wait_health
+from vllm_disagg.cli.up import ClusterSpec, spawn, stop_processes, with_model
 from vllm_disagg.cluster_sim.profile import EngineProfile
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.runtime import asyncio_run, child_env
-from vllm_disagg.up import ClusterSpec, spawn, stop_processes, with_model
 
 _JSON = {"Content-Type": "application/json"}
 

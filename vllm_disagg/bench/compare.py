@@ -31,10 +31,10 @@ from typing import IO
 import aiohttp
 
 from vllm_disagg import jsonutil
+from vllm_disagg.cli.up import ClusterSpec, fetch_instances, spawn, stop_processes
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.procfs import cpu_seconds, group_members
 from vllm_disagg.runtime import SELF_ARGV
-from vllm_disagg.up import ClusterSpec, fetch_instances, spawn, stop_processes
 
 Proc = asyncio.subprocess.Process
 OURS = "vllm-disagg"

@@ -25,11 +25,11 @@ from vllm_disagg.bench.compare import (
     render_comparison,
     run_comparison,
 )
+from vllm_disagg.cli.up import ClusterSpec, LocalCluster, fetch_instances
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body
 from vllm_disagg.procfs import cpu_seconds
 from vllm_disagg.runtime import asyncio_run
-from vllm_disagg.up import ClusterSpec, LocalCluster, fetch_instances
 
 _JSON = {"Content-Type": "application/json"}
 

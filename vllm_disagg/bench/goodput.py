@@ -32,9 +32,9 @@ import aiohttp
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.compare import percentile
 from vllm_disagg.bench.streams import time_stream
+from vllm_disagg.cli.up import ClusterSpec, LocalCluster, spawn
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.runtime import asyncio_run
-from vllm_disagg.up import ClusterSpec, LocalCluster, spawn
 
 _JSON = {"Content-Type": "application/json"}
 # "before": as shipped; "after": the planner shifting and the SLO targets on. The other two are "after"

@@ -29,9 +29,9 @@ import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.kv.agent_pool import KvPool
+from vllm_disagg.cli.up import spawn, stop_processes, tiny_model_dir
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.runtime import child_env
-from vllm_disagg.up import spawn, stop_processes, tiny_model_dir
 
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="external_kv_transfer"}'
 TAIL_TOKENS = 8

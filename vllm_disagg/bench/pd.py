@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 import aiohttp
 
 from vllm_disagg import jsonutil
+from vllm_disagg.cli.up import ClusterSpec, LocalCluster, fetch_instances, spawn, stop_processes, with_model
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import engine_servers, group_rss_gib
 from vllm_disagg.runtime import asyncio_run, child_env
-from vllm_disagg.sim.textgen import WORDS
-from vllm_disagg.up import ClusterSpec, LocalCluster, fetch_instances, spawn, stop_processes, with_model
+from vllm_disagg.sim_engine.textgen import WORDS
 
 _JSON = {"Content-Type": "application/json"}
 

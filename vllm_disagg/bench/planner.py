@@ -26,8 +26,8 @@ import aiohttp
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.compare import percentile
 from vllm_disagg.bench.streams import time_stream
+from vllm_disagg.cli.up import ClusterSpec, LocalCluster
 from vllm_disagg.runtime import asyncio_run
-from vllm_disagg.up import ClusterSpec, LocalCluster
 
 _JSON = {"Content-Type": "application/json"}
 PHASES = (("long prompts", 1800, 8), ("long outputs", 64, 96))  # (name, prompt chars = tokens, max_tokens)

@@ -25,12 +25,12 @@ from collections import deque
 from dataclasses import asdict, dataclass
 
 from vllm_disagg import jsonutil
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.registry import Registry
 from vllm_disagg.orchestrator.scheduling.config import default_config, load_config_file
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, MetricsSnapshot, Role
 
 MODEL = "bench-model"

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from vllm_disagg import jsonutil
-from vllm_disagg.sim.openai_api import DONE, Kind, ResponseEncoder
-from vllm_disagg.sim.textgen import apply_chat_template, expected_chat_text, expected_text, tokenize
+from vllm_disagg.sim_engine.openai_api import DONE, Kind, ResponseEncoder
+from vllm_disagg.sim_engine.textgen import apply_chat_template, expected_chat_text, expected_text, tokenize
 
 Outcome = Literal["completed", "failed", "garbled"]
 PATHS: dict[Kind, str] = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}

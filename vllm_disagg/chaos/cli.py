@@ -29,10 +29,10 @@ from vllm_disagg.chaos.check import Checker
 from vllm_disagg.chaos.killer import FAULT_KINDS, FaultInjector, FaultKind
 from vllm_disagg.chaos.load import LoadConfig, LoadGenerator, RequestPlanner, Tally
 from vllm_disagg.chaos.report import RECOVERY_COUNTERS, ChaosReport, recovery_counters
+from vllm_disagg.cli.up import ClusterSpec, LocalCluster, with_keys
 from vllm_disagg.config import SimTiming, add_sim_timing_arguments, sim_timing_flags, sim_timing_from_args
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.runtime import die_with_parent, run_service
-from vllm_disagg.up import ClusterSpec, LocalCluster, with_keys
 
 MODEL = "sim-model"
 # Streams of 32-64 tokens take about 0.5-1.5 s in the engine (more while the batch is full), and

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import aiohttp
 
+from vllm_disagg.cli.up import LocalCluster, fetch_instances
 from vllm_disagg.runtime import signal_group
-from vllm_disagg.up import LocalCluster, fetch_instances
 
 FaultKind = Literal["engine", "agent"]
 FAULT_KINDS: tuple[FaultKind, ...] = ("engine", "agent")

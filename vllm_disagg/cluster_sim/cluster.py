@@ -24,28 +24,28 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from vllm_disagg.cluster_sim.engine import Engine, Leg
-from vllm_disagg.cluster_sim.events import EventLoop, VirtualClock
 from vllm_disagg.cluster_sim.profile import EngineProfile
 from vllm_disagg.cluster_sim.trace import Trace, TraceRequest, prompt_token_ids
+from vllm_disagg.cluster_sim.virtual_clock import EventLoop, VirtualClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import RequestError
-from vllm_disagg.orchestrator.health import BreakerPolicy
-from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
 from vllm_disagg.orchestrator.planner.decide import Memory
 from vllm_disagg.orchestrator.planner.decide import plan as plan_shift
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
-from vllm_disagg.orchestrator.recovery import (
+from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.recovery import (
     may_resume,
     may_retry_decode,
     may_retry_prefill,
     next_decode,
     resume_pick,
 )
-from vllm_disagg.orchestrator.registry import Registry
-from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
 from vllm_disagg.orchestrator.scheduling.routing import route_request
+from vllm_disagg.orchestrator.state.health import BreakerPolicy
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, KvEvent, Role
 
 MODEL = "sim-model"

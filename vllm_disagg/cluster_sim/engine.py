@@ -1,7 +1,7 @@
 """One simulated vLLM engine on virtual time: a waiting queue, continuous batching, KV blocks, a prefix
 cache, and KV held for decode engines.
 
-It follows the real-time simulated engine (``vllm_disagg.sim.core``) step for step, so that the two
+It follows the real-time simulated engine (``vllm_disagg.sim_engine.core``) step for step, so that the two
 agree (``tests/integration/test_cluster_sim_fidelity.py``): a step admits what fits (FCFS, blocks for
 prompt and output reserved), prefills, and ends with one token for every request whose prompt is
 done; a request leaves with its last token. Beyond it: chunked prefill (``max_batched_tokens``) and
@@ -19,12 +19,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from vllm_disagg.cluster_sim.events import EventLoop
 from vllm_disagg.cluster_sim.profile import EngineProfile
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
+from vllm_disagg.cluster_sim.virtual_clock import EventLoop
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
 from vllm_disagg.protocol.messages import KvEvent, MetricsSnapshot
-from vllm_disagg.sim import perf_model
-from vllm_disagg.sim.kv import PrefixCache
+from vllm_disagg.sim_engine import perf_model
+from vllm_disagg.sim_engine.kv import PrefixCache
 
 KvSink = Callable[[str, list[KvEvent]], None]  # (agent id, events): what the agent would forward
 _LEASE_S = 30.0  # vLLM's kv_lease_duration: held KV no decode engine pulled is freed after this

@@ -1,5 +1,5 @@
 """The simulated model's vocabulary, tokenizer and chat template: what simulated engines run
-(``vllm_disagg.sim.textgen`` generates from them) and what the gateway's tokenizer applies to a prompt
+(``vllm_disagg.sim_engine.textgen`` generates from them) and what the gateway's tokenizer applies to a prompt
 for a simulated model, as it applies a Hugging Face tokenizer for a real one.
 """
 

@@ -17,29 +17,29 @@ from aiohttp import web
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.http_errors import answering
-from vllm_disagg.orchestrator.admin import Admin
-from vllm_disagg.orchestrator.control import ControlPlane, cancel_and_wait
-from vllm_disagg.orchestrator.dashboard import add_dashboard_routes
+from vllm_disagg.orchestrator.admin.api import Admin
+from vllm_disagg.orchestrator.admin.dashboard import add_dashboard_routes
+from vllm_disagg.orchestrator.control.kv_moves import ControlKvMover, KvMoveSettings
+from vllm_disagg.orchestrator.control.plane import ControlPlane, cancel_and_wait
+from vllm_disagg.orchestrator.control.roles import RoleChanger
+from vllm_disagg.orchestrator.control.rollout import Rollouts
+from vllm_disagg.orchestrator.control.spawner import AgentSpawner
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
-from vllm_disagg.orchestrator.health import BreakerPolicy
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.kv_moves import ControlKvMover, KvMoveSettings
+from vllm_disagg.orchestrator.gateway.workers.hub import JournaledKvIndex, WorkerHub
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file
 from vllm_disagg.orchestrator.planner.runner import PlannerRunner
 from vllm_disagg.orchestrator.planner.signals import SloWindow
-from vllm_disagg.orchestrator.registry import Registry
-from vllm_disagg.orchestrator.roles import RoleChanger
-from vllm_disagg.orchestrator.rollout import Rollouts
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
-from vllm_disagg.orchestrator.spawner import AgentSpawner
-from vllm_disagg.orchestrator.workers.hub import JournaledKvIndex, WorkerHub
+from vllm_disagg.orchestrator.state.health import BreakerPolicy
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.registry import Registry
 
 log = logging.getLogger(__name__)
 

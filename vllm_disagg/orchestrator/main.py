@@ -9,14 +9,14 @@ import logging
 import sys
 
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.orchestrator.app import start_orchestrator
-from vllm_disagg.orchestrator.auth import (
+from vllm_disagg.orchestrator.admin.auth import (
     ENV_ADMIN_TOKEN,
     ENV_ENGINE_API_KEY,
     load_admin_token,
     load_secret,
 )
-from vllm_disagg.orchestrator.control import load_server_curve
+from vllm_disagg.orchestrator.app import start_orchestrator
+from vllm_disagg.orchestrator.control.plane import load_server_curve
 from vllm_disagg.orchestrator.flags import SHARED_FLAGS, add_shared_arguments
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file

@@ -13,6 +13,7 @@ from vllm_disagg.agent.kv.report import changed_events, pool_snapshot
 from vllm_disagg.agent.kv.service import PoolService
 from vllm_disagg.agent.kv.transfer import KvTransfer
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder
+from vllm_disagg.agent.vllm_command import kv_pool_port
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.curve import load_keypair
 
@@ -27,7 +28,6 @@ class KvPool:
     async def start(cls, cfg: AgentConfig) -> KvPool:
         """Open the local link and the transfer port; the pool itself opens when the engine says its
         KV geometry."""
-        from vllm_disagg.agent.vllm_command import kv_pool_port  # it imports the engine module
 
         node = PoolNode(f"vllm-disagg-pool-{cfg.agent_id}", Capacity.parse(cfg.kv_pool_capacity))
         service = PoolService(node)

@@ -44,7 +44,8 @@ from vllm_disagg.orchestrator.gateway.streaming import (
     end_with_error,
     run_decode,
 )
-from vllm_disagg.orchestrator.recovery import (
+from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.recovery import (
     colocated_pick,
     may_resume,
     may_retry_decode,
@@ -52,7 +53,6 @@ from vllm_disagg.orchestrator.recovery import (
     next_decode,
     resume_pick,
 )
-from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes

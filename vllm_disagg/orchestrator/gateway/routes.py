@@ -34,7 +34,7 @@ from vllm_disagg.errors import (
     UpstreamError,
 )
 from vllm_disagg.http_errors import error_response
-from vllm_disagg.orchestrator.events import EventLog
+from vllm_disagg.orchestrator.control.kv_moves import KvMover
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target, decode_body, one_token_body
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
@@ -49,12 +49,8 @@ from vllm_disagg.orchestrator.gateway.streaming import LegTiming
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
-from vllm_disagg.orchestrator.kv_audit import Outcome
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.kv_moves import KvMover
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.signals import SloWindow
-from vllm_disagg.orchestrator.registry import GatewayRegistry
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
     Decision,
@@ -63,6 +59,10 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     SchedulingRequest,
 )
 from vllm_disagg.orchestrator.scheduling.routing import route_request
+from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.kv_audit import Outcome
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.registry import GatewayRegistry
 from vllm_disagg.protocol.messages import InstanceInfo
 
 log = logging.getLogger(__name__)

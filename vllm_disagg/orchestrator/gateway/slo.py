@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Literal
 
 from vllm_disagg.errors import BadRequest
-from vllm_disagg.orchestrator.registry import RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.predict import predicted_tpot, predicted_ttft
+from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
 
 TTFT_HEADER = "x-slo-ttft-ms"
 TPOT_HEADER = "x-slo-tpot-ms"

@@ -38,7 +38,7 @@ from vllm_disagg.orchestrator.gateway.tokenize_worker import (
     TokenizeMetrics,
     TokenizeWorker,
 )
-from vllm_disagg.orchestrator.scheduling.prefix_index import PromptTokens
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
 from vllm_disagg.wire.kv_transfer import reused_prompt_ids
 from vllm_disagg.wire.openai import messages_of, prompt_of
 

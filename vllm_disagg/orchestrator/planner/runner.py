@@ -19,14 +19,14 @@ from typing import Any
 
 from vllm_disagg.clock import Clock
 from vllm_disagg.errors import RequestError
-from vllm_disagg.orchestrator.events import EventLog
+from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
 from vllm_disagg.orchestrator.planner.decide import Memory, Plan, pressure
 from vllm_disagg.orchestrator.planner.decide import plan as decide
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
-from vllm_disagg.orchestrator.registry import Registry
-from vllm_disagg.orchestrator.roles import RoleChanger
+from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.registry import Registry
 
 log = logging.getLogger(__name__)
 _HISTORY = 50  # shifts kept for the admin API

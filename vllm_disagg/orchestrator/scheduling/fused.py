@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import ProfileContext, Scorer, Term
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.kv_usage import KvUsageScorer
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.prefix import PrefixScorer
@@ -27,6 +26,7 @@ from vllm_disagg.orchestrator.scheduling.plugins.scorers.tpot import TpotScorer
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
 from vllm_disagg.orchestrator.scheduling.predict import Prediction, tpot_s, ttft_s
 from vllm_disagg.orchestrator.scheduling.terms import reads
+from vllm_disagg.orchestrator.state.registry import InstanceView
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
 Combine = Callable[[Sequence[Sequence[float]], int], list[float]]

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_disagg.errors import NoCapacity
-from vllm_disagg.orchestrator.registry import RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,6 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
-from vllm_disagg.orchestrator.registry import PREFILL_ROLES, InstanceView, RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, build_plugins, default_config
 from vllm_disagg.orchestrator.scheduling.framework import (
     Decider,
@@ -45,6 +44,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     prefill_rate,
     uncached_tokens,
 )
+from vllm_disagg.orchestrator.state.registry import PREFILL_ROLES, InstanceView, RegistrySnapshot
 
 NAME = "plugins"
 _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation

@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import ModeChoice, PluginSpec, ProfileContext
 from vllm_disagg.orchestrator.scheduling.plugins import check_int
 from vllm_disagg.orchestrator.scheduling.predict import uncached_tokens
+from vllm_disagg.orchestrator.state.registry import InstanceView
 
 TYPE = "uncached-tokens-decider"
 

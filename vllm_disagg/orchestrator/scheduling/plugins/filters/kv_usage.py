@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
+from vllm_disagg.orchestrator.state.registry import InstanceView
 
 TYPE = "kv-usage-filter"
 

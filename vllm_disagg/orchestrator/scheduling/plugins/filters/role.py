@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_disagg.orchestrator.registry import DECODE_ROLES, PREFILL_ROLES, InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
+from vllm_disagg.orchestrator.state.registry import DECODE_ROLES, PREFILL_ROLES, InstanceView
 
 TYPE = "role-filter"
 

@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
-from vllm_disagg.orchestrator.registry import InstanceView
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
 from vllm_disagg.orchestrator.scheduling.predict import (
@@ -18,6 +17,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     predicted_tpot,
     predicted_ttft,
 )
+from vllm_disagg.orchestrator.state.registry import InstanceView
 
 TYPE = "slo-filter"
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token
+from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token
 from vllm_disagg.protocol.messages import ROLES
 
 DEFAULT_URL = "http://127.0.0.1:8000"

@@ -15,9 +15,9 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.kv_moves import MoveResult
-from vllm_disagg.orchestrator.registry import InstanceView
+from vllm_disagg.orchestrator.control.kv_moves import MoveResult
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.registry import InstanceView
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
 
 

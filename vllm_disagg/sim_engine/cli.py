@@ -13,7 +13,7 @@ from vllm_disagg.config import (
     sim_timing_from_args,
 )
 from vllm_disagg.runtime import run_service
-from vllm_disagg.sim.engine import start_engine
+from vllm_disagg.sim_engine.engine import start_engine
 
 _DEFAULT = SimEngineConfig()
 

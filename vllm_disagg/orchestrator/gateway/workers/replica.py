@@ -16,8 +16,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 
-from vllm_disagg.orchestrator.registry import InstanceView, SnapshotSource, sum_counts
-from vllm_disagg.orchestrator.workers.messages import Call, State
+from vllm_disagg.orchestrator.gateway.workers.messages import Call, State
+from vllm_disagg.orchestrator.state.registry import InstanceView, SnapshotSource, sum_counts
 
 # Audit keys a worker chooses: above any the orchestrator's own counter reaches, apart per worker.
 _KEY_SPACE = 1 << 48

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from vllm_disagg.orchestrator.control import ControlPlane
-from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.control.plane import ControlPlane
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.curve import load_public, make_keypair, write_public
 from vllm_disagg.runtime import SELF_ARGV, child_env, die_with_parent, signal_group
 

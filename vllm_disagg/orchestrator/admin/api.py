@@ -21,24 +21,24 @@ from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
 from vllm_disagg.errors import BadRequest, Conflict, MethodNotAllowed, NotFound, Unprocessable
 from vllm_disagg.http_errors import answering
-from vllm_disagg.orchestrator import openapi
-from vllm_disagg.orchestrator.auth import guarded
-from vllm_disagg.orchestrator.control import ControlPlane
-from vllm_disagg.orchestrator.events import EventLog
+from vllm_disagg.orchestrator.admin import openapi
+from vllm_disagg.orchestrator.admin.auth import guarded
+from vllm_disagg.orchestrator.admin.openapi import AdminRoute
+from vllm_disagg.orchestrator.control.plane import ControlPlane
+from vllm_disagg.orchestrator.control.roles import RoleChanger
+from vllm_disagg.orchestrator.control.rollout import Rollouts
+from vllm_disagg.orchestrator.control.spawner import AgentSpawner
 from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.workers.hub import WorkerHub
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
-from vllm_disagg.orchestrator.openapi import AdminRoute
-from vllm_disagg.orchestrator.registry import (
+from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.registry import (
     DECODE_ROLES,
     PREFILL_ROLES,
     InstanceView,
     Registry,
     RegistrySnapshot,
 )
-from vllm_disagg.orchestrator.roles import RoleChanger
-from vllm_disagg.orchestrator.rollout import Rollouts
-from vllm_disagg.orchestrator.spawner import AgentSpawner
-from vllm_disagg.orchestrator.workers.hub import WorkerHub
 from vllm_disagg.protocol.commands import SIMPLE
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 

@@ -26,11 +26,8 @@ import zmq
 import zmq.asyncio
 
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.orchestrator.events import EventLog
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.kv_moves import KvMover, failed
-from vllm_disagg.orchestrator.registry import InstanceView, Registry, sum_counts
-from vllm_disagg.orchestrator.workers.messages import (
+from vllm_disagg.orchestrator.control.kv_moves import KvMover, failed
+from vllm_disagg.orchestrator.gateway.workers.messages import (
     Answer,
     Ask,
     Batch,
@@ -51,6 +48,9 @@ from vllm_disagg.orchestrator.workers.messages import (
     dump,
     load,
 )
+from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.registry import InstanceView, Registry, sum_counts
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
 from vllm_disagg.runtime import die_with_parent
 
@@ -160,7 +160,13 @@ class WorkerHub:
             raise RuntimeError(f"gateway workers not serving after {START_TIMEOUT_S:g} s") from None
 
     def _spawn(self, index: int) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "vllm_disagg.orchestrator.workers.worker", self.endpoint, str(index)]
+        argv = [
+            sys.executable,
+            "-m",
+            "vllm_disagg.orchestrator.gateway.workers.worker",
+            self.endpoint,
+            str(index),
+        ]
         if self._config.preload_tokenizer_libs:
             argv.append("--preload-tokenizer-libs")  # before it says Hello: the imports take seconds
         return subprocess.Popen(argv, preexec_fn=die_with_parent)

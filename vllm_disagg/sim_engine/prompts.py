@@ -10,8 +10,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from vllm_disagg import jsonutil
-from vllm_disagg.sim import textgen
-from vllm_disagg.sim.kv import chain_hashes
+from vllm_disagg.sim_engine import textgen
+from vllm_disagg.sim_engine.kv import chain_hashes
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,9 +39,9 @@ from vllm_disagg.errors import (
     FieldTypeError,
     VersionMismatch,
 )
-from vllm_disagg.orchestrator.kv_index import KvIndex
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
-from vllm_disagg.orchestrator.registry import Registry
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.commands import CommandPayload, from_detail
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
 from vllm_disagg.protocol.messages import (

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from vllm_disagg.orchestrator.scheduling.prefix_index import PrefixIndex, PromptTokens
+from vllm_disagg.orchestrator.state.prefix_index import PrefixIndex, PromptTokens
 from vllm_disagg.protocol.messages import MEDIUM_GPU, MEDIUM_POOL, KvEvent
 
 log = logging.getLogger(__name__)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.orchestrator.registry import RegistrySnapshot
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
 
 
 def may_retry_prefill(tries: int, pinned: bool, config: OrchestratorConfig) -> bool:

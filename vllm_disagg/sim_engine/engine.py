@@ -18,11 +18,11 @@ from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.errors import BadRequest, NotFound, RequestError
 from vllm_disagg.http_errors import error_response
-from vllm_disagg.sim import perf_model
-from vllm_disagg.sim.core import ABORTED, EngineCore, Seq
-from vllm_disagg.sim.kv_publisher import KvEventPublisher
-from vllm_disagg.sim.metrics import CONTENT_TYPE
-from vllm_disagg.sim.openai_api import (
+from vllm_disagg.sim_engine import perf_model
+from vllm_disagg.sim_engine.core import ABORTED, EngineCore, Seq
+from vllm_disagg.sim_engine.kv_publisher import KvEventPublisher
+from vllm_disagg.sim_engine.metrics import CONTENT_TYPE
+from vllm_disagg.sim_engine.openai_api import (
     DONE,
     Kind,
     ResponseEncoder,
@@ -30,7 +30,7 @@ from vllm_disagg.sim.openai_api import (
     parse_request,
     random_request_id,
 )
-from vllm_disagg.sim.prompts import PromptInfo, PromptTable
+from vllm_disagg.sim_engine.prompts import PromptInfo, PromptTable
 from vllm_disagg.wire.kv_transfer import RemotePrefill
 
 SIM_VERSION = "0.32.0+sim"

@@ -1,4 +1,4 @@
-"""One gateway worker process: ``python -m vllm_disagg.orchestrator.workers.worker LINK INDEX``.
+"""One gateway worker process: ``python -m vllm_disagg.orchestrator.gateway.workers.worker LINK INDEX``.
 
 Started by the orchestrator's ``WorkerHub``, never by hand. It says Hello on the link, gets the config
 and the whole state, then serves ``POST /v1/completions``, ``/v1/chat/completions`` and
@@ -29,19 +29,13 @@ from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import OrchestratorUnreachable
 from vllm_disagg.http_errors import answering
-from vllm_disagg.orchestrator.events import EventLog
+from vllm_disagg.orchestrator.control.kv_moves import MoveResult, failed
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
-from vllm_disagg.orchestrator.kv_index import KvIndex
-from vllm_disagg.orchestrator.kv_moves import MoveResult, failed
-from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
-from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
-from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
-from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
-from vllm_disagg.orchestrator.workers.messages import (
+from vllm_disagg.orchestrator.gateway.workers.messages import (
     Answer,
     Ask,
     Batch,
@@ -60,7 +54,13 @@ from vllm_disagg.orchestrator.workers.messages import (
     dump,
     load,
 )
-from vllm_disagg.orchestrator.workers.replica import RegistryReplica
+from vllm_disagg.orchestrator.gateway.workers.replica import RegistryReplica
+from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The simulated engine's timing and batching model: pure functions of the timing config and counts.
 
-The step loop in ``sim/core.py`` does the waiting; everything it decides comes from here, so the
+The step loop in ``sim_engine/core.py`` does the waiting; everything it decides comes from here, so the
 model can be checked with a table instead of a stopwatch.
 """
 

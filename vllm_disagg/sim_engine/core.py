@@ -1,6 +1,6 @@
 """The simulated engine core: waiting queue, running batch, KV accounting, the step loop.
 
-HTTP lives in ``sim/engine.py``; this module owns the state a real engine core owns (batch, KV
+HTTP lives in ``sim_engine/engine.py``; this module owns the state a real engine core owns (batch, KV
 blocks, prefix cache, blocks held for transfer, metrics) and advances it one step at a time, with
 every decision taken by ``perf_model``.
 """
@@ -18,11 +18,11 @@ from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.errors import NoCapacity
 from vllm_disagg.protocol.kv_pool import pool_handle
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
-from vllm_disagg.sim import perf_model
-from vllm_disagg.sim.kv import PrefixCache, PullOutcome, TransferHolds
-from vllm_disagg.sim.metrics import EngineMetrics, GaugeValues
-from vllm_disagg.sim.openai_api import SimRequest
-from vllm_disagg.sim.prompts import PromptInfo
+from vllm_disagg.sim_engine import perf_model
+from vllm_disagg.sim_engine.kv import PrefixCache, PullOutcome, TransferHolds
+from vllm_disagg.sim_engine.metrics import EngineMetrics, GaugeValues
+from vllm_disagg.sim_engine.openai_api import SimRequest
+from vllm_disagg.sim_engine.prompts import PromptInfo
 from vllm_disagg.wire.block_hash import prompt_block_hashes
 from vllm_disagg.wire.kv_transfer import producer_handle
 

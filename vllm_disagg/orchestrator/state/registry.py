@@ -26,15 +26,15 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
-from vllm_disagg.orchestrator import health
-from vllm_disagg.orchestrator.health import (
+from vllm_disagg.orchestrator.state import health
+from vllm_disagg.orchestrator.state.health import (
     CLOSED,
     INSTANCE_STATES,
     Breaker,
     BreakerPolicy,
     InstanceState,
 )
-from vllm_disagg.orchestrator.kv_audit import DecodeAudit, Outcome
+from vllm_disagg.orchestrator.state.kv_audit import DecodeAudit, Outcome
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 __all__ = ["INSTANCE_STATES", "InstanceState", "InstanceView", "Registry", "RegistrySnapshot"]

@@ -26,7 +26,12 @@ import aiohttp
 from vllm_disagg import jsonutil
 from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.orchestrator.auth import ENV_ADMIN_TOKEN, admin_headers, load_admin_token, write_admin_token
+from vllm_disagg.orchestrator.admin.auth import (
+    ENV_ADMIN_TOKEN,
+    admin_headers,
+    load_admin_token,
+    write_admin_token,
+)
 from vllm_disagg.orchestrator.flags import add_shared_arguments, shared_argv
 from vllm_disagg.protocol.curve import make_keypair
 from vllm_disagg.runtime import SELF_ARGV, child_env, die_with_parent, run_service, signal_group

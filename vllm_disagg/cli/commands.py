@@ -16,7 +16,7 @@ from vllm_disagg.errors import ConfigError
 
 # (subcommand, module, help). Nested commands use a space: "bench gateway".
 COMMANDS: tuple[tuple[str, str, str], ...] = (
-    ("up", "vllm_disagg.up", "start a whole local cluster (orchestrator, agents, engines)"),
+    ("up", "vllm_disagg.cli.up", "start a whole local cluster (orchestrator, agents, engines)"),
     ("orchestrator", "vllm_disagg.orchestrator.main", "run the orchestrator (gateway, registry, admin)"),
     ("agent", "vllm_disagg.agent.main", "run an agent that launches or attaches to one engine"),
     (
@@ -24,30 +24,30 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "vllm_disagg.agent.connect",
         "attach a running vLLM: discover what it is, then run its agent",
     ),
-    ("sim-engine", "vllm_disagg.sim.cli", "run one simulated vLLM engine"),
+    ("sim-engine", "vllm_disagg.sim_engine.cli", "run one simulated vLLM engine"),
     (
         "sim",
         "vllm_disagg.cluster_sim.cli",
         "replay a trace on a simulated cluster: goodput of routing policies, in virtual time",
     ),
-    ("status", "vllm_disagg.orchestrator.admin_cli", "show the cluster's instances"),
-    ("drain", "vllm_disagg.orchestrator.admin_cli", "drain an instance (no new requests)"),
-    ("remove", "vllm_disagg.orchestrator.admin_cli", "forget a dead instance"),
-    ("role", "vllm_disagg.orchestrator.admin_cli", "change what an instance serves (prefill, decode, both)"),
+    ("status", "vllm_disagg.cli.admin", "show the cluster's instances"),
+    ("drain", "vllm_disagg.cli.admin", "drain an instance (no new requests)"),
+    ("remove", "vllm_disagg.cli.admin", "forget a dead instance"),
+    ("role", "vllm_disagg.cli.admin", "change what an instance serves (prefill, decode, both)"),
     (
         "add",
-        "vllm_disagg.orchestrator.admin_cli",
+        "vllm_disagg.cli.admin",
         "attach a running engine by URL (the orchestrator runs its agent)",
     ),
-    ("requests", "vllm_disagg.orchestrator.admin_cli", "recent requests: where each went, and why"),
+    ("requests", "vllm_disagg.cli.admin", "recent requests: where each went, and why"),
     (
         "rollout",
-        "vllm_disagg.orchestrator.admin_cli",
+        "vllm_disagg.cli.admin",
         "roll a model to a new revision (the old drains out as the new is ready); pause, resume, rollback",
     ),
     (
         "events",
-        "vllm_disagg.orchestrator.admin_cli",
+        "vllm_disagg.cli.admin",
         "cluster events: joins, deaths, breakers, fallbacks",
     ),
     ("keys", "vllm_disagg.keys", "make CurveZMQ keypairs that authenticate agents to the orchestrator"),

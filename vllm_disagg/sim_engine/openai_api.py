@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import BadRequest, ModelNotFound
-from vllm_disagg.sim import textgen
+from vllm_disagg.sim_engine import textgen
 from vllm_disagg.wire.kv_transfer import RemotePrefill, remote_prefill, reused_prompt_ids
 from vllm_disagg.wire.openai import check_vocab, messages_of, prompt_of
 
