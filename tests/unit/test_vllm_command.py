@@ -8,12 +8,12 @@ import sys
 import pytest
 
 from vllm_disagg import jsonutil
+from vllm_disagg.agent.engine_command import kv_events_endpoint
 from vllm_disagg.agent.engine_kinds import engine_command, instance_info
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.vllm_command import (
     VllmEngineCommand,
     flag_value,
-    kv_events_endpoint,
     kv_transfer_config,
     vllm_argv,
     vllm_env,

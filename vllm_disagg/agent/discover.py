@@ -255,24 +255,7 @@ async def discover(
     whether a server returns token ids is a matter of its version.
     """
     base = url.rstrip("/")
-
-    async def get(path: str, budget_s: float) -> tuple[int, bytes]:
-        try:
-            async with http.get(base + path, timeout=aiohttp.ClientTimeout(total=budget_s)) as resp:
-                return resp.status, await resp.read()
-        except TimeoutError:
-            return 0, f"no answer in {budget_s:g} s".encode()
-        except aiohttp.ClientError as exc:
-            return 0, (str(exc) or type(exc).__name__).encode()
-
-    paths = ("/v1/models", "/metrics", "/version", "/server_info?config_format=json", "/kv_event_sources")
-    answers = await asyncio.gather(*(
-        get(path, max(timeout_s, server_info_timeout_s) if path.startswith("/server_info") else timeout_s)
-        for path in paths
-    ))  # fmt: skip
-    for path, (status, said) in zip(paths, answers, strict=True):
-        if status == 0:
-            raise DiscoveryError(f"GET {base}{path}: unreachable: {said.decode(errors='replace')[:200]}")
+    answers = await _ask(http, base, timeout_s, max(timeout_s, server_info_timeout_s))
     (m_status, models), (x_status, metrics), (v_status, version), (s_status, server), events = answers
     if m_status != 200:
         why = models.decode(errors="replace")[:200] or "no answer"
@@ -280,14 +263,7 @@ async def discover(
     names, root, max_len = parse_models(_json(models))
     v = _json(version) if v_status == 200 else {}
     said_version = str(v.get("version", "")) if isinstance(v, dict) else ""
-    notes: list[str] = []
-    if known is not None and said_version and (known.version, known.served_names) == (said_version, names):
-        capabilities = known.capabilities
-    else:
-        try:
-            capabilities, notes = await probe_capabilities(http, base, names[0], timeout_s=timeout_s)
-        except ProbeUnanswered as exc:
-            raise DiscoveryError(str(exc)) from None
+    capabilities, notes = await _capabilities(http, base, names, said_version, known, timeout_s)
     block, caching, connector = 0, None, ""
     if x_status == 200:
         block, caching, connector = parse_metrics(metrics.decode(errors="replace"))
@@ -317,6 +293,51 @@ async def discover(
         notes=tuple(notes),
         capabilities=capabilities,
     )
+
+
+async def _capabilities(
+    http: aiohttp.ClientSession,
+    base: str,
+    names: tuple[str, ...],
+    version: str,
+    known: EngineFacts | None,
+    timeout_s: float,
+) -> tuple[EngineCapabilities, list[str]]:
+    """What the engine can do, and notes for the operator: as ``known`` found when the engine says the
+    same version and serves the same models, else probed."""
+    if known is not None and version and (known.version, known.served_names) == (version, names):
+        return known.capabilities, []
+    try:
+        return await probe_capabilities(http, base, names[0], timeout_s=timeout_s)
+    except ProbeUnanswered as exc:
+        raise DiscoveryError(str(exc)) from None
+
+
+_PATHS = ("/v1/models", "/metrics", "/version", "/server_info?config_format=json", "/kv_event_sources")
+
+
+async def _ask(
+    http: aiohttp.ClientSession, base: str, timeout_s: float, server_info_timeout_s: float
+) -> list[tuple[int, bytes]]:
+    """Every question at once, each answer as (status, body); ``DiscoveryError`` if one got none."""
+
+    async def get(path: str, budget_s: float) -> tuple[int, bytes]:
+        try:
+            async with http.get(base + path, timeout=aiohttp.ClientTimeout(total=budget_s)) as resp:
+                return resp.status, await resp.read()
+        except TimeoutError:
+            return 0, f"no answer in {budget_s:g} s".encode()
+        except aiohttp.ClientError as exc:
+            return 0, (str(exc) or type(exc).__name__).encode()
+
+    answers = await asyncio.gather(*(
+        get(path, server_info_timeout_s if path.startswith("/server_info") else timeout_s)
+        for path in _PATHS
+    ))  # fmt: skip
+    for path, (status, said) in zip(_PATHS, answers, strict=True):
+        if status == 0:
+            raise DiscoveryError(f"GET {base}{path}: unreachable: {said.decode(errors='replace')[:200]}")
+    return answers
 
 
 def _json(raw: bytes) -> Any:

@@ -202,42 +202,9 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             kv_plane=pool.transfer if pool else None,
         )
 
-        def on_state(state: EngineState) -> None:
-            # An engine that exits or turns unhealthy is reported at once: detection does not wait a beat.
-            session.report_now()
-            if attached is not None:
-                attached.engine_state(state)
-
-        engine.on_state = on_state
-        # Asked of the engine's config now: a restart for a role change gives it the new role's.
-        session.role_switch = lambda role: role_switch(
-            engine.config, role, attached.facts if attached else None
-        )
-        if attached is None:
-            session.restart_as = engine.relaunch
-        if attached is not None:
-            attached.session = session
-        endpoint = forwarder_endpoint(cfg)
-        if not endpoint and attached is not None and attached.facts is not None:
-            endpoint = attached.facts.kv_events_endpoint  # the engine said where it publishes
-        forwarder = KvEventForwarder(endpoint, session) if endpoint else None
-        if forwarder is not None:
-            engine.on_restart = forwarder.engine_restarted
-            session.on_welcome = forwarder.session_started  # rebuild the orchestrator's KV index
-            if pool is not None:
-                pool.report_to(forwarder)
+        forwarder = _wire(cfg, engine, session, attached, pool)
         try:
-            end = await _until_done(engine, scraper, session, forwarder, stop)
-            if end is None:  # a signal: tell the orchestrator first so it stops routing to us
-                session.goodbye("agent stopping")
-                await engine.stop()
-                return 0
-            await engine.stop()
-            if end.exit_code != 0:
-                print(f"vllm-disagg agent {cfg.agent_id}: refused: {end.reason}", file=sys.stderr, flush=True)
-            else:
-                session.goodbye(end.reason)
-            return end.exit_code
+            return await _serve_until_done(cfg, engine, scraper, session, forwarder, stop)
         finally:
             if attached is not None:
                 await attached.close()
@@ -245,6 +212,63 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             if pool is not None:
                 await pool.close()
             transport.close(linger_ms=GOODBYE_LINGER_MS)
+
+
+def _wire(
+    cfg: AgentConfig,
+    engine: EngineSupervisor,
+    session: AgentSession,
+    attached: AttachedEngine | None,
+    pool: KvPool | None,
+) -> KvEventForwarder | None:
+    """Connect the engine, the session, an attached engine's look and the KV pool to each other; the
+    KV-event forwarder, when the engine publishes events."""
+
+    def on_state(state: EngineState) -> None:
+        # An engine that exits or turns unhealthy is reported at once: detection does not wait a beat.
+        session.report_now()
+        if attached is not None:
+            attached.engine_state(state)
+
+    engine.on_state = on_state
+    # Asked of the engine's config now: a restart for a role change gives it the new role's.
+    session.role_switch = lambda role: role_switch(engine.config, role, attached.facts if attached else None)
+    if attached is None:
+        session.restart_as = engine.relaunch
+    if attached is not None:
+        attached.session = session
+    endpoint = forwarder_endpoint(cfg)
+    if not endpoint and attached is not None and attached.facts is not None:
+        endpoint = attached.facts.kv_events_endpoint  # the engine said where it publishes
+    forwarder = KvEventForwarder(endpoint, session) if endpoint else None
+    if forwarder is not None:
+        engine.on_restart = forwarder.engine_restarted
+        session.on_welcome = forwarder.session_started  # rebuild the orchestrator's KV index
+        if pool is not None:
+            pool.report_to(forwarder)
+    return forwarder
+
+
+async def _serve_until_done(
+    cfg: AgentConfig,
+    engine: EngineSupervisor,
+    scraper: MetricsScraper,
+    session: AgentSession,
+    forwarder: KvEventForwarder | None,
+    stop: asyncio.Event,
+) -> int:
+    """Run until a signal, the engine or the session ends the agent; say goodbye as the end requires."""
+    end = await _until_done(engine, scraper, session, forwarder, stop)
+    if end is None:  # a signal: tell the orchestrator first so it stops routing to us
+        session.goodbye("agent stopping")
+        await engine.stop()
+        return 0
+    await engine.stop()
+    if end.exit_code != 0:
+        print(f"vllm-disagg agent {cfg.agent_id}: refused: {end.reason}", file=sys.stderr, flush=True)
+    else:
+        session.goodbye(end.reason)
+    return end.exit_code
 
 
 async def _until_done(

@@ -1,14 +1,14 @@
 """Prometheus metrics of one orchestrator, on its own ``CollectorRegistry`` (never the global one).
 
 Request metrics are recorded by the gateway through pre-bound label children, so the hot path does
-one dict lookup per metric. Per-instance gauges are not stored at all: a custom collector reads a
-registry snapshot at scrape time. Every metric is documented in docs/metrics.md.
+one dict lookup per metric. Per-instance gauges are not stored at all: a custom collector
+(``state/gauges.py``) reads a registry snapshot at scrape time. Every metric is documented in docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -19,11 +19,10 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
-from prometheus_client.registry import Collector
 
+from vllm_disagg.orchestrator.state.gauges import InstanceCollector
 from vllm_disagg.orchestrator.state.kv_audit import Outcome
 from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
 
@@ -39,83 +38,6 @@ _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25)
 
 Leg = str  # "prefill" | "decode"
-_BREAKER_VALUE = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
-
-
-class _InstanceCollector(Collector):
-    """Per-instance gauges, read from the registry at scrape time."""
-
-    def __init__(
-        self,
-        snapshot: Callable[[], RegistrySnapshot],
-        kv_blocks: Callable[[str], int] | None,
-        pool_blocks: Callable[[str], int] | None = None,
-    ) -> None:
-        self._snapshot = snapshot
-        self._kv_blocks = kv_blocks
-        self._pool_blocks = pool_blocks
-
-    def describe(self) -> list[Metric]:
-        # Empty: stops prometheus_client from calling collect() at registration.
-        return []
-
-    def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
-        up = GaugeMetricFamily(
-            "vllm_disagg_instance_up",
-            "1 while the instance has a live session (state is not dead), labelled with its state",
-            labels=["instance", "role", "state"],
-        )
-        in_flight = _gauge("in_flight", "Gateway requests outstanding on the instance")
-        breaker = _gauge("breaker_state", "The instance's circuit breaker: 0 closed, 1 half-open, 2 open")
-        running = _gauge("num_running", "Requests running in the engine (last heartbeat)")
-        waiting = _gauge("num_waiting", "Requests waiting in the engine's queue (last heartbeat)")
-        kv = _gauge("kv_cache_usage", "Engine KV cache usage, 0..1 (last heartbeat)")
-        ttft = _gauge("ttft_seconds", "Engine mean time to first token over the agent's window")
-        tpot = _gauge("tpot_seconds", "Engine mean time per output token over the agent's window")
-        blocks = GaugeMetricFamily(
-            "vllm_disagg_kv_index_blocks",
-            "Blocks of the instance's prefix cache the orchestrator's KV index holds",
-            labels=["instance"],
-        )
-        pool = GaugeMetricFamily(
-            "vllm_disagg_kv_pool_index_blocks",
-            "Blocks of the instance's agent's KV pool the orchestrator's KV index holds (vllm-disagg)",
-            labels=["instance"],
-        )
-        for v in snap.instances:
-            labels = [v.agent_id]
-            if self._pool_blocks is not None and v.info.kv_pool_endpoint:
-                pool.add_metric(labels, float(self._pool_blocks(v.agent_id)))
-            up.add_metric([v.agent_id, v.info.role, v.state], 0.0 if v.state == "dead" else 1.0)
-            breaker.add_metric(labels, _BREAKER_VALUE[v.breaker.state])
-            in_flight.add_metric(labels, float(snap.in_flight.get(v.agent_id, 0)))
-            m = v.metrics
-            running.add_metric(labels, float(m.num_running))
-            waiting.add_metric(labels, float(m.num_waiting))
-            kv.add_metric(labels, m.kv_cache_usage)
-            if m.ttft_s is not None:
-                ttft.add_metric(labels, m.ttft_s)
-            if m.tpot_s is not None:
-                tpot.add_metric(labels, m.tpot_s)
-            if self._kv_blocks is not None:
-                blocks.add_metric(labels, float(self._kv_blocks(v.agent_id)))
-        links = GaugeMetricFamily(
-            "vllm_disagg_link_breaker_open",
-            "1 for each P->D link whose circuit breaker lets no request through",
-            labels=["prefill", "decode"],
-        )
-        for p, d in sorted(snap.blocked_links):
-            links.add_metric([p, d], 1.0)
-        yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, links)
-        if self._kv_blocks is not None:
-            yield blocks
-        if self._pool_blocks is not None:
-            yield pool
-
-
-def _gauge(suffix: str, doc: str) -> GaugeMetricFamily:
-    return GaugeMetricFamily(f"vllm_disagg_instance_{suffix}", doc, labels=["instance"])
 
 
 class _Bound(dict[tuple[object, ...], Any]):
@@ -148,6 +70,26 @@ class OrchestratorMetrics:
         orchestrator, whose registry they describe)."""
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
+        self._declare_requests(r)
+        self._declare_overheads(r)
+        self._declare_failures(r)
+        self._declare_kv_audit(r)
+        self._declare_control(r)
+        self._declare_kv_moves(r)
+        self._instances = InstanceCollector(snapshot, kv_blocks, pool_blocks) if instances else None
+        self._request_children = _Bound(self._requests)
+        self._duration_children = _Bound(self._duration)
+        self._refused_children = _Bound(self._refused)
+        self._upstream_children = _Bound(self._upstream_errors)
+        self._retry_children = _Bound(self._retries)
+        self._fallback_children = _Bound(self._fallbacks)
+        self._resume_children = _Bound(self._resumes)
+        self._not_resumable_children = _Bound(self._not_resumable)
+        self._kv_events_children = _Bound(self._kv_events)
+        self._kv_missed_children = _Bound(self._kv_missed)
+
+    def _declare_requests(self, r: CollectorRegistry) -> None:
+        """Requests, their legs and the latencies their clients saw."""
         self._requests = Counter(
             "vllm_disagg_requests",
             "Client requests finished by the gateway",
@@ -179,6 +121,9 @@ class OrchestratorMetrics:
             buckets=_TOKEN_BUCKETS,
             registry=r,
         )
+
+    def _declare_overheads(self, r: CollectorRegistry) -> None:
+        """The gateway's own time: queueing, scheduling, handoff, tokenization, event-loop lag."""
         self._queue = Histogram(
             "vllm_disagg_queue_seconds",
             "From a request's arrival to the start of its first engine leg (the gateway's own wait)",
@@ -225,6 +170,9 @@ class OrchestratorMetrics:
             "Distinct tokenizations waiting for or running on the tokenize worker thread",
             registry=r,
         )
+
+    def _declare_failures(self, r: CollectorRegistry) -> None:
+        """What failed, and how the gateway recovered (retries, fallbacks, resumes)."""
         self._refused = Counter(
             "vllm_disagg_protocol_refused",
             "Refuse messages sent to agents, by code",
@@ -270,6 +218,9 @@ class OrchestratorMetrics:
             "passed on to the client as they came",
             registry=r,
         )
+
+    def _declare_kv_audit(self, r: CollectorRegistry) -> None:
+        """The KV handoff's audit: prompts decode engines computed although a prefill sent them."""
         self._kv_recomputed = Counter(
             "vllm_disagg_kv_recomputed",
             "Decode legs that computed the prompt themselves instead of loading the prefill's KV, by pair",
@@ -290,6 +241,9 @@ class OrchestratorMetrics:
             ["decode", "outcome"],
             registry=r,
         )
+
+    def _declare_control(self, r: CollectorRegistry) -> None:
+        """Role changes, SLO outcomes and the planner."""
         self._role_changes = Counter(
             "vllm_disagg_role_changes",
             "Instances that changed role while serving, by instance and the roles from and to",
@@ -334,6 +288,9 @@ class OrchestratorMetrics:
             ["from_role", "to_role", "outcome"],
             registry=r,
         )
+
+    def _declare_kv_moves(self, r: CollectorRegistry) -> None:
+        """KV releases, KV events and the moves between the agents' pools."""
         self._kv_released = Counter(
             "vllm_disagg_kv_released",
             "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
@@ -386,17 +343,6 @@ class OrchestratorMetrics:
             ["source"],
             registry=r,
         )
-        self._instances = _InstanceCollector(snapshot, kv_blocks, pool_blocks) if instances else None
-        self._request_children = _Bound(self._requests)
-        self._duration_children = _Bound(self._duration)
-        self._refused_children = _Bound(self._refused)
-        self._upstream_children = _Bound(self._upstream_errors)
-        self._retry_children = _Bound(self._retries)
-        self._fallback_children = _Bound(self._fallbacks)
-        self._resume_children = _Bound(self._resumes)
-        self._not_resumable_children = _Bound(self._not_resumable)
-        self._kv_events_children = _Bound(self._kv_events)
-        self._kv_missed_children = _Bound(self._kv_missed)
 
     def request_done(
         self,
