@@ -16,7 +16,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -63,6 +63,28 @@ def free_ports(n: int, offsets: tuple[int, ...] = (0,)) -> int:
 def free_port() -> int:
     """A TCP port free on loopback right now, and not handed out before in this run."""
     return free_ports(1)
+
+
+# Overloads, not one union: mypy cannot solve ``T`` from a union of callables (an async probe's ``T``
+# would be its coroutine). The async form is tried first, so a coroutine probe's result is what it returns.
+@overload
+async def eventually(
+    probe: Callable[[], Awaitable[T | None]],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> T: ...
+
+
+@overload
+async def eventually(
+    probe: Callable[[], T | None],
+    *,
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> T: ...
 
 
 async def eventually(
