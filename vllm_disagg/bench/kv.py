@@ -416,91 +416,114 @@ def rss_bytes() -> int:
     raise OSError("no VmRSS in /proc/self/status")
 
 
+@dataclass
+class _ChurnTally:
+    """What the churn's workers and sampler count, shared between them."""
+
+    ops: int = 0
+    fetches: int = 0
+    landed: int = 0
+    errors: int = 0
+    max_used: int = 0
+    holder_max_used: int = 0
+    arena_bytes: int = 0
+    samples: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, RSS)
+
+    def saw_used(self, side: Side) -> None:
+        """Keep the most slots the receiving pool has held."""
+        self.max_used = max(self.max_used, side.pool.stats().used)
+
+
 async def churn_part(args: argparse.Namespace, keydir: Path | None) -> ChurnResult:
+    """Fetch, store and pin random prompts for ``--churn-s`` seconds; check bounds, bytes and RSS."""
     side = await _side(args, args.churn_capacity, keydir)
     rng = random.Random(args.seed)
     work = prompts(args.churn_prompts, args.churn_prompt_blocks, rng)
-    counts: dict[str, int] = {
-        "ops": 0,
-        "fetches": 0,
-        "landed": 0,
-        "errors": 0,
-        "max_used": 0,
-        "holder_max_used": 0,
-    }
-    samples: list[tuple[float, int]] = []  # (seconds since start, RSS)
-    arena_bytes = 0
+    tally = _ChurnTally()
     t0 = time.monotonic()
     end = t0 + args.churn_s
-
-    def used() -> None:
-        counts["max_used"] = max(counts["max_used"], side.pool.stats().used)
-
-    async def worker(w: int) -> None:
-        pins: deque[str] = deque()
-        n = 0
-        while time.monotonic() < end:
-            n += 1
-            prompt, op = rng.choice(work), rng.random()
-            if op < 0.5:
-                token = f"w{w}-{n}"
-                holder_used = await side.grant(token, prompt)
-                counts["holder_max_used"] = max(counts["holder_max_used"], holder_used)
-                landed, bad = await side.fetch(token, prompt)
-                counts["fetches"] += 1
-                counts["landed"] += landed
-                counts["errors"] += bad
-            elif op < 0.7:
-                store(side.pool, side.arena, side.blocks, f"save:w{w}-{n}", prompt)
-                side.node.changed()
-            else:
-                owner = f"req:w{w}-{n}"
-                side.pool.pin(owner, prompt)
-                pins.append(owner)
-                if len(pins) > _PIN_HELD or op > 0.9:
-                    side.pool.release(pins.popleft())
-                    side.node.changed()
-            counts["ops"] += 1
-            used()
-            await asyncio.sleep(0)  # let the other workers and the transfers in
-        while pins:
-            side.pool.release(pins.popleft())
-
-    async def sampler() -> None:
-        nonlocal arena_bytes
-        while time.monotonic() < end:
-            samples.append((time.monotonic() - t0, rss_bytes()))
-            arena_bytes = max(arena_bytes, os.stat(side.arena.path).st_size)
-            used()
-            await asyncio.sleep(1.0)
-
     try:
-        await asyncio.gather(sampler(), *(worker(w) for w in range(args.churn_workers)))
-        samples.append((time.monotonic() - t0, rss_bytes()))
+        await asyncio.gather(
+            _churn_sampler(side, tally, t0, end),
+            *(_churn_worker(side, tally, w, work, rng, end) for w in range(args.churn_workers)),
+        )
+        tally.samples.append((time.monotonic() - t0, rss_bytes()))
         stats = side.pool.stats()
-        counts["errors"] += stats.referenced + stats.pending  # every fetch and pin is over: none held
+        tally.errors += stats.referenced + stats.pending  # every fetch and pin is over: none held
     finally:
         await _close(side)
+    return _churn_result(args, tally)
+
+
+async def _churn_worker(
+    side: Side, tally: _ChurnTally, w: int, work: list[list[BlockKey]], rng: random.Random, end: float
+) -> None:
+    """One task of the churn: a random operation on a random prompt until ``end``, then unpin."""
+    pins: deque[str] = deque()
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+        prompt, op = rng.choice(work), rng.random()
+        if op < 0.5:
+            await _churn_fetch(side, tally, f"w{w}-{n}", prompt)
+        elif op < 0.7:
+            store(side.pool, side.arena, side.blocks, f"save:w{w}-{n}", prompt)
+            side.node.changed()
+        else:
+            owner = f"req:w{w}-{n}"
+            side.pool.pin(owner, prompt)
+            pins.append(owner)
+            if len(pins) > _PIN_HELD or op > 0.9:
+                side.pool.release(pins.popleft())
+                side.node.changed()
+        tally.ops += 1
+        tally.saw_used(side)
+        await asyncio.sleep(0)  # let the other workers and the transfers in
+    while pins:
+        side.pool.release(pins.popleft())
+
+
+async def _churn_fetch(side: Side, tally: _ChurnTally, token: str, prompt: list[BlockKey]) -> None:
+    """Have the holder grant a prompt's blocks, fetch them, and count what landed and what broke."""
+    holder_used = await side.grant(token, prompt)
+    tally.holder_max_used = max(tally.holder_max_used, holder_used)
+    landed, bad = await side.fetch(token, prompt)
+    tally.fetches += 1
+    tally.landed += landed
+    tally.errors += bad
+
+
+async def _churn_sampler(side: Side, tally: _ChurnTally, t0: float, end: float) -> None:
+    """Every second until ``end``: this process's RSS, the arena file's size and the pool's use."""
+    while time.monotonic() < end:
+        tally.samples.append((time.monotonic() - t0, rss_bytes()))
+        tally.arena_bytes = max(tally.arena_bytes, os.stat(side.arena.path).st_size)
+        tally.saw_used(side)
+        await asyncio.sleep(1.0)
+
+
+def _churn_result(args: argparse.Namespace, tally: _ChurnTally) -> ChurnResult:
+    """The tally as a result: RSS growth from the end of the warm-up, and whether every bound held."""
     warm = min(60.0, args.churn_s / 3)
-    first = [rss for at, rss in samples if at <= warm][-1]
-    last = samples[-1][1]
+    first = [rss for at, rss in tally.samples if at <= warm][-1]
+    last = tally.samples[-1][1]
     growth = (last - first) / 2**20
     ok = (
-        counts["max_used"] <= args.churn_capacity
-        and counts["holder_max_used"] <= args.churn_capacity
-        and counts["errors"] == 0
+        tally.max_used <= args.churn_capacity
+        and tally.holder_max_used <= args.churn_capacity
+        and tally.errors == 0
         and growth <= args.churn_rss_bound_mib
     )
     return ChurnResult(
         args.churn_s,
-        counts["ops"],
-        counts["fetches"],
-        counts["landed"],
-        counts["errors"],
+        tally.ops,
+        tally.fetches,
+        tally.landed,
+        tally.errors,
         args.churn_capacity,
-        counts["max_used"],
-        counts["holder_max_used"],
-        arena_bytes,
+        tally.max_used,
+        tally.holder_max_used,
+        tally.arena_bytes,
         round(first / 2**20, 1),
         round(last / 2**20, 1),
         round(growth, 1),

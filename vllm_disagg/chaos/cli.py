@@ -227,35 +227,14 @@ async def chaos(
     spawn = _Logged(log)
     started_at = time.monotonic()
     try:
-        cluster.orchestrator = await spawn(spec.orchestrator_argv(), env=spec.orchestrator_env())
-        for plan in cluster.plans:
-            cluster.agents[plan.agent_id] = await spawn(spec.agent_argv(plan))
+        await _spawn_cluster(cluster, spec, spawn)
         if not await _ready(cluster, args.ready_timeout_s, stop):
             if not stop.is_set():
                 print(f"chaos: the cluster did not become ready (log: {log_path})", file=sys.stderr)
             return None
-        print(
-            f"chaos: {spec.prefill}P{spec.decode}D ready in {time.monotonic() - started_at:.1f} s at "
-            f"{spec.base_url}; {args.duration:g} s of load, concurrency {args.concurrency}, "
-            + (f"a fault every {args.kill_every:g} s" if args.kill_every else "no faults")
-            + f" (log: {log_path})",
-            file=sys.stderr,
-            flush=True,
-        )
-        checker = Checker(MODEL)
+        _announce(args, spec, time.monotonic() - started_at, log_path)
         tally = Tally(max_examples=args.examples)
-        planner = RequestPlanner(
-            random.Random(f"{args.seed}/load"),
-            uuid.uuid4().hex[:8],
-            min_tokens=args.min_tokens,
-            max_tokens=args.max_tokens,
-            stream_fraction=args.stream_fraction,
-            chat_fraction=args.chat_fraction,
-        )
-        load_cfg = LoadConfig(
-            spec.base_url, MODEL, args.concurrency, args.duration, args.max_requests, args.request_timeout_s
-        )
-        load = LoadGenerator(load_cfg, planner, checker, tally)
+        load = _load(args, spec, tally)
         injector = FaultInjector(
             cluster,
             spawn,
@@ -264,29 +243,10 @@ async def chaos(
             kinds=_kinds(args.kinds),
             recovery_timeout_s=args.recovery_timeout_s,
         )
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-            before = await recovery_counters(http, spec.base_url)
-            started = time.monotonic()
-            killing = asyncio.ensure_future(injector.run(started, started + args.duration, stop))
-            progress = asyncio.ensure_future(
-                _every(args.progress_s, lambda: _progress(time.monotonic() - started, tally, load, injector))
-            )
-            try:
-                duration = await load.run(stop)
-            finally:
-                killing.cancel()
-                progress.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await killing
-            if stop.is_set():
-                await injector.cancel()
-            else:
-                await injector.settle()  # every victim back (or its recovery timed out)
-            after = await recovery_counters(http, spec.base_url)
+        duration, deltas = await _load_under_faults(args, spec.base_url, load, tally, injector, stop)
     finally:
         await cluster.stop()
         shutil.rmtree(keys, ignore_errors=True)
-    deltas = {name: int(after[metric] - before[metric]) for name, metric in RECOVERY_COUNTERS.items()}
     return ChaosReport(
         sent=tally.sent,
         completed=tally.completed,
@@ -305,6 +265,72 @@ async def chaos(
         log_file=log_path,
         **deltas,
     )
+
+
+async def _spawn_cluster(cluster: LocalCluster, spec: ClusterSpec, spawn: _Logged) -> None:
+    """Start the orchestrator, then every agent (each starts its engine)."""
+    cluster.orchestrator = await spawn(spec.orchestrator_argv(), env=spec.orchestrator_env())
+    for plan in cluster.plans:
+        cluster.agents[plan.agent_id] = await spawn(spec.agent_argv(plan))
+
+
+def _announce(args: argparse.Namespace, spec: ClusterSpec, ready_s: float, log_path: str) -> None:
+    """Say on stderr that the cluster is ready and what the run will do to it."""
+    print(
+        f"chaos: {spec.prefill}P{spec.decode}D ready in {ready_s:.1f} s at "
+        f"{spec.base_url}; {args.duration:g} s of load, concurrency {args.concurrency}, "
+        + (f"a fault every {args.kill_every:g} s" if args.kill_every else "no faults")
+        + f" (log: {log_path})",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _load(args: argparse.Namespace, spec: ClusterSpec, tally: Tally) -> LoadGenerator:
+    """The load the flags describe, its responses checked and counted in ``tally``."""
+    planner = RequestPlanner(
+        random.Random(f"{args.seed}/load"),
+        uuid.uuid4().hex[:8],
+        min_tokens=args.min_tokens,
+        max_tokens=args.max_tokens,
+        stream_fraction=args.stream_fraction,
+        chat_fraction=args.chat_fraction,
+    )
+    load_cfg = LoadConfig(
+        spec.base_url, MODEL, args.concurrency, args.duration, args.max_requests, args.request_timeout_s
+    )
+    return LoadGenerator(load_cfg, planner, Checker(MODEL), tally)
+
+
+async def _load_under_faults(
+    args: argparse.Namespace,
+    base_url: str,
+    load: LoadGenerator,
+    tally: Tally,
+    injector: FaultInjector,
+    stop: asyncio.Event,
+) -> tuple[float, dict[str, int]]:
+    """Run the load under faults, let every victim come back; the load's seconds, each counter's growth."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        before = await recovery_counters(http, base_url)
+        started = time.monotonic()
+        killing = asyncio.ensure_future(injector.run(started, started + args.duration, stop))
+        progress = asyncio.ensure_future(
+            _every(args.progress_s, lambda: _progress(time.monotonic() - started, tally, load, injector))
+        )
+        try:
+            duration = await load.run(stop)
+        finally:
+            killing.cancel()
+            progress.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await killing
+        if stop.is_set():
+            await injector.cancel()
+        else:
+            await injector.settle()  # every victim back (or its recovery timed out)
+        after = await recovery_counters(http, base_url)
+    return duration, {name: int(after[metric] - before[metric]) for name, metric in RECOVERY_COUNTERS.items()}
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:

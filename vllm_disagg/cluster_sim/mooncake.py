@@ -109,14 +109,7 @@ def load_mooncake(
     check(max_input_tokens is None or max_input_tokens >= 1, f"max_input_tokens < 1: {max_input_tokens}")
     check(limit is None or limit >= 0, f"limit must be >= 0, got {limit}")
     path = Path(path)
-    lines: list[_Line] = []
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, 1):
-            if limit is not None and len(lines) >= limit:
-                break
-            if raw.strip():
-                lines.append(_parse_line(raw, f"{path}, line {number}"))
-    lines.sort(key=lambda line: line.timestamp_ms)
+    lines = _read_lines(path, limit)
     scale = k * block_tokens / MOONCAKE_BLOCK_TOKENS
     cap = max_input_tokens if max_input_tokens is not None else math.inf
     start_ms = lines[0].timestamp_ms if lines else 0.0
@@ -135,6 +128,19 @@ def load_mooncake(
         f"time /{time_scale:g}, output x{output_scale:g}, input cap {max_input_tokens}"
     )
     return Trace(f"mooncake:{path.stem}", requests, description)
+
+
+def _read_lines(path: Path, limit: int | None) -> list[_Line]:
+    """The first ``limit`` non-blank lines of a trace file, ordered by timestamp (ties in file order)."""
+    lines: list[_Line] = []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if limit is not None and len(lines) >= limit:
+                break
+            if raw.strip():
+                lines.append(_parse_line(raw, f"{path}, line {number}"))
+    lines.sort(key=lambda line: line.timestamp_ms)
+    return lines
 
 
 def dump_mooncake(trace: Trace, path: str | Path) -> None:

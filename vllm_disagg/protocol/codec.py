@@ -65,79 +65,100 @@ def _fail(path: str, expected: str, value: object) -> typing.NoReturn:
 
 def _checker(tp: Any) -> Check:
     """Compile a validator for one annotation (done once per message class)."""
+    scalar = _SCALAR_CHECKS.get(tp) if isinstance(tp, type) else None
+    if scalar is not None:
+        return scalar
     origin = typing.get_origin(tp)
-    if tp is bool:
-        return lambda v, p: v if isinstance(v, bool) else _fail(p, "bool", v)
-    if tp is int:
-        return lambda v, p: v if isinstance(v, int) and not isinstance(v, bool) else _fail(p, "int", v)
-    if tp is float:
-
-        def check_float(v: Any, p: str) -> float:
-            if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
-                return float(v)
-            _fail(p, "float", v)
-
-        return check_float
-    if tp is str:
-        return lambda v, p: v if isinstance(v, str) else _fail(p, "str", v)
-    if tp is bytes:
-        return lambda v, p: v if isinstance(v, bytes) else _fail(p, "bytes", v)
     if origin is Literal:
-        allowed = typing.get_args(tp)
-
-        def check_literal(v: Any, p: str) -> Any:
-            if v in allowed and type(v) in {type(a) for a in allowed}:
-                return v
-            raise FieldTypeError(f"field {_clip(p)!r}: expected one of {list(allowed)}, got {_quote(v)}")
-
-        return check_literal
+        return _literal_checker(typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        nullable = type(None) in args
-        tagged = _tagged(tp)
-        if tagged is not None:
-            return _tagged_checker(tagged, nullable)
-        inner = [_checker(a) for a in args if a is not type(None)]
-
-        def check_union(v: Any, p: str) -> Any:
-            if v is None and nullable:
-                return None
-            for c in inner:
-                try:
-                    return c(v, p)
-                except FieldTypeError:
-                    continue
-            _fail(p, " | ".join(getattr(a, "__name__", str(a)) for a in args), v)
-
-        return check_union
+        return _union_checker(tp)
     if origin is list:
-        (item_tp,) = typing.get_args(tp)
-        item = _checker(item_tp)
-        exact = item_tp if item_tp in (int, bytes, str) else None
-
-        def check_list(v: Any, p: str) -> list[Any]:
-            if not isinstance(v, list):
-                _fail(p, "list", v)
-            # Token ids, block hashes and keys come by the ten thousand: one pass in C for the common
-            # case (by exact type: a bool is no int).
-            if exact is not None and set(map(type, v)) <= {exact}:
-                return v
-            return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
-
-        return check_list
+        return _list_checker(*typing.get_args(tp))
     if origin is dict:
-        key_tp, val_tp = typing.get_args(tp)
-        key, val = _checker(key_tp), _checker(val_tp)
-
-        def check_dict(v: Any, p: str) -> dict[Any, Any]:
-            if not isinstance(v, dict):
-                _fail(p, "map", v)
-            return {key(k, f"{p}.<key>"): val(x, f"{p}.{k}") for k, x in v.items()}
-
-        return check_dict
+        return _dict_checker(*typing.get_args(tp))
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return _StructCodec(tp).decode_fields
     raise TypeError(f"the codec cannot carry annotation {tp!r}")
+
+
+def _check_float(v: Any, p: str) -> float:
+    """A float, or an int (not a bool) taken as one."""
+    if isinstance(v, float) or (isinstance(v, int) and not isinstance(v, bool)):
+        return float(v)
+    _fail(p, "float", v)
+
+
+# By the annotation's type; the int check refuses a bool, which Python counts as an int.
+_SCALAR_CHECKS: dict[Any, Check] = {
+    bool: lambda v, p: v if isinstance(v, bool) else _fail(p, "bool", v),
+    int: lambda v, p: v if isinstance(v, int) and not isinstance(v, bool) else _fail(p, "int", v),
+    float: _check_float,
+    str: lambda v, p: v if isinstance(v, str) else _fail(p, "str", v),
+    bytes: lambda v, p: v if isinstance(v, bytes) else _fail(p, "bytes", v),
+}
+
+
+def _literal_checker(allowed: tuple[Any, ...]) -> Check:
+    """Accept one of a Literal's values, of the same type (so True is not taken for 1)."""
+
+    def check_literal(v: Any, p: str) -> Any:
+        if v in allowed and type(v) in {type(a) for a in allowed}:
+            return v
+        raise FieldTypeError(f"field {_clip(p)!r}: expected one of {list(allowed)}, got {_quote(v)}")
+
+    return check_literal
+
+
+def _union_checker(tp: Any) -> Check:
+    """A tagged union by its ``kind``; any other union by trying each member in turn."""
+    args = typing.get_args(tp)
+    nullable = type(None) in args
+    tagged = _tagged(tp)
+    if tagged is not None:
+        return _tagged_checker(tagged, nullable)
+    inner = [_checker(a) for a in args if a is not type(None)]
+
+    def check_union(v: Any, p: str) -> Any:
+        if v is None and nullable:
+            return None
+        for c in inner:
+            try:
+                return c(v, p)
+            except FieldTypeError:
+                continue
+        _fail(p, " | ".join(getattr(a, "__name__", str(a)) for a in args), v)
+
+    return check_union
+
+
+def _list_checker(item_tp: Any) -> Check:
+    """Check a list item by item, or in one pass for lists of exact ints, bytes or strs."""
+    item = _checker(item_tp)
+    exact = item_tp if item_tp in (int, bytes, str) else None
+
+    def check_list(v: Any, p: str) -> list[Any]:
+        if not isinstance(v, list):
+            _fail(p, "list", v)
+        # Token ids, block hashes and keys come by the ten thousand: one pass in C for the common
+        # case (by exact type: a bool is no int).
+        if exact is not None and set(map(type, v)) <= {exact}:
+            return v
+        return [item(x, f"{p}[{i}]") for i, x in enumerate(v)]
+
+    return check_list
+
+
+def _dict_checker(key_tp: Any, val_tp: Any) -> Check:
+    """Check every key and value of a map."""
+    key, val = _checker(key_tp), _checker(val_tp)
+
+    def check_dict(v: Any, p: str) -> dict[Any, Any]:
+        if not isinstance(v, dict):
+            _fail(p, "map", v)
+        return {key(k, f"{p}.<key>"): val(x, f"{p}.{k}") for k, x in v.items()}
+
+    return check_dict
 
 
 def _tagged(tp: Any) -> dict[str, type[Any]] | None:

@@ -127,82 +127,108 @@ class _Collector:
         self._m = metrics
 
     def collect(self) -> Iterable[Metric]:
+        """Every family, from the engine's numbers at this scrape (the gauges read first)."""
         m = self._m
         labels = ["model_name", "engine"]
         values = list(m.labels)
         g = m._gauges()
         if m.cache_config:
-            info = GaugeMetricFamily(
-                "vllm:cache_config_info",
-                "Information of the LLMEngine CacheConfig",
-                labels=[*m.cache_config, "engine"],
-            )
-            info.add_metric([*m.cache_config.values(), m.labels[1]], 1.0)
-            yield info
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", g.running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_cache_usage),
-        ):
-            gauge = GaugeMetricFamily(name, doc, labels=labels)
-            gauge.add_metric(values, float(value))
-            yield gauge
-        for name, doc, count in (
-            ("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens),
-            ("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens),
-            (
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of tokens.",
-                m.prefix_cache_queries,
-            ),
-            ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.", m.prefix_cache_hits),
-            ("vllm:num_preemptions", "Cumulative number of preemptions.", m.num_preemptions),
-            ("vllm:nixl_num_failed_transfers", "Failed KV transfers.", m.nixl_num_failed_transfers),
-            ("vllm:nixl_bytes_transferred", "KV bytes pulled from remote engines.", m.nixl_bytes_transferred),
-            ("vllm:sim_kv_pulls_served", "KV blocks this engine handed to decoders.", m.sim_kv_pulls_served),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric(values, float(count))
-            yield counter
-        for name, doc, label, table in (
-            (
-                "vllm:prompt_tokens_by_source",
-                "Number of prompt tokens by source.",
-                "source",
-                m.prompt_tokens_by_source,
-            ),
-            (
-                "vllm:request_success",
-                "Count of successfully processed requests.",
-                "finished_reason",
-                m.request_success,
-            ),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=[*labels, label])
-            for key, count in table.items():
-                counter.add_metric([*values, key], float(count))
-            yield counter
-        for name, doc, hist in (
-            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
-            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl),
-            (
-                "vllm:request_time_per_output_token_seconds",
-                "Histogram of time_per_output_token_seconds per request.",
-                m.tpot,
-            ),
-            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m.e2e),
-            ("vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", m.queue_time),
-            ("vllm:request_prefill_time_seconds", "Time spent in the PREFILL phase.", m.prefill_time),
-            ("vllm:request_decode_time_seconds", "Time spent in the DECODE phase.", m.decode_time),
-            ("vllm:request_params_max_tokens", "The max_tokens request parameter.", m.max_tokens_param),
-            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m.request_prompt_tokens),
-            (
-                "vllm:request_generation_tokens",
-                "Number of generation tokens processed.",
-                m.request_generation_tokens,
-            ),
-            ("vllm:nixl_xfer_time_seconds", "KV transfer time in seconds.", m.nixl_xfer_time),
-        ):
-            family = HistogramMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, hist.buckets(), sum_value=hist.sum)
-            yield family
+            yield _cache_config_info(m)
+        yield from _gauge_families(g, labels, values)
+        yield from _counter_families(m, labels, values)
+        yield from _counters_by_label(m, labels, values)
+        yield from _histogram_families(m, labels, values)
+
+
+def _cache_config_info(m: EngineMetrics) -> Metric:
+    """vLLM's ``cache_config_info``: the cache configuration as the labels of a constant 1."""
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "Information of the LLMEngine CacheConfig",
+        labels=[*m.cache_config, "engine"],
+    )
+    info.add_metric([*m.cache_config.values(), m.labels[1]], 1.0)
+    return info
+
+
+def _gauge_families(g: GaugeValues, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """The requests running and waiting, and the KV cache's use."""
+    for name, doc, value in (
+        ("vllm:num_requests_running", "Number of requests in model execution batches.", g.running),
+        ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", g.waiting),
+        ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g.kv_cache_usage),
+    ):
+        gauge = GaugeMetricFamily(name, doc, labels=labels)
+        gauge.add_metric(values, float(value))
+        yield gauge
+
+
+def _counter_families(m: EngineMetrics, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """The token, prefix cache, preemption and KV transfer counters."""
+    for name, doc, count in (
+        ("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens),
+        ("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens),
+        (
+            "vllm:prefix_cache_queries",
+            "Prefix cache queries, in terms of tokens.",
+            m.prefix_cache_queries,
+        ),
+        ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.", m.prefix_cache_hits),
+        ("vllm:num_preemptions", "Cumulative number of preemptions.", m.num_preemptions),
+        ("vllm:nixl_num_failed_transfers", "Failed KV transfers.", m.nixl_num_failed_transfers),
+        ("vllm:nixl_bytes_transferred", "KV bytes pulled from remote engines.", m.nixl_bytes_transferred),
+        ("vllm:sim_kv_pulls_served", "KV blocks this engine handed to decoders.", m.sim_kv_pulls_served),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=labels)
+        counter.add_metric(values, float(count))
+        yield counter
+
+
+def _counters_by_label(m: EngineMetrics, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """The counters with one more label: prompt tokens by source, finished requests by reason."""
+    for name, doc, label, table in (
+        (
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by source.",
+            "source",
+            m.prompt_tokens_by_source,
+        ),
+        (
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            "finished_reason",
+            m.request_success,
+        ),
+    ):
+        counter = CounterMetricFamily(name, doc, labels=[*labels, label])
+        for key, count in table.items():
+            counter.add_metric([*values, key], float(count))
+        yield counter
+
+
+def _histogram_families(m: EngineMetrics, labels: list[str], values: list[str]) -> Iterable[Metric]:
+    """The latency, phase time, request size and KV transfer time histograms."""
+    for name, doc, hist in (
+        ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
+        ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl),
+        (
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            m.tpot,
+        ),
+        ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", m.e2e),
+        ("vllm:request_queue_time_seconds", "Time spent in the WAITING phase.", m.queue_time),
+        ("vllm:request_prefill_time_seconds", "Time spent in the PREFILL phase.", m.prefill_time),
+        ("vllm:request_decode_time_seconds", "Time spent in the DECODE phase.", m.decode_time),
+        ("vllm:request_params_max_tokens", "The max_tokens request parameter.", m.max_tokens_param),
+        ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", m.request_prompt_tokens),
+        (
+            "vllm:request_generation_tokens",
+            "Number of generation tokens processed.",
+            m.request_generation_tokens,
+        ),
+        ("vllm:nixl_xfer_time_seconds", "KV transfer time in seconds.", m.nixl_xfer_time),
+    ):
+        family = HistogramMetricFamily(name, doc, labels=labels)
+        family.add_metric(values, hist.buckets(), sum_value=hist.sum)
+        yield family

@@ -154,6 +154,43 @@ def _ids_json(ids: Sequence[int]) -> bytes:
     return b"[" + b",".join(b"%d" % t for t in ids) + b"]"
 
 
+def _completion_choice(text: str, out_ids: list[int] | None, prompt_ids: list[int] | None) -> dict[str, Any]:
+    """A completion's one choice, key for key as vLLM sends it."""
+    return {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": FINISH_REASON,
+        "stop_reason": None,
+        "token_ids": out_ids,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids,
+        "routed_experts": None,
+    }
+
+
+def _chat_choice(text: str, out_ids: list[int] | None) -> dict[str, Any]:
+    """A chat completion's one choice (the assistant's message), key for key as vLLM sends it."""
+    message = {
+        "role": "assistant",
+        "content": text,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "reasoning": None,
+    }
+    return {
+        "index": 0,
+        "message": message,
+        "logprobs": None,
+        "finish_reason": FINISH_REASON,
+        "stop_reason": None,
+        "token_ids": out_ids,
+        "routed_experts": None,
+    }
+
+
 class ResponseEncoder:
     """The JSON body or SSE chunks of one response, byte for byte as vLLM 0.32's OpenAI server sends them.
 
@@ -247,40 +284,9 @@ class ResponseEncoder:
         prompt_ids = list(self.prompt_token_ids) if rti else None
         body: dict[str, Any] = dict(self._head)
         if self.kind == "completion":
-            body["choices"] = [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": FINISH_REASON,
-                    "stop_reason": None,
-                    "token_ids": out_ids,
-                    "prompt_logprobs": None,
-                    "prompt_token_ids": prompt_ids,
-                    "routed_experts": None,
-                }
-            ]
+            body["choices"] = [_completion_choice(text, out_ids, prompt_ids)]
         else:
-            message = {
-                "role": "assistant",
-                "content": text,
-                "refusal": None,
-                "annotations": None,
-                "audio": None,
-                "function_call": None,
-                "reasoning": None,
-            }
-            body["choices"] = [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": None,
-                    "finish_reason": FINISH_REASON,
-                    "stop_reason": None,
-                    "token_ids": out_ids,
-                    "routed_experts": None,
-                }
-            ]
+            body["choices"] = [_chat_choice(text, out_ids)]
         body["service_tier"] = None
         body["system_fingerprint"] = self._fingerprint
         body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
