@@ -12,7 +12,7 @@ UP_ARGS ?= --prefill 1 --decode 1
 up: setup
 	$(BIN)/vllm-disagg up $(UP_ARGS)
 
-## test: set up, then ruff, mypy strict and every test
+## test: set up, then ruff, mypy strict (the package and the tests) and every test
 test: setup-test lint typecheck
 	$(BIN)/python -m pytest -q
 

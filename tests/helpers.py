@@ -107,7 +107,7 @@ async def eventually(
             if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
                 result = await result
             if result:
-                return result  # type: ignore[return-value]
+                return result
         except Exception as exc:  # a probe of a starting server may fail any way
             last_error = exc
         if time.monotonic() > deadline:

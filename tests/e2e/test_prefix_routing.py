@@ -104,7 +104,8 @@ async def test_turns_land_on_the_prefill_instance_holding_their_prefix(cluster: 
         async def record(request_id: str) -> dict[str, Any]:
             async with session.get(f"{cluster.base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
                 assert resp.status == 200
-                return await resp.json()
+                found: dict[str, Any] = await resp.json()
+                return found
 
         last = await record(ids[-1])
     assert baseline < 0.5, f"round-robin landed on the holder {baseline:.0%} of the time (expected about 25%)"

@@ -282,7 +282,8 @@ async def _explained(
         assert resp.status == 200, await resp.text()
     async with session.get(f"{base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
         assert resp.status == 200
-        return await resp.json()
+        record: dict[str, Any] = await resp.json()
+        return record
 
 
 def _indexed_blocks(base: str, agent_id: str) -> float:

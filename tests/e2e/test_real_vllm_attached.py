@@ -43,7 +43,7 @@ from tests.integration.orchestrator_support import orch_config
 from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
-from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, default_agent_id
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, Role, default_agent_id
 
 pytestmark = pytest.mark.timeout(1800)
 PROMPT = "The decode engine could not reach the prefill engine's side channel, so it computed: "
@@ -54,18 +54,18 @@ def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     base = free_engine_ports(2)
     logs = tmp_path_factory.mktemp("engines")
 
-    def engine(role: str, index: int, **extra: str) -> AgentConfig:
+    def engine(role: Role, index: int, failure_policy: str = "") -> AgentConfig:
         # A core each, as ``up`` binds them: two engines spinning on every core stall this box for minutes.
         return AgentConfig(
-            agent_id=f"{role}-0", role=role, engine="vllm", model=MODEL,  # type: ignore[arg-type]
+            agent_id=f"{role}-0", role=role, engine="vllm", model=MODEL,
             model_path=str(tiny_model), engine_port=base + index,
-            omp_threads_bind=str(index % (os.cpu_count() or 1)), **extra,
+            omp_threads_bind=str(index % (os.cpu_count() or 1)), kv_load_failure_policy=failure_policy,
         )  # fmt: skip
 
     # D in vLLM's dev mode (its whole config at /server_info); P as engines usually run.
     with running_vllms([
         (engine("prefill", 0), logs / "prefill.log"),
-        (engine("decode", 1, kv_load_failure_policy="recompute"), logs / "decode.log"),
+        (engine("decode", 1, failure_policy="recompute"), logs / "decode.log"),
     ], env={"decode-0": {"VLLM_SERVER_DEV_MODE": "1"}}) as (p, d):  # fmt: skip
         yield p, d
 

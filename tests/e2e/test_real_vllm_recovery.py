@@ -201,7 +201,7 @@ async def test_clients_that_leave_at_random_points_leave_no_kv_held_on_the_prefi
 
 async def _pair_under_way(
     up: Up, session: aiohttp.ClientSession, cases: list[LongCase], ids: list[str]
-) -> tuple[list[asyncio.Future[bytes]], bool]:
+) -> tuple[list[asyncio.Task[bytes]], bool]:
     """The streams started together; True once each has 8 events, False if one ended before that."""
     events = [0] * len(cases)
 

@@ -133,8 +133,8 @@ async def test_bad_requests_get_a_clear_error_and_the_gateway_keeps_serving(
             assert resp.status == status
             error = jsonutil.loads(await resp.read())["error"]
             assert reason in error["message"].lower()
-        body = {"model": MODEL, "prompt": "still here", "max_tokens": 3}
-        ok, raw, _ = await _post(session, cluster.base + "/v1/completions", body)
+        still = {"model": MODEL, "prompt": "still here", "max_tokens": 3}
+        ok, raw, _ = await _post(session, cluster.base + "/v1/completions", still)
         assert ok == 200 and jsonutil.loads(raw)["choices"][0]["text"] == expected_text("still here", 3)
 
 

@@ -17,6 +17,8 @@ from tests.helpers import ADMIN_TOKEN
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.orchestrator.app import OrchestratorServer
+from vllm_disagg.orchestrator.state.registry import InstanceView
 from vllm_disagg.protocol.curve import ClientCurve
 from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
@@ -35,6 +37,14 @@ from vllm_disagg.protocol.messages import (
 from vllm_disagg.protocol.transport import DealerTransport
 
 MODEL = "sim-model"
+
+
+def registered(orch: OrchestratorServer, agent_id: str) -> InstanceView:
+    """``agent_id``'s instance in ``orch``'s registry; an AssertionError when it has none (to an
+    ``eventually`` probe: not yet)."""
+    view = orch.registry.get(agent_id)
+    assert view is not None, f"no instance {agent_id!r} in the registry"
+    return view
 
 
 def orch_config(**overrides: Any) -> OrchestratorConfig:

@@ -99,7 +99,7 @@ async def complete(
 def text_of(raw: bytes, stream: bool) -> str:
     if not stream:
         return str(jsonutil.loads(raw)["choices"][0]["text"])
-    parts = []
+    parts: list[str] = []
     for line in raw.split(b"\n\n"):
         if line.startswith(b"data: {"):
             chunk = jsonutil.loads(line[6:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 import pytest
@@ -38,7 +39,7 @@ async def orch_with_agent() -> AsyncIterator[tuple[OrchestratorServer, FakeAgent
 
 async def call(
     http: aiohttp.ClientSession, method: str, url: str, headers: dict[str, str] | None = None
-) -> tuple[int, dict[str, object], dict[str, str]]:
+) -> tuple[int, dict[str, Any], dict[str, str]]:
     async with http.request(method, url, headers=headers or {}) as resp:
         return resp.status, await resp.json(), dict(resp.headers)
 
@@ -79,9 +80,9 @@ async def test_with_the_token_the_admin_api_answers(
 ) -> None:
     server, _ = orch_with_agent
     status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/instances", ADMIN)
-    assert status == 200 and [i["agent_id"] for i in body["instances"]] == ["d0"]  # type: ignore[union-attr]
+    assert status == 200 and [i["agent_id"] for i in body["instances"]] == ["d0"]
     status, body, _ = await call(http, "POST", f"{server.url}/admin/v1/instances/d0/cordon", ADMIN)
-    assert status == 200 and body["instance"]["state"] == "cordoned"  # type: ignore[index]
+    assert status == 200 and body["instance"]["state"] == "cordoned"
 
 
 async def test_without_a_configured_token_the_admin_api_is_closed_and_says_how_to_open_it(
@@ -146,9 +147,9 @@ async def test_unknown_admin_paths_and_methods_get_the_one_json_error_shape_afte
     status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/nothing-here")
     assert status == 401, "an unknown path tells a stranger nothing"
     status, body, _ = await call(http, "GET", f"{server.url}/admin/v1/nothing-here", ADMIN)
-    assert status == 404 and body["error"]["type"] == "NotFoundError"  # type: ignore[index]
+    assert status == 404 and body["error"]["type"] == "NotFoundError"
     status, body, headers = await call(http, "GET", f"{server.url}/admin/v1/instances/d0/drain", ADMIN)
-    assert status == 405 and headers["Allow"] == "POST" and "use POST" in body["error"]["message"]  # type: ignore[index]
+    assert status == 405 and headers["Allow"] == "POST" and "use POST" in body["error"]["message"]
 
 
 async def test_scheduler_weights_are_read_and_changed_all_or_nothing(
@@ -158,9 +159,9 @@ async def test_scheduler_weights_are_read_and_changed_all_or_nothing(
     url = f"{server.url}/admin/v1/scheduler/weights"
     status, body, _ = await call(http, "GET", url, ADMIN)
     before = body["weights"]
-    assert status == 200 and before["decode"]["queue-scorer"] == 1.0  # type: ignore[index]
+    assert status == 200 and before["decode"]["queue-scorer"] == 1.0
 
-    async def put(weights: object) -> tuple[int, dict[str, object]]:
+    async def put(weights: object) -> tuple[int, dict[str, Any]]:
         async with http.put(url, json={"weights": weights}, headers=ADMIN) as resp:
             return resp.status, await resp.json()
 
@@ -177,5 +178,5 @@ async def test_scheduler_weights_are_read_and_changed_all_or_nothing(
     status, body = await put({"decode": {"queue-scorer": 2.5}, "prefill": {"queue-scorer": 0}})
     assert status == 200
     after = body["weights"]
-    assert after["decode"]["queue-scorer"] == 2.5 and after["prefill"]["queue-scorer"] == 0.0  # type: ignore[index]
+    assert after["decode"]["queue-scorer"] == 2.5 and after["prefill"]["queue-scorer"] == 0.0
     assert (await call(http, "GET", url, ADMIN))[1]["weights"] == after

@@ -44,7 +44,7 @@ async def orchestrator(
             load_public(str(tmp_path / "orchestrator.key")),
         )
     server = await start_orchestrator(
-        orch_config(heartbeat_timeout_s=60.0, **keys),  # type: ignore[arg-type]
+        orch_config(heartbeat_timeout_s=60.0, **keys),
         shutdown_timeout_s=1.0,
     )
     try:

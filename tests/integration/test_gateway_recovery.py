@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 
 import aiohttp
 import pytest
@@ -313,7 +314,7 @@ async def _leave_during_prefill(
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await eventually(
-            lambda n=n: cluster.server.app[REQUEST_LOG_KEY].get(f"gone-{n}"),
+            functools.partial(cluster.server.app[REQUEST_LOG_KEY].get, f"gone-{n}"),
             what="the gateway saw the client leave",
         )
 

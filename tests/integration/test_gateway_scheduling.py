@@ -27,7 +27,8 @@ async def _post(
 async def _record(http: aiohttp.ClientSession, orch: OrchestratorServer, request_id: str) -> dict[str, Any]:
     async with http.get(f"{orch.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
         assert resp.status == 200
-        return await resp.json()
+        record: dict[str, Any] = await resp.json()
+        return record
 
 
 async def _two_prefill_one_decode(

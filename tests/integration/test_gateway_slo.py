@@ -8,7 +8,7 @@ import aiohttp
 
 from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import AgentFactory, EngineFactory
-from tests.integration.orchestrator_support import MODEL, sample, scrape
+from tests.integration.orchestrator_support import MODEL, registered, sample, scrape
 from tests.integration.test_gateway import wait_ready
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer
@@ -33,7 +33,7 @@ async def test_targets_steer_the_pair_and_are_counted_by_class(
     d = await fake_agent("d0", (await sim_engine()).url, "decode")
     p.metrics, d.metrics = BUSY, IDLE  # what their heartbeats say: a prefill queue of 2 s
     await wait_ready(orch, 1, 1)
-    await eventually(lambda: orch.registry.get("p0").metrics.queue_s == 2.0, what="p0's queue seen")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "p0").metrics.queue_s == 2.0, what="p0's queue seen")
 
     status, headers, _ = await completion(http, orch.url, {"X-Request-Id": "plain"})
     assert (status, headers["X-Disagg-Mode"]) == (200, "disaggregated"), "no target: split as usual"

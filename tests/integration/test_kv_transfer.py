@@ -102,6 +102,13 @@ def tokens(key: bytes) -> tuple[int, ...]:
     return tuple(key[:1] * GEOMETRY.block_size)
 
 
+def slot_of(agent: Agent, key: bytes) -> int:
+    """``key``'s slot in ``agent``'s pool: it holds the block or has reserved room for it."""
+    found = agent.pool.slot_of(key)
+    assert found is not None
+    return found
+
+
 def block_bytes(agent: Agent, key: bytes) -> bytes:
     slot = agent.pool.slot_of(key)
     assert slot is not None and agent.node.arena is not None
@@ -158,7 +165,7 @@ async def test_layers_land_one_by_one_while_the_blocks_are_still_pending(agents:
     fill(holder, KEYS[:5])
     holder.transfer.grant("t", KEYS[:5], None, 30)
     started = await receiver.transfer.fetch(holder.transfer.endpoint, None, "t", KEYS[:5], TIMEOUT_S)
-    all_slots = [receiver.pool.slot_of(k) for k in KEYS[:5]]
+    all_slots = [slot_of(receiver, k) for k in KEYS[:5]]
     assert await started.done == 5
 
     # 4 layers x 3 chunks (2 + 2 + 1 blocks), in order: layer l's blocks say l + 1 as soon as they land,

@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import ADMIN, ADMIN_TOKEN, eventually, free_port
 from tests.integration.conftest import AgentFactory, EngineFactory
-from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, sample, scrape
+from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, registered, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.cli.commands import main as cli_main
 from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
@@ -74,7 +74,7 @@ async def test_health_turns_ok_when_a_decode_instance_registers_and_ready(
     async def healthy() -> bool | None:
         return (await get_json(http, f"{orch.url}/health"))[0] == 200
 
-    await eventually(healthy, timeout=10, what="/health 200")  # type: ignore[arg-type]  # helpers typing
+    await eventually(healthy, timeout=10, what="/health 200")
     _, body = await get_json(http, f"{orch.url}/health")
     assert body["status"] == "ok"
     assert body["ready"] == {"decode": 1, "prefill": 0}
@@ -105,7 +105,7 @@ async def test_silent_instance_dies_within_the_timeout_and_requests_go_to_anothe
     d0.stop_heartbeats()
     loop = asyncio.get_running_loop()
     silent_since = loop.time()
-    await eventually(lambda: orch.registry.get("d0").state == "dead", timeout=15, what="d0 dead")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "d0").state == "dead", timeout=15, what="d0 dead")
     # Dead no sooner than the timeout (the last heartbeat may precede stop_heartbeats by one interval).
     assert loop.time() - silent_since >= 1.5 - 0.1 - 0.05
     item = await instance(http, orch, "d0")
@@ -126,7 +126,7 @@ async def test_goodbye_marks_the_instance_dead_at_once(
     await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
     d0.stop_heartbeats()
     d0.transport.send(Goodbye(reason="bye"))
-    await eventually(lambda: orch.registry.get("d0").state == "dead", timeout=1.0, what="dead")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "d0").state == "dead", timeout=1.0, what="dead")
     assert "goodbye" in (await instance(http, orch, "d0"))["dead_reason"]
 
 
@@ -135,7 +135,7 @@ async def test_a_dead_instance_comes_back_with_a_new_hello(
 ) -> None:
     d0 = await fake_agent("d0", (await sim_engine()).url, "decode")
     d0.stop_heartbeats()
-    await eventually(lambda: orch.registry.get("d0").state == "dead", timeout=15, what="d0 dead")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "d0").state == "dead", timeout=15, what="d0 dead")
 
     # The agent keeps heartbeating as if nothing happened: it is told to say Hello again.
     d0.heartbeat_now()
@@ -144,7 +144,7 @@ async def test_a_dead_instance_comes_back_with_a_new_hello(
     assert "Hello" in refusal.reason
 
     await d0.join()
-    await eventually(lambda: orch.registry.get("d0").state == "ready", what="d0 back")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "d0").state == "ready", what="d0 back")
     item = await instance(http, orch, "d0")
     assert item["session"] == 2
     assert (await complete(http, orch))[0] == 200
@@ -273,7 +273,7 @@ async def test_admin_drain_stops_routing_at_once_and_undrain_resumes(
 
     status, body, _ = await post_json(http, f"{orch.url}/admin/v1/instances/d0/undrain")
     assert status == 200, body
-    await eventually(lambda: orch.registry.get("d0").state == "ready", what="d0 undrained")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "d0").state == "ready", what="d0 undrained")
     seen = {(await complete(http, orch, prompt=f"q{n}"))[2]["X-Disagg-Decode"] for n in range(20)}
     assert seen == {"d0", "d1"}
 
@@ -328,7 +328,7 @@ async def test_commands_to_a_dead_instance_fail_fast(
 ) -> None:
     gone = await fake_agent("gone", "http://x", "decode")
     await gone.close(goodbye=True)
-    await eventually(lambda: orch.registry.get("gone").state == "dead", what="gone dead")  # type: ignore[union-attr]
+    await eventually(lambda: registered(orch, "gone").state == "dead", what="gone dead")
     status, body, _ = await post_json(http, f"{orch.url}/admin/v1/instances/gone/drain")
     assert status == 502
     assert "no live session" in body["error"]["message"]
@@ -485,7 +485,7 @@ async def test_orchestrator_subcommand_serves_and_stops_cleanly_on_sigterm(
             async with http.get(f"http://127.0.0.1:{port}/health") as resp:
                 return resp.status == 503
 
-        await eventually(answers, timeout=30, what="subprocess /health")  # type: ignore[arg-type]  # helpers typing
+        await eventually(answers, timeout=30, what="subprocess /health")
         proc.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
             out, err = await proc.communicate()

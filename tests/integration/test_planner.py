@@ -86,7 +86,8 @@ async def slow_prefill_under_load(
     slow = await sim_engine(timing=SimTiming(prefill_s_per_token=0.001))
     agents = [FakeAgent(orch.zmq_endpoint, "p0", slow.url, "prefill")]
     agents += [FakeAgent(orch.zmq_endpoint, f"d{i}", (await sim_engine()).url, "decode") for i in range(2)]
-    stop, outcomes = asyncio.Event(), []
+    stop = asyncio.Event()
+    outcomes: list[str] = []
     load: asyncio.Future[None] | None = None
     try:
         for agent in agents:

@@ -14,8 +14,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from tests.integration.orchestrator_support import orch_config
+from vllm_disagg.errors import AgentTooOld
 from vllm_disagg.orchestrator.app import CONTROL_KEY, OrchestratorServer, start_orchestrator
-from vllm_disagg.orchestrator.control.plane import AgentTooOld
 from vllm_disagg.protocol.codec import for_minor
 from vllm_disagg.protocol.commands import (
     AckResult,

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from tests.helpers import ADMIN, eventually, free_ports
-from tests.integration.orchestrator_support import MODEL, orch_config, sample, scrape
+from tests.integration.orchestrator_support import MODEL, orch_config, registered, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.main import serve
 from vllm_disagg.config import AgentConfig, SimTiming
@@ -162,7 +162,7 @@ async def test_a_restart_drains_the_instance_restarts_its_engine_as_the_new_role
         c, http, orch, mover = s.c, s.http, s.c.orch, s.mover
         session = orch.registry.get(mover).session  # type: ignore[union-attr]
         change = asyncio.create_task(post_role(http, orch, mover, "prefill"))
-        await eventually(lambda: orch.registry.get(mover).state == "draining", what="drained")  # type: ignore[union-attr]
+        await eventually(lambda: registered(orch, mover).state == "draining", what="drained")
         assert not change.done(), "the restart waits for the stream"
         assert await s.rest() == expected_text(PROMPT, 100), "the stream finished where it was"
         status, body = await change
@@ -222,7 +222,7 @@ async def test_an_instance_mid_change_refuses_another_change() -> None:
     async with a_stream_on_a_decode_instance(100, role_drain_timeout_s=30.0) as s:
         http, orch, mover = s.http, s.c.orch, s.mover
         change = asyncio.create_task(post_role(http, orch, mover, "prefill"))
-        await eventually(lambda: orch.registry.get(mover).state == "draining", what="drained")  # type: ignore[union-attr]
+        await eventually(lambda: registered(orch, mover).state == "draining", what="drained")
         status, body = await post_role(http, orch, mover, "both")
         assert status == 409 and "under way" in body["error"]["message"], body
         await s.rest()

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import EngineFactory
-from tests.integration.orchestrator_support import MODEL, FakeAgent
+from tests.integration.orchestrator_support import MODEL, FakeAgent, registered
 from tests.integration.test_gateway import wait_ready
 from vllm_disagg import jsonutil
 from vllm_disagg.cli import commands as cli
@@ -79,7 +79,8 @@ async def test_the_old_revision_drains_out_as_the_new_one_is_ready_and_no_reques
     orch: OrchestratorServer, http: aiohttp.ClientSession, revisions: tuple[list[FakeAgent], list[FakeAgent]]
 ) -> None:
     old, new = revisions
-    stop, served = asyncio.Event(), []
+    stop = asyncio.Event()
+    served: list[tuple[str, str]] = []
     try:
         for a in old:
             await a.join()
@@ -93,7 +94,7 @@ async def test_the_old_revision_drains_out_as_the_new_one_is_ready_and_no_reques
         said = await asyncio.to_thread(rollout_cli, orch, "--to", "r2")
         assert said == "rollout sim-model: 'r1' -> 'r2' rolling; drained none; new: none yet"
         await new[1].join()  # a new decode instance: the old decode instance drains
-        await eventually(lambda: orch.registry.get("d-r1").admin_draining or None, what="d-r1 drained")  # type: ignore[union-attr]
+        await eventually(lambda: registered(orch, "d-r1").admin_draining or None, what="d-r1 drained")
         assert not orch.registry.get("p-r1").admin_draining, "one old instance per new one, role by role"  # type: ignore[union-attr]
         while not new[0].inbox.empty():  # what its refused Hellos got back
             new[0].inbox.get_nowait()
@@ -125,7 +126,8 @@ async def test_a_paused_rollout_waits_and_a_rollback_brings_the_old_revision_bac
     orch: OrchestratorServer, http: aiohttp.ClientSession, revisions: tuple[list[FakeAgent], list[FakeAgent]]
 ) -> None:
     old, new = revisions
-    stop, served = asyncio.Event(), []
+    stop = asyncio.Event()
+    served: list[tuple[str, str]] = []
     try:
         for a in old:
             await a.join()
@@ -144,7 +146,7 @@ async def test_a_paused_rollout_waits_and_a_rollback_brings_the_old_revision_bac
         await eventually(lambda: len(served) > seen + 10 or None, what="requests while paused")
         assert not any(orch.registry.get(i).admin_draining for i in ("p-r1", "d-r1"))  # type: ignore[union-attr]
         await asyncio.to_thread(rollout_cli, orch, "--resume")
-        await eventually(lambda: orch.registry.get("d-r1").admin_draining or None, what="draining resumed")  # type: ignore[union-attr]
+        await eventually(lambda: registered(orch, "d-r1").admin_draining or None, what="draining resumed")
 
         said = await asyncio.to_thread(rollout_cli, orch, "--rollback")
         assert said.startswith("rollout sim-model: 'r1' -> 'r2' rolling_back; drained none")

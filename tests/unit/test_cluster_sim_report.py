@@ -135,7 +135,7 @@ def test_summarise_counts_failures_and_interventions_and_takes_latencies_of_fini
         "ours", 2.0, outcomes, SLO, duration_s=3.0, engines=[Counters(1, 3)], shifts=4, bucket_s=10.0, seed=7
     )
     assert (r.requests, r.failed, r.met) == (4, 1, 3)
-    assert (r.goodput, r.attainment) == (pytest.approx(1.0), pytest.approx(0.75))
+    assert (r.goodput, r.attainment) == pytest.approx((1.0, 0.75))
     assert (r.retries, r.resumes, r.fallbacks, r.shifts) == (3, 2, 1, 4)
     assert r.ttft_ms == pytest.approx(Percentiles(200.0, 300.0, 300.0))
     assert r.tpot_ms == pytest.approx(Percentiles(10.0, 30.0, 30.0))

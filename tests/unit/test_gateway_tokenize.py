@@ -15,7 +15,8 @@ import pytest
 
 from tests.helpers import eventually_sync
 from vllm_disagg import jsonutil
-from vllm_disagg.orchestrator.gateway.tokenize import Route, Tokenizers, content_format
+from vllm_disagg.orchestrator.gateway.content_format import content_format
+from vllm_disagg.orchestrator.gateway.tokenize import Route, Tokenizers
 from vllm_disagg.sim_engine.openai_api import Kind, parse_request
 from vllm_disagg.sim_engine.prompts import PromptTable
 

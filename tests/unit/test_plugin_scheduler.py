@@ -372,7 +372,7 @@ def test_many_candidates_are_sampled_but_the_prefix_holder_is_always_scored() ->
     config = load_config(default_config_text().replace("maxCandidates: 16", "maxCandidates: 8"), "test")
     scheduler = PluginScheduler(config)
     snap = snapshot(*(Inst(f"p{i:03}", "prefill") for i in range(200)), Inst("d", "decode"))
-    picks = Counter()
+    picks = Counter[str | None]()
     for n in range(50):
         decision = decide(snap, request_id=f"r{n}", cached={"p123": 320}, prompt_len=400, scheduler=scheduler)
         prefill = explain(decision)["prefill"]

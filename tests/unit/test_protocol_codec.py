@@ -405,7 +405,9 @@ def test_an_agent_that_did_not_learn_its_engines_capabilities_sends_none_and_is_
     unknown = dataclasses.replace(INSTANCE, capabilities=EngineCapabilities())
     assert "capabilities" not in msgpack.unpackb(encode(Hello(1, "a", unknown)))[1]["instance"]
     assert "capabilities" in msgpack.unpackb(encode(Hello(1, "a", INSTANCE)))[1]["instance"]
-    assert all(unknown.capabilities.token_ids(chat) and unknown.capabilities.resumes(chat) for chat in (0, 1))
+    assert all(
+        unknown.capabilities.token_ids(chat) and unknown.capabilities.resumes(chat) for chat in (False, True)
+    )
     assert INSTANCE.capabilities.missing() == ["chat_token_ids", "chat_prompt_ids"]
 
 

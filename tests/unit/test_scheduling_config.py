@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -27,8 +28,10 @@ def test_the_shipped_default_is_valid_and_builds() -> None:
     assert PluginScheduler(config).config is config
 
 
-def _doc() -> dict:
-    return yaml.safe_load(default_config_text())
+def _doc() -> dict[str, Any]:
+    doc = yaml.safe_load(default_config_text())
+    assert isinstance(doc, dict)
+    return doc
 
 
 def _edit(path: str, value: object) -> str:

@@ -14,7 +14,7 @@ from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.registry import Registry
-from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot
+from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 WEIGHT = st.sampled_from([0.0, 1.0, 2.0, 0.5]) | st.floats(min_value=0.0, max_value=10.0)
 
@@ -139,7 +139,7 @@ def test_a_profile_fuses_only_when_every_weighted_scorer_has_a_term(weight: floa
 def _cluster() -> Registry:
     registry = Registry(heartbeat_timeout_s=1e9)
     for i in range(40):
-        role = "prefill" if i % 2 else "decode"
+        role: Role = "prefill" if i % 2 else "decode"
         registry.hello(f"{role}-{i}", InstanceInfo(url=f"http://h{i}:8000", role=role, model="m"), 0.0)
         metrics = MetricsSnapshot(num_running=i % 5, num_waiting=i % 3, kv_cache_usage=(i % 10) / 10)
         registry.heartbeat(f"{role}-{i}", Heartbeat(seq=1, engine_state="ready", metrics=metrics), 0.0)

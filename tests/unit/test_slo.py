@@ -4,6 +4,7 @@ attainment by a bounded class."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 
@@ -17,6 +18,7 @@ from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import Params as T
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
 from vllm_disagg.orchestrator.scheduling.predict import predicted_tpot, predicted_ttft, prefill_rate
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.registry import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 IDLE = MetricsSnapshot(prefill_tokens_per_s=10_000.0, tpot_s=0.01)
@@ -27,6 +29,16 @@ def with_slo(
     ttft_s: float | None = None, tpot_s: float | None = None, prompt_len: int = 1000
 ) -> SchedulingRequest:
     return dataclasses.replace(request(prompt_len=prompt_len), slo_ttft_s=ttft_s, slo_tpot_s=tpot_s)
+
+
+def decider_reason(decision: Decision) -> str:
+    """The decider's reason in ``decision``'s explanation."""
+    assert decision.explanation is not None
+    decider = decision.explanation.to_json()["decider"]
+    assert isinstance(decider, dict)
+    reason = decider["reason"]
+    assert isinstance(reason, str)
+    return reason
 
 
 @pytest.mark.parametrize(
@@ -89,14 +101,20 @@ def test_the_slo_filter_keeps_the_candidates_predicted_to_meet_the_target_else_a
     fast, slow = view("fast", metrics=IDLE), view("slow", metrics=BUSY)
     snap = snapshot(fast, slow)
     plugin = SloFilter("slo", Params())
-    prefill = lambda req: plugin.filter(context(snap, profile="prefill", req=req), [fast, slow])  # noqa: E731
-    decode = lambda req: plugin.filter(context(snap, profile="decode", req=req), [fast, slow])  # noqa: E731
+
+    def prefill(req: SchedulingRequest) -> Sequence[InstanceView]:
+        return plugin.filter(context(snap, profile="prefill", req=req), [fast, slow])
+
+    def decode(req: SchedulingRequest) -> Sequence[InstanceView]:
+        return plugin.filter(context(snap, profile="decode", req=req), [fast, slow])
+
     assert [v.agent_id for v in prefill(with_slo(ttft_s=0.5))] == ["fast"]
     assert [v.agent_id for v in prefill(with_slo(ttft_s=0.01))] == ["fast", "slow"], "none can: best effort"
     assert [v.agent_id for v in prefill(with_slo(tpot_s=0.001))] == ["fast", "slow"], "TPOT is decode's"
     assert [v.agent_id for v in decode(with_slo(tpot_s=0.03))] == ["fast"]
     assert [v.agent_id for v in decode(with_slo())] == ["fast", "slow"]
-    assert PLUGIN_SPECS["slo-filter"].factory("x", Params()).PER_REQUEST is True  # type: ignore[attr-defined]
+    made = PLUGIN_SPECS["slo-filter"].factory("x", Params())
+    assert isinstance(made, SloFilter) and made.PER_REQUEST is True
 
 
 def test_the_predictions_are_the_scorers_models() -> None:
@@ -114,7 +132,7 @@ def test_a_short_prompt_behind_a_busy_prefill_pool_runs_colocated_to_meet_its_tt
     short = dataclasses.replace(with_slo(ttft_s=0.5, prompt_len=200), request_id="short")
     decision = scheduler.decide(short, snap, 0.0)
     assert (decision.mode, decision.prefill, decision.decode) == ("colocated", None, "d")
-    reason = decision.explanation.to_json()["decider"]["reason"]  # type: ignore[union-attr]
+    reason = decider_reason(decision)
     assert reason.startswith("to meet its TTFT target of 0.5 s: 0.020 s predicted on d")
     no_target = dataclasses.replace(short, slo_ttft_s=None)
     assert scheduler.decide(no_target, snap, 0.0).mode == "disaggregated"
@@ -199,6 +217,6 @@ def test_with_a_tpot_target_a_busy_prefill_pool_hands_d_only_what_it_computes_wi
     decision = PluginScheduler().decide(req, snap, 0.0)
     assert decision.mode == mode
     if mode == "colocated":
-        reason = decision.explanation.to_json()["decider"]["reason"]  # type: ignore[union-attr]
+        reason = decider_reason(decision)
         # 50 tokens at the default 4,096/s, not at the 150,000/s the decode legs "measured"
         assert "50 uncached tokens add 0.012 s to one of d's steps" in reason

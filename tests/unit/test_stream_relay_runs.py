@@ -138,8 +138,8 @@ def streams(draw: st.DrawFn) -> tuple[bool, bytes]:
         body[-1] = Token(body[-1].text, body[-1].ids, finish=True, usage=body[-1].usage)
     head = HEAD_CHAT if chat else HEAD_COMPLETION
     events: list[bytes] = []
-    for i, token in enumerate(body):
-        events += chat_events(token, i == 0) if chat else [completion_event(token, i == 0)]
+    for i, drawn in enumerate(body):
+        events += chat_events(drawn, i == 0) if chat else [completion_event(drawn, i == 0)]
     if ending == "error":
         events.insert(draw(st.integers(1, len(events))), b'data: {"error":{"message":"engine core died"}}')
     if ending == "finish+usage":
@@ -152,12 +152,14 @@ def streams(draw: st.DrawFn) -> tuple[bool, bytes]:
     return chat, data
 
 
-async def relay(chat: bool, client_ids: bool, parts: list[bytes]) -> tuple[object, ...]:
+async def relay(
+    chat: bool, client_ids: bool, parts: list[bytes]
+) -> tuple[bytes, bool, object, list[int], int, int, bool, bool, int | None]:
     """Everything observable after relaying ``parts``: bytes, outcome and the resume state."""
     state = StreamState(chat=chat, client_ids=client_ids, max_tokens=None)
     out = Out()
     try:
-        outcome: object = await state.relay(out, parts[0], chunks(*parts[1:]))  # type: ignore[arg-type]
+        outcome: object = await state.relay(out, parts[0], chunks(*parts[1:]))
     except UpstreamError as exc:
         outcome = (type(exc).__name__, exc.message, exc.cause)
     return (

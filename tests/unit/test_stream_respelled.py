@@ -191,7 +191,7 @@ def draws(draw: st.DrawFn, resumable_only: bool = False) -> Draw:
 async def relay(state: StreamState, parts: list[bytes]) -> tuple[Out, bool]:
     out = Out()
     try:
-        complete = await state.relay(out, parts[0], chunks(*parts[1:]))  # type: ignore[arg-type]
+        complete = await state.relay(out, parts[0], chunks(*parts[1:]))
     except UpstreamError:
         complete = False
     return out, complete

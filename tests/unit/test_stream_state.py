@@ -70,7 +70,7 @@ async def test_asked_for_ids_and_usage_the_client_gets_exactly_what_it_would_hav
     state = StreamState(chat=False, client_ids=False, max_tokens=3, forced_usage=True)
     out = Out()
     # Split at awkward places: events are reassembled whatever the chunking.
-    assert await state.relay(out, engine[:50], chunks(engine[50:51], engine[51:400], engine[400:]))  # type: ignore[arg-type]
+    assert await state.relay(out, engine[:50], chunks(engine[50:51], engine[51:400], engine[400:]))
     assert out.data == client
     assert (
         state.cached_tokens == 4
@@ -83,7 +83,7 @@ async def test_a_cut_leaves_the_state_a_resume_starts_from() -> None:
     engine = sse(chunk(b" wh", 573, first=True), chunk(b"", 244), chunk(b"x", 9))[:-30]
     state = StreamState(chat=False, client_ids=False, max_tokens=12)
     with pytest.raises(UpstreamError):
-        await state.relay(Out(), engine, chunks())  # type: ignore[arg-type]
+        await state.relay(Out(), engine, chunks())
     assert state.ids == [573, 244], "the partial third event never reached the client"
     assert state.safe == 1, "a resume starts after the last token with text"
     body = state.resume_body({"model": "tiny", "prompt": "def main(", "max_tokens": 12, "stream": True})
