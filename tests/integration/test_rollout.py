@@ -17,8 +17,8 @@ from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent
 from tests.integration.test_gateway import wait_ready
+from vllm_disagg import jsonutil
 from vllm_disagg.cli import commands as cli
-from vllm_disagg.cli.commands import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer
 from vllm_disagg.protocol.messages import InstanceInfo, Refuse, Role
 from vllm_disagg.sim_engine.textgen import expected_text

@@ -200,7 +200,7 @@ class ControlPlane:
         period = self._config.heartbeat_interval_s / 2
         last = self._clock.monotonic()
         while True:
-            await asyncio.sleep(period)
+            await self._clock.sleep(period)
             now = self._clock.monotonic()
             lag, last = now - last, now
             if lag > starved_after(period):

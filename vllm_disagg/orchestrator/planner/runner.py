@@ -61,7 +61,7 @@ class PlannerRunner:
     async def run(self) -> None:
         """Look every ``interval_s`` until cancelled."""
         while True:
-            await asyncio.sleep(self.config.interval_s)
+            await self._clock.sleep(self.config.interval_s)
             try:
                 self.look()
             except Exception:  # a bug in a look must not stop the next one
