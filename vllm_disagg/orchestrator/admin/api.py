@@ -32,13 +32,8 @@ from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, Request
 from vllm_disagg.orchestrator.gateway.workers.hub import WorkerHub
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
-from vllm_disagg.orchestrator.state.registry import (
-    DECODE_ROLES,
-    PREFILL_ROLES,
-    InstanceView,
-    Registry,
-    RegistrySnapshot,
-)
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.commands import SIMPLE
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 

@@ -27,7 +27,8 @@ from vllm_disagg.errors import Conflict, NotFound, RequestError, TimedOut
 from vllm_disagg.orchestrator.control.plane import ControlPlane
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
-from vllm_disagg.orchestrator.state.registry import InstanceView, Registry
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.commands import SetRole
 from vllm_disagg.protocol.messages import RESTART_REQUIRED, Ack, Role
 

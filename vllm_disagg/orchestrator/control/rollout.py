@@ -33,7 +33,8 @@ from typing import Any, Literal
 from vllm_disagg.clock import Clock
 from vllm_disagg.errors import RolloutConflict, RolloutInvalid, RolloutNotFound
 from vllm_disagg.orchestrator.state.event_log import EventLog
-from vllm_disagg.orchestrator.state.registry import InstanceView, Registry
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.commands import CommandPayload, Drain, Undrain
 
 log = logging.getLogger(__name__)
