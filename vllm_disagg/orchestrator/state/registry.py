@@ -185,6 +185,11 @@ class Registry(SnapshotSource):
 
         return unwatch
 
+    @property
+    def watchers(self) -> tuple[int, int]:
+        """Callbacks watching now: (changes only, changes and in-flight counts)."""
+        return len(self._watchers), len(self._flight_watchers)
+
     def _notify(self) -> None:
         for callback in self._watchers:
             callback()
