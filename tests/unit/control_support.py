@@ -25,6 +25,7 @@ class Inst:
     in_flight: int = 0
     dead: bool = False
     model: str = MODEL
+    sessions: int = 1  # Hellos it said: a second one is its agent starting over
 
 
 def registry_of(*instances: Inst, now: float = 0.0) -> Registry:
@@ -38,7 +39,8 @@ def registry_of(*instances: Inst, now: float = 0.0) -> Registry:
 def add(reg: Registry, i: Inst, now: float = 0.0) -> None:
     """``i`` joins ``reg`` (a new session if it was there)."""
     info = InstanceInfo(url=f"http://{i.agent_id}", role=i.role, model=i.model, revision=i.revision)
-    reg.hello(i.agent_id, info, now)
+    for _ in range(i.sessions):
+        reg.hello(i.agent_id, info, now)
     reg.heartbeat(i.agent_id, beat(i.engine), now)
     if i.drained:
         reg.set_admin_drain(i.agent_id, True)
