@@ -69,6 +69,16 @@ class Plan:
     memory: Memory = field(default_factory=Memory)
 
 
+def remember_change(memory: Memory, last_change_at: float | None) -> Memory:
+    """``memory`` with a role change made elsewhere (an operator's) as the last shift, if it is later
+    than the last one the planner knows: the cooldown counts from it."""
+    if last_change_at is None or (
+        memory.last_shift_at is not None and last_change_at <= memory.last_shift_at
+    ):
+        return memory
+    return Memory(memory.short, memory.streak, last_change_at, memory.pressures)
+
+
 def pressure(pool: PoolSignals, target_s: float, min_samples: int) -> float | None:
     """The pool's p90 over its target; None with fewer than ``min_samples`` requests measured."""
     if pool.p90_s is None or pool.samples < max(1, min_samples):
