@@ -37,6 +37,9 @@ class Harness:
             if e.kind == "rollout"
         ]
 
+    def phase(self) -> str:
+        return self.rollouts.by_model["m"].phase
+
     def draining(self, agent_id: str) -> bool:
         view = self.registry.get(agent_id)
         return view is not None and view.admin_draining
@@ -87,11 +90,11 @@ async def test_the_old_revision_drains_as_the_new_one_is_ready_and_completes_onc
     add(h.registry, NEW_P)
     await FakeClock.settle()
     assert h.draining("p-r1")
-    assert h.rollouts.by_model["m"].phase == "rolling", "the old decode instance is still busy"
+    assert h.phase() == "rolling", "the old decode instance is still busy"
 
     h.registry.release("d-r1")  # its last request ends: an in-flight change steps it too
     await FakeClock.settle()
-    assert h.rollouts.by_model["m"].phase == "complete"
+    assert h.phase() == "complete"
     assert h.settled == [("m", "r2")]
     assert h.rollout_events() == ["started", "drained d-r1", "drained p-r1", "complete"]
 
@@ -115,11 +118,11 @@ async def test_a_rollback_of_a_complete_rollout_undrains_at_once_and_drains_the_
     add(h.registry, NEW_P)
     await FakeClock.settle()
     assert h.draining("d-r1") and h.draining("p-r1")
-    assert h.rollouts.by_model["m"].phase == "complete" and h.settled == [("m", "r2")]
+    assert h.phase() == "complete" and h.settled == [("m", "r2")]
     h.rollouts.rollback("m")
     assert not h.draining("d-r1") and not h.draining("p-r1"), "undrained by the action itself"
     await FakeClock.settle()
-    assert h.rollouts.by_model["m"].phase == "rolled_back"
+    assert h.phase() == "rolled_back"
     assert (h.draining("d-r2"), h.draining("p-r2")) == (True, True)
     assert h.settled == [("m", "r2"), ("m", "r1")]
     assert ("d-r1", "undrain") in h.told and ("d-r2", "drain") in h.told

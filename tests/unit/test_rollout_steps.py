@@ -3,7 +3,7 @@ pause, a resume and a rollback do, and when a rollout cannot start."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import pytest
@@ -214,7 +214,7 @@ def test_an_operators_action(
     action: str, state: RolloutState, outcome: Phase | type[RequestError], effects: list[str]
 ) -> None:
     snap = snapshot_of(replace(OLD_P, drained=True), replace(OLD_D, drained=True), NEW_P, NEW_D)
-    act = {
+    act: Callable[[], steps.Step] = {
         "pause": lambda: steps.pause(state),
         "resume": lambda: steps.resume(state),
         "rollback": lambda: steps.rollback(state, snap),
