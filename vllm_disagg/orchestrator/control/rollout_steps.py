@@ -15,9 +15,10 @@ A rollout moves one model's load from one revision to another. Its steps:
 - **rollback** undrains the old instances this rollout drained and moves the load back the same way,
   draining one new instance for each old one ready again (``rolling_back``, then ``rolled_back``).
 
-At no step does the rollout leave a role without a ready instance: it drains only as many old instances
-as there are new ones ready. A new instance that dies stops the draining (it no longer counts as
-ready) and drains back nothing; the operator rolls back. A rollout has no deadline: it waits on the
+Until the new revision is as big as the old, a role loses an old instance only for a new one of that
+role that is ready; after that the rest drain whatever their role (a role the new revision has fewer
+instances of then runs on fewer). A new instance that dies stops the draining (it no longer counts as
+ready) and undrains nothing; the operator rolls back. A rollout has no deadline: it waits on the
 registry as long as its instances take, so its steps need no clock. Each step's effects are carried
 out by ``rollout.Rollouts`` in the orchestrator and by the cluster simulator (``cluster_sim/control.py``).
 """
