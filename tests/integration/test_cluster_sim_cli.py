@@ -104,6 +104,11 @@ def test_faults_cause_retries_or_resumes(capsys: pytest.CaptureFixture[str]) -> 
         pytest.param(["--fault", "fire:decode-0@3"], "--fault: 'fire:decode-0@3' is not", id="fault-kind"),
         pytest.param(["--fault", "engine:decode-0@3x2"], "only a slow-link fault", id="fault-slowdown"),
         pytest.param(["--rate", "0"], "--rate: must be > 0", id="zero-rate"),
+        pytest.param(["--rollout", "soon"], "--rollout: 'soon' is not AT[+EVERY]", id="rollout-no-time"),
+        pytest.param(
+            ["--role-change", "decode-0=leader@3"], "--role-change: 'decode-0=leader@3' is not", id="bad-role"
+        ),
+        pytest.param(["--role-switch", "magic"], "invalid choice: 'magic'", id="role-switch"),
     ],
 )
 def test_flags_argparse_refuses_exit_2_naming_the_flag(
@@ -127,6 +132,17 @@ def test_flags_argparse_refuses_exit_2_naming_the_flag(
             [*SMALL, "--fault", "node:decode-9@1"], "no instance 'decode-9'", id="fault-unknown-instance"
         ),
         pytest.param([*SMALL, "--rates", "1", "2"], "--rates needs --compare", id="rates-without-compare"),
+        pytest.param(
+            [*SMALL, "--role-change", "decode-9=prefill@1"],
+            "no instance 'decode-9'",
+            id="role-change-unknown",
+        ),
+        pytest.param([*SMALL, "--rollback", "5"], "--rollback needs a --rollout", id="rollback-alone"),
+        pytest.param(
+            [*SMALL, "--rollout", "5", "--rollback", "4"],
+            "--rollout that starts before it",
+            id="rollback-first",
+        ),
         pytest.param([*SMALL, "--plots", "x"], "--plots needs --compare", id="plots-without-compare"),
         pytest.param([*SMALL, "--time-scale", "2"], "apply to a --trace file", id="time-scale-on-synthetic"),
         pytest.param(
@@ -155,3 +171,34 @@ def test_a_planner_config_that_is_a_dry_run_is_pointed_out(
     doc = jsonutil.loads(captured.out)
     assert doc["planner"]["dryRun"] is True and doc["runs"][0]["shifts"] == 0
     assert "moves no instance" in captured.err
+
+
+def test_an_operators_rollout_and_role_change_run_on_virtual_time_and_are_reported(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "--rate",
+        "20",
+        "--rollout",
+        "2+1",
+        "--role-change",
+        "decode-1=prefill@1",
+        "--role-switch",
+        "restart",
+    ]
+    doc = run_json(capsys, *argv, "--engine-start-s", "1")
+    [run] = doc["runs"]
+    assert run["failed"] == 0
+    control = run["control"]
+    rollout = [(e["what"], e.get("instance")) for e in control if e["kind"] == "rollout"]
+    assert rollout[0] == ("started", None) and rollout[-1] == ("complete", None)
+    assert len([i for what, i in rollout if what == "drained"]) == 4
+    [change] = [e for e in control if e["kind"] == "role_change"]
+    assert (change["instance"], change["how"], change["outcome"]) == ("decode-1", "restart", "done")
+    assert [e["step"] for e in control if e["kind"] == "role_restart"] == ["draining", "restarting", "ready"]
+
+    assert main([*SMALL, *argv, "--engine-start-s", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "ours @ 20 req/s, seed 0: rollouts and role changes" in out
+    assert "rollout of sim-model 'r1' -> 'r2': complete" in out
+    assert "decode-1 decode -> prefill (operator): done by restart" in out

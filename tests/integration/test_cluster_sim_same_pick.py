@@ -45,7 +45,8 @@ from vllm_disagg.orchestrator.app import OrchestratorServer
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
-from vllm_disagg.orchestrator.state.registry import Registry, RegistrySnapshot
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 from vllm_disagg.protocol.messages import KvEvent, KvEvents
 
 # A busy 2P2D cluster: prompts cost prefill time and batches cost decode time, so loads differ.

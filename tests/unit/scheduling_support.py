@@ -17,13 +17,8 @@ from vllm_disagg.orchestrator.scheduling.framework import (
 )
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.scorers import kv_usage, prefix, queue, tpot, ttft
-from vllm_disagg.orchestrator.state.registry import (
-    DECODE_ROLES,
-    PREFILL_ROLES,
-    InstanceState,
-    InstanceView,
-    RegistrySnapshot,
-)
+from vllm_disagg.orchestrator.state.registry import InstanceState
+from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.messages import InstanceInfo, MetricsSnapshot, Role
 
 MODEL = "m"

@@ -13,7 +13,7 @@ from tests.unit.scheduling_support import view
 from vllm_disagg.errors import AgentTooOld, AgentUnreachable, CommandError, CommandTimeout
 from vllm_disagg.orchestrator.control.kv_moves import ControlKvMover, KvMoveSettings, MoveResult
 from vllm_disagg.orchestrator.control.plane import ControlPlane
-from vllm_disagg.orchestrator.state.registry import GatewayRegistry, InstanceView
+from vllm_disagg.orchestrator.state.views import GatewayRegistry, InstanceView
 from vllm_disagg.protocol.commands import CommandPayload, FetchResult, GrantResult, KvFetch, KvGrant
 from vllm_disagg.protocol.messages import Ack, CommandKind
 

@@ -8,7 +8,14 @@ import pytest
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config
-from vllm_disagg.orchestrator.planner.decide import Memory, Plan, PoolSignals, plan, suggest_ratio
+from vllm_disagg.orchestrator.planner.decide import (
+    Memory,
+    Plan,
+    PoolSignals,
+    plan,
+    remember_change,
+    suggest_ratio,
+)
 from vllm_disagg.orchestrator.planner.signals import SloWindow
 
 CONFIG = PlannerConfig(
@@ -221,3 +228,23 @@ def test_a_bad_config_is_refused_naming_the_field(text: str, fragment: str) -> N
     with pytest.raises(ConfigError, match=r"p\.yaml") as caught:
         load_planner_config(text, "p.yaml")
     assert fragment in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("last_shift_at", "change_at", "remembered"),
+    [
+        pytest.param(None, None, None, id="no change anywhere: nothing to remember"),
+        pytest.param(
+            None, 50.0, 50.0, id="an operator's change and no shift yet: the cooldown counts from it"
+        ),
+        pytest.param(40.0, 50.0, 50.0, id="an operator's change after the last shift counts"),
+        pytest.param(60.0, 50.0, 60.0, id="one before the last shift does not"),
+        pytest.param(50.0, 50.0, 50.0, id="the planner's own shift, seen again, changes nothing"),
+    ],
+)
+def test_a_role_change_made_elsewhere_counts_for_the_cooldown(
+    last_shift_at: float | None, change_at: float | None, remembered: float | None
+) -> None:
+    memory = Memory("prefill", 2, last_shift_at, (1.5, 0.5))
+    after = remember_change(memory, change_at)
+    assert after == dataclasses.replace(memory, last_shift_at=remembered)

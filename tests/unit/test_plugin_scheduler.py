@@ -16,7 +16,8 @@ from vllm_disagg.orchestrator.scheduling.config import default_config_text, load
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.fused import weighted_sum
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
-from vllm_disagg.orchestrator.state.registry import Registry, RegistrySnapshot
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 NOW = 1000.0

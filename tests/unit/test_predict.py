@@ -27,7 +27,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     ttft_s,
     uncached,
 )
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 # Broken scrapes too: a NaN rate or TPOT must not reach a score.

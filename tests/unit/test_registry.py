@@ -428,3 +428,61 @@ def test_snapshots_share_the_views_until_the_next_change_and_never_see_it(
     assert first.by_id["a"].metrics.num_running == 0 and first.by_id["b"].state == "joining"
     third = reg.snapshot()
     assert set(third.by_id) == {"a", "c"} and third.by_id["a"].metrics.num_running == 3
+
+
+# --- watching the registry (what rollouts and role changes step on instead of polling) --------------
+
+Act = Callable[[Registry], object]
+
+
+@pytest.mark.parametrize(
+    ("act", "state_watcher", "flight_watcher"),
+    [
+        pytest.param(lambda r: r.hello("b", info(), 0.0), 1, 1, id="a join tells both"),
+        pytest.param(
+            lambda r: r.heartbeat("a", hb(running=3), 0.1), 1, 1, id="a heartbeat's metrics tell both"
+        ),
+        pytest.param(lambda r: r.set_admin_drain("a", True), 1, 1, id="an operator's drain tells both"),
+        pytest.param(lambda r: r.set_role("a", "prefill"), 1, 1, id="a role change tells both"),
+        pytest.param(lambda r: r.goodbye("a"), 1, 1, id="a death tells both"),
+        pytest.param(lambda r: (r.goodbye("a"), r.remove("a")), 2, 2, id="a removal tells both again"),
+        pytest.param(lambda r: r.acquire("a"), 0, 1, id="a request sent tells only the in-flight watcher"),
+        pytest.param(lambda r: (r.acquire("a"), r.release("a")), 0, 2, id="a request over tells it too"),
+        pytest.param(lambda r: r.set_remote_in_flight({"a": 2}), 0, 1, id="the workers' counts tell it"),
+        pytest.param(lambda r: r.set_remote_in_flight({}), 0, 0, id="the same counts again tell nobody"),
+        pytest.param(lambda r: r.count_sent({"a": 1}), 0, 0, id="a count of requests sent tells nobody"),
+        pytest.param(lambda r: r.get("a"), 0, 0, id="reading tells nobody"),
+    ],
+)
+def test_watchers_hear_of_each_change_a_snapshot_shows(
+    act: Act, state_watcher: int, flight_watcher: int
+) -> None:
+    reg = Registry(heartbeat_timeout_s=TIMEOUT)
+    reg.hello("a", info(), 0.0)
+    reg.heartbeat("a", hb(), 0.0)
+    heard = {"state": 0, "flight": 0}
+    reg.watch(lambda: heard.__setitem__("state", heard["state"] + 1))
+    reg.watch(lambda: heard.__setitem__("flight", heard["flight"] + 1), in_flight=True)
+    act(reg)
+    assert (heard["state"], heard["flight"]) == (state_watcher, flight_watcher)
+
+
+def test_a_watcher_that_stopped_hears_nothing_and_others_go_on() -> None:
+    reg = Registry(heartbeat_timeout_s=TIMEOUT)
+    heard: list[str] = []
+    stop_first = reg.watch(lambda: heard.append("first"))
+    reg.watch(lambda: heard.append("second"))
+    reg.hello("a", info(), 0.0)
+    stop_first()
+    stop_first()  # twice is harmless
+    reg.heartbeat("a", hb(), 0.0)
+    assert heard == ["first", "second", "second"]
+
+
+def test_a_watcher_sees_the_change_already_made() -> None:
+    reg = Registry(heartbeat_timeout_s=TIMEOUT)
+    reg.hello("a", info(), 0.0)
+    seen: list[bool] = []
+    reg.watch(lambda: seen.append(reg.snapshot().by_id["a"].admin_draining))
+    reg.set_admin_drain("a", True)
+    assert seen == [True]

@@ -15,7 +15,8 @@ from tests.unit.scheduling_support import context, snapshot, view
 from vllm_disagg.orchestrator.scheduling.framework import Filter, ProfileName
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_compat, kv_usage, ready, role
-from vllm_disagg.orchestrator.state.registry import InstanceState, InstanceView
+from vllm_disagg.orchestrator.state.registry import InstanceState
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot, Role
 
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")

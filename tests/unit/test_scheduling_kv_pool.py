@@ -16,7 +16,8 @@ from vllm_disagg.orchestrator.scheduling.framework import NO_CACHE, Decision, Sc
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.deciders import kv_pool
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
-from vllm_disagg.orchestrator.state.registry import Registry, RegistrySnapshot
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 NOW = 1000.0

@@ -29,7 +29,7 @@ import aiohttp
 
 from vllm_disagg.agent.engine_command import EngineCommand
 from vllm_disagg.agent.engine_kinds import engine_command
-from vllm_disagg.clock import Clock
+from vllm_disagg.clock import Clock, wait_event
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import group_members
 from vllm_disagg.protocol.messages import EngineState, Role
@@ -231,10 +231,9 @@ class EngineSupervisor:
                 await self._relaunch()
             decision = await self.tick()
             if decision.action == "none":
-                # asyncio.timeout, not wait_for (see AgentSession._talk_loop): woken by ``relaunch``.
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._interval_s):
-                        await self._wake.wait()
+                # On the injected clock (not wait_for, which can swallow a cancel on 3.11): woken by
+                # ``relaunch``.
+                await wait_event(self._clock, self._wake, self._interval_s)
                 self._wake.clear()
                 continue
             if decision.action == "kill":
@@ -250,7 +249,7 @@ class EngineSupervisor:
                 self._failures, self._cfg.restart_backoff_s, self._cfg.restart_backoff_max_s
             )
             log.info("restarting the engine in %.1f s (restart %d)", delay, self.restarts + 1)
-            await asyncio.sleep(delay)
+            await self._clock.sleep(delay)
             self._spawn()
             self.restarts += 1
             self._set_state("starting")

@@ -11,7 +11,6 @@ restarted: the window starts afresh.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import math
@@ -309,4 +308,4 @@ class MetricsScraper:
         """Scrape until cancelled."""
         while True:
             await self.scrape_once()
-            await asyncio.sleep(self._interval_s)
+            await self._clock.sleep(self._interval_s)

@@ -5,6 +5,8 @@ report goodput, SLO attainment, latency percentiles and what the orchestrator di
 Without ``--compare`` each ``--policy`` (default ``ours``) runs once at ``--rate``; with it every
 policy (default all of them) runs at every ``--rates`` rate, ``--rounds`` times, the table shows the
 medians, and ``--plots DIR`` gets "goodput vs offered rate" and "attainment over time" PNGs.
+``--rollout``, ``--rollback`` and ``--role-change`` have the operator act during the run; what the
+orchestrator's control steps did follows the table.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, TextIO, cast
 
 from vllm_disagg import jsonutil
 from vllm_disagg.cluster_sim.cluster import Cluster, ClusterSpec, Fault, FaultKind
+from vllm_disagg.cluster_sim.control import RoleChangePlan, RolloutPlan
 from vllm_disagg.cluster_sim.mooncake import load_mooncake
 from vllm_disagg.cluster_sim.plot import Series, line_chart
 from vllm_disagg.cluster_sim.policies import POLICIES, make_scheduler
@@ -32,6 +35,7 @@ from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, default_config, load_config_file
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.protocol.messages import Role
 
 DEFAULT_PROFILE = "h100-llama3-8b"
 BUCKETS = 20  # attainment-over-time buckets across the trace, unless --bucket-s says otherwise
@@ -39,6 +43,8 @@ _FAULT = re.compile(
     r"(?P<kind>engine|node|slow-link):(?P<instance>[^@\s]+)@(?P<at>[0-9.]+)"
     r"(?:\+(?P<for>[0-9.]+))?(?:x(?P<slowdown>[0-9.]+))?"
 )
+_ROLLOUT = re.compile(r"(?P<at>[0-9.]+)(?:\+(?P<every>[0-9.]+))?")
+_ROLE_CHANGE = re.compile(r"(?P<instance>[^=@\s]+)=(?P<role>prefill|decode|both)@(?P<at>[0-9.]+)")
 
 
 def _number(text: str, *, low: float, strict: bool, cast: Callable[[str], float] = float) -> float:
@@ -83,6 +89,30 @@ def parse_fault(text: str) -> Fault:
         raise argparse.ArgumentTypeError(f"{text!r}: a slowdown is >= 1")
     kind = cast(FaultKind, m["kind"])  # the pattern admits only these
     return Fault(at, kind, m["instance"], for_s, slowdown if slowdown is not None else 10.0)
+
+
+def parse_rollout(text: str) -> RolloutPlan:
+    """``AT[+EVERY]`` (virtual seconds): the rollout to r2 starts at AT, a new instance joins every EVERY."""
+    m = _ROLLOUT.fullmatch(text)
+    try:
+        if m is None:
+            raise ValueError
+        return RolloutPlan(float(m["at"]), join_every_s=float(m["every"]) if m["every"] else 5.0)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not AT[+EVERY] (e.g. 30 or 30+5)") from None
+
+
+def parse_role_change(text: str) -> RoleChangePlan:
+    """``INSTANCE=ROLE@AT``: the operator changes INSTANCE to ROLE at AT (virtual seconds)."""
+    m = _ROLE_CHANGE.fullmatch(text)
+    try:
+        if m is None:
+            raise ValueError
+        return RoleChangePlan(float(m["at"]), m["instance"], cast(Role, m["role"]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not INSTANCE=ROLE@AT, ROLE one of prefill, decode, both (e.g. decode-1=prefill@20)"
+        ) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +168,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="SPEC",
         help="KIND:INSTANCE@AT[+FOR][xSLOWDOWN], e.g. engine:decode-0@30+20",
+    )
+    parser.add_argument(
+        "--rollout", type=parse_rollout, metavar="AT[+EVERY]", help="roll to revision r2 at AT (s)"
+    )
+    parser.add_argument("--rollback", type=_positive, metavar="AT", help="roll the --rollout back at AT")
+    parser.add_argument(
+        "--role-change",
+        dest="role_changes",
+        type=parse_role_change,
+        action="extend",
+        nargs="+",
+        default=[],
+        metavar="SPEC",
+        help="INSTANCE=ROLE@AT, e.g. decode-1=prefill@20",
+    )
+    parser.add_argument(
+        "--role-switch",
+        choices=("routing", "restart"),
+        default="routing",
+        help="how agents change an engine's role (the planner's shifts too): routing (default), restart",
+    )
+    parser.add_argument(
+        "--engine-start-s",
+        type=_positive,
+        default=10.0,
+        metavar="S",
+        help="a new engine is ready after S (10)",
     )
     parser.add_argument(
         "--compare",
@@ -269,18 +326,25 @@ def _check(args: argparse.Namespace) -> Setup:
     if args.trace and args.time_scale is not None and (args.rate is not None or args.rates):
         raise ConfigError("give --time-scale or a rate for a trace file, not both")
     instances = {f"prefill-{i}" for i in range(args.prefill)} | {f"decode-{i}" for i in range(args.decode)}
-    for fault in args.faults:
-        if fault.instance not in instances:
-            raise ConfigError(
-                f"--fault: no instance {fault.instance!r} (the cluster has {sorted(instances)})"
-            )
+    for name, instance in [("--fault", f.instance) for f in args.faults] + [
+        ("--role-change", c.instance) for c in args.role_changes
+    ]:
+        if instance not in instances:
+            raise ConfigError(f"{name}: no instance {instance!r} (the cluster has {sorted(instances)})")
+    rollout = args.rollout
+    if args.rollback is not None:
+        if rollout is None or args.rollback <= rollout.at_s:
+            raise ConfigError("--rollback needs a --rollout that starts before it")
+        rollout = replace(rollout, rollback_at_s=args.rollback)
     scheduler = load_config_file(args.scheduler_config) if args.scheduler_config else default_config()
     planner = load_planner_config_file(args.planner_config) if args.planner_config else None
     policies = tuple(dict.fromkeys(args.policies or (POLICIES if args.compare else ("ours",))))
     rates: tuple[float | None, ...] = tuple(args.rates) if args.rates else (args.rate,)
     spec = ClusterSpec(
         args.prefill, args.decode, PROFILES[args.profile], slo_ttft_s=args.slo_ttft_ms / 1000,
-        slo_tpot_s=args.slo_tpot_ms / 1000, faults=tuple(args.faults), seed=args.seed,
+        slo_tpot_s=args.slo_tpot_ms / 1000, faults=tuple(args.faults), seed=args.seed, rollout=rollout,
+        role_changes=tuple(args.role_changes), role_switch=args.role_switch,
+        engine_start_s=args.engine_start_s,
     )  # fmt: skip
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     seeds = tuple(range(args.seed, args.seed + args.rounds))
@@ -309,7 +373,7 @@ def run_one(
     return summarise(
         policy, rate, outcomes, setup.slo, duration_s=trace.duration_s, engines=cluster.engines.values(),
         shifts=len(cluster.shifts), bucket_s=bucket_s, wall_s=round(wall, 3), events=cluster.loop.events,
-        seed=seed,
+        seed=seed, control=cluster.control.events,
     )  # fmt: skip
 
 
@@ -374,6 +438,11 @@ def run(args: argparse.Namespace) -> int:
     wall = sum(r.wall_s for r in runs)
     plural = "s" if len(runs) > 1 else ""
     print(f"{len(runs)} run{plural}, {sum(r.events for r in runs):,} events, {wall:.2f} s wall")
+    for run_ in runs:
+        if run_.control:
+            print(f"\n{run_.policy} @ {run_.rate:g} req/s, seed {run_.seeds[0]}: rollouts and role changes")
+            for event in run_.control:
+                print(event.describe())
     for path in plots:
         print(f"wrote {path}")
     return 0

@@ -6,7 +6,7 @@ the scheduler (``route_request``: the plugin scheduler, or a baseline policy), i
 (``pick_prefill``/``pick_decode``), and the planner's pure decision (``planner.decide.plan`` on
 ``pool_signals`` of an ``SloWindow``). What is modelled: the engines (``engine.Engine``), the network
 (a KV transfer's time; every other hop is free) and the gateway's I/O, which follows
-``orchestrator.gateway.flow`` step for step, with its recovery decisions (``orchestrator.recovery``):
+``orchestrator.gateway.flow`` step for step, with its recovery decisions (``scheduling/recovery.py``):
 
 - a prefill leg that fails is retried on another prefill instance, up to ``prefill_attempts``; then
   the request runs colocated on its decode instance;
@@ -14,6 +14,9 @@ the scheduler (``route_request``: the plugin scheduler, or a baseline policy), i
   ``decode_attempts``, after a new prefill (the failed one may have pulled the KV);
 - a stream cut after its first token resumes colocated elsewhere, up to ``max_resumes``, carrying
   the tokens it had (its TPOT includes the gap).
+
+Rollouts and role changes (the operator's, and the planner's shifts) are the orchestrator's pure
+control steps, carried out on the simulated instances (``control.SimControl``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vllm_disagg.cluster_sim.control import RoleChangePlan, RoleSwitch, RolloutPlan, SimControl
 from vllm_disagg.cluster_sim.engine import Engine, Leg
 from vllm_disagg.cluster_sim.profile import EngineProfile
 from vllm_disagg.cluster_sim.trace import Trace, TraceRequest, prompt_token_ids
@@ -30,7 +34,7 @@ from vllm_disagg.cluster_sim.virtual_clock import EventLoop, VirtualClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import RequestError
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
-from vllm_disagg.orchestrator.planner.decide import Memory
+from vllm_disagg.orchestrator.planner.decide import Memory, remember_change
 from vllm_disagg.orchestrator.planner.decide import plan as plan_shift
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
@@ -49,6 +53,7 @@ from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, KvEvent, Role
 
 MODEL = "sim-model"
+REVISION = "r1"  # the revision the cluster starts with (a rollout moves it to another)
 FaultKind = Literal["engine", "node", "slow-link"]
 
 
@@ -81,6 +86,10 @@ class ClusterSpec:
     slo_tpot_s: float | None = None
     faults: tuple[Fault, ...] = ()
     seed: int = 0
+    rollout: RolloutPlan | None = None  # an operator's rollout to a new revision, if any
+    role_changes: tuple[RoleChangePlan, ...] = ()  # an operator's role changes
+    role_switch: RoleSwitch = "routing"  # how the agents change an engine's role (the planner's too)
+    engine_start_s: float = 10.0  # a new or restarted engine is ready this long after it starts
 
 
 @dataclass(slots=True)
@@ -154,6 +163,9 @@ class Cluster:
         self.slowdown: dict[str, float] = {}
         self.outcomes: list[Outcome] = []
         self.shifts: list[tuple[float, str, Role, Role]] = []
+        self.revisions: dict[str, str] = {}  # agent id -> its engine's revision
+        self.ready_at: dict[str, float] = {}  # an engine starting: its heartbeat says ready from then
+        self.control = SimControl(self, cfg, role_switch=spec.role_switch, engine_start_s=spec.engine_start_s)
         self.window = SloWindow(spec.planner.window_s if spec.planner else 60.0, self.clock.monotonic)
         self._memory = Memory()
         self._beats = 0
@@ -166,14 +178,15 @@ class Cluster:
 
     # --- instances --------------------------------------------------------------------------------
 
-    def _join(self, agent_id: str, role: Role) -> None:
+    def _join(self, agent_id: str, role: Role, revision: str | None = None) -> None:
         engine = self.engines.get(agent_id) or Engine(agent_id, self.spec.profile, self.loop, self._kv_events)
         self.engines[agent_id] = engine
         self.agent_alive[agent_id] = True
+        revision = self.revisions[agent_id] = revision or self.revisions.get(agent_id, REVISION)
         p = self.spec.profile
         info = InstanceInfo(
-            url=f"http://{agent_id}", role=role, model=MODEL, engine="sim", block_size=p.block_size,
-            max_model_len=p.max_model_len,
+            url=f"http://{agent_id}", role=role, model=MODEL, engine="sim", revision=revision,
+            block_size=p.block_size, max_model_len=p.max_model_len,
         )  # fmt: skip
         self.registry.hello(agent_id, info, self.clock.now)
         self.kv_index.drop(agent_id)  # a new session: the index starts empty, as the control plane does
@@ -183,9 +196,31 @@ class Cluster:
         if self.agent_alive.get(agent_id):
             self.kv_index.apply(agent_id, events)
 
+    def join(self, agent_id: str, role: Role, revision: str, start_s: float) -> None:
+        """A new instance says Hello (``SimControl``: a rollout's new revision); ready in ``start_s``."""
+        self.ready_at[agent_id] = self.clock.now + start_s
+        self._join(agent_id, role, revision)
+
+    def restart_engine(self, agent_id: str, start_s: float) -> None:
+        """Its agent restarts the engine (a role change): what is on it fails over, and a new, empty
+        engine is ready ``start_s`` from now."""
+        self.engines[agent_id].kill()
+        self.loop.after(start_s, lambda: self._restarted(agent_id))
+
+    def _restarted(self, agent_id: str) -> None:
+        if self.agent_alive.get(agent_id):
+            self.engines[agent_id].revive()
+            self.kv_index.drop(agent_id)  # its cache went with the old engine
+
+    def agent_up(self, agent_id: str) -> bool:
+        """Whether its agent is there to answer a command (a node fault takes it away)."""
+        return self.agent_alive.get(agent_id, False)
+
     def _heartbeat(self, agent_id: str) -> None:
         engine = self.engines[agent_id]
         state: EngineState = "ready" if engine.alive else "restarting"
+        if self.clock.now < self.ready_at.get(agent_id, 0.0):
+            state = "starting"
         self._beats += 1
         beat = Heartbeat(seq=self._beats, engine_state=state, metrics=engine.snapshot(self.clock.now))
         self.registry.heartbeat(agent_id, beat, self.clock.now)
@@ -238,14 +273,20 @@ class Cluster:
     def _look(self) -> None:
         planner = self.spec.planner
         assert planner is not None
+        if not self.control.changing:  # one change at a time: a look while one is under way decides nothing
+            self._decide(planner)
+        self.loop.after(planner.interval_s, self._look)
+
+    def _decide(self, planner: PlannerConfig) -> None:
         prefill, decode = pool_signals(self.registry.snapshot(), self.window)
-        result = plan_shift(prefill, decode, self._memory, planner, self.clock.now)
+        memory = remember_change(self._memory, self.control.last_change_at)
+        result = plan_shift(prefill, decode, memory, planner, self.clock.now)
         self._memory = result.memory
         shift = result.shift
         if shift is not None and not planner.dry_run:
-            self.registry.set_role(shift.agent_id, shift.to_role)  # routing alone: the sim serves both
+            # The same role change as an operator's (``role_steps``): by routing or by restart.
+            self.control.change_role(shift.agent_id, shift.to_role, by="planner")
             self.shifts.append((self.clock.now, shift.agent_id, shift.from_role, shift.to_role))
-        self.loop.after(planner.interval_s, self._look)
 
     # --- requests ---------------------------------------------------------------------------------
 
@@ -255,6 +296,7 @@ class Cluster:
         self.loop.after(0.0, self._tick)
         if self.spec.planner is not None and self.spec.planner.enabled:
             self.loop.after(self.spec.planner.interval_s, self._look)
+        self.control.schedule(self.spec.rollout, self.spec.role_changes)
         for fault in self.spec.faults:
             self.loop.at(fault.at_s, lambda f=fault: self._fault(f))  # type: ignore[misc]
         start = trace.requests[0].at_s if trace.requests else 0.0

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from vllm_disagg.errors import ModelNotFound, NoCapacity
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
-from vllm_disagg.orchestrator.state.registry import InstanceView, RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
 Pick = Callable[[Sequence[InstanceView], SchedulingRequest, RegistrySnapshot, str], InstanceView]
 

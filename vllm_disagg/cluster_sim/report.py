@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from vllm_disagg.cluster_sim.cluster import Outcome
+from vllm_disagg.cluster_sim.control import ControlEvent
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,8 @@ class RunResult:
     seeds: tuple[int, ...] = ()  # the seed of each run this stands for
     # (bucket start s, attainment of the requests arriving in it); empty buckets are left out
     over_time: tuple[tuple[float, float], ...] = field(default=())
+    # What the rollouts and role changes did (``control.ControlEvent``); of the first round in medians.
+    control: tuple[ControlEvent, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The result as ``--json`` prints it."""
@@ -97,6 +100,7 @@ class RunResult:
             "wall_s": self.wall_s,
             "events": self.events,
             "attainment_over_time": [list(point) for point in self.over_time],
+            "control": [e.to_json() for e in self.control],
         }
 
 
@@ -169,6 +173,7 @@ def summarise(
     wall_s: float = 0.0,
     events: int = 0,
     seed: int | None = None,
+    control: Sequence[ControlEvent] = (),
 ) -> RunResult:
     """One run's result from its outcomes and the cluster's counters."""
     done = [o for o in outcomes if o.ok]
@@ -192,6 +197,7 @@ def summarise(
         events=events,
         seeds=() if seed is None else (seed,),
         over_time=attainment_over_time(outcomes, slo, bucket_s),
+        control=tuple(control),
     )
 
 

@@ -1,11 +1,15 @@
 """Virtual time: a clock that only moves when the next event is taken, and the queue of events.
 
 The orchestrator's code takes a ``Clock``; here it gets ``VirtualClock``, so the registry's timeouts,
-the breakers, the planner's cooldown and the scheduler all see simulated seconds. Nothing sleeps.
+the breakers, the planner's cooldown, the rollouts' and role changes' steps and the scheduler all see
+simulated seconds. Nothing sleeps in real time: the simulator's drivers are callbacks the event loop
+runs at their instant. ``VirtualClock.sleep`` is there for a coroutine written against ``Clock``: it
+parks until the event loop reaches its deadline, and runs on when the asyncio loop next gets a turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 from collections.abc import Callable
@@ -18,6 +22,7 @@ class VirtualClock:
 
     def __init__(self) -> None:
         self.now = 0.0
+        self.loop: EventLoop | None = None  # set by the ``EventLoop`` that moves it (``sleep`` needs it)
 
     def monotonic(self) -> float:
         """Virtual seconds since the simulation started."""
@@ -27,12 +32,22 @@ class VirtualClock:
         """The same instant as epoch seconds."""
         return WALL_ORIGIN + self.now
 
+    async def sleep(self, seconds: float) -> None:
+        """Park until the event loop reaches ``now + seconds`` (``Clock.sleep`` on virtual time)."""
+        events = self.loop
+        if events is None:
+            raise RuntimeError("no event loop moves this clock: nothing would ever wake the sleeper")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        events.after(max(seconds, 0.0), lambda: None if future.done() else future.set_result(None))
+        await future
+
 
 class EventLoop:
     """Callbacks at virtual times, run in time order (ties in the order they were scheduled)."""
 
     def __init__(self, clock: VirtualClock) -> None:
         self.clock = clock
+        clock.loop = self
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.events = 0  # run so far

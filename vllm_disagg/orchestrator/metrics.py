@@ -24,7 +24,7 @@ from prometheus_client.metrics_core import Metric
 
 from vllm_disagg.orchestrator.state.gauges import InstanceCollector
 from vllm_disagg.orchestrator.state.kv_audit import Outcome
-from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 

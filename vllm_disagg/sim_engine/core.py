@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_disagg.clock import Clock
+from vllm_disagg.clock import Clock, wait_event
 from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.errors import NoCapacity
 from vllm_disagg.protocol.kv_pool import pool_handle
@@ -274,7 +274,7 @@ class EngineCore:
                     continue
                 duration = perf_model.step_duration(self.timing, prefill_tokens, len(self.running))
                 # sleep(0) still yields, so a zero-cost step cannot starve the HTTP handlers.
-                await asyncio.sleep(duration)
+                await self.clock.sleep(duration)
                 self._emit(self.clock.monotonic())
         except asyncio.CancelledError:
             self._fail_all(NoCapacity("the engine is shutting down"))
@@ -288,8 +288,7 @@ class EngineCore:
             deadline = self.holds.next_deadline()
             if deadline is not None:
                 timeout = max(0.0, deadline - now)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), timeout)
+        await wait_event(self.clock, self._wakeup, timeout)
 
     # -- KV side channel ------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ class SimEngine:
         m.nixl_xfer_time.observe(self.clock.monotonic() - started)
         delay = perf_model.kv_transfer_duration(self.config.timing, len(tokens))
         if delay > 0:
-            await asyncio.sleep(delay)
+            await self.clock.sleep(delay)
         return len(tokens)
 
 

@@ -32,13 +32,8 @@ from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, Request
 from vllm_disagg.orchestrator.gateway.workers.hub import WorkerHub
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
-from vllm_disagg.orchestrator.state.registry import (
-    DECODE_ROLES,
-    PREFILL_ROLES,
-    InstanceView,
-    Registry,
-    RegistrySnapshot,
-)
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.commands import SIMPLE
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 
@@ -355,7 +350,7 @@ class Admin:
         if not isinstance(to, str) or (model is not None and not isinstance(model, str)):
             raise BadRequest('give {"to": REVISION} and optionally {"model": NAME}')
         rollout = self._rollouts.start(model, to)
-        return _json(rollout.to_json(self._registry), status=201)
+        return _json(rollout.to_json(self._registry.snapshot()), status=201)
 
     async def rollout_action(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/rollouts/{model}/pause|resume|rollback``."""
@@ -370,7 +365,7 @@ class Admin:
         if action not in act:
             raise NotFound(f"no rollout action {action!r} (pause, resume, rollback)")
         rollout = act[action](model)
-        return _json(rollout.to_json(self._registry))
+        return _json(rollout.to_json(self._registry.snapshot()))
 
     async def weights(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from vllm_disagg.errors import AgentTooOld, CommandError, CommandTimeout, ConfigError
 from vllm_disagg.orchestrator.control.plane import ControlPlane
-from vllm_disagg.orchestrator.state.registry import GatewayRegistry
+from vllm_disagg.orchestrator.state.views import GatewayRegistry
 from vllm_disagg.protocol.commands import FetchResult, GrantResult, KvFetch, KvGrant, z85
 from vllm_disagg.protocol.kv_pool import MAX_COMMAND_KEYS
 

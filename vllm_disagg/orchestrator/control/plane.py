@@ -63,6 +63,7 @@ from vllm_disagg.protocol.transport import Incoming, RouterTransport
 
 log = logging.getLogger(__name__)
 _MAX_REFUSED_PEERS = 10_000  # bounds the once-per-peer log memo against a flood of random peers
+_OURS = f"{PROTOCOL_VERSION}.{PROTOCOL_MINOR}"  # the protocol version this orchestrator speaks
 
 
 def starved_after(period_s: float) -> float:
@@ -200,7 +201,7 @@ class ControlPlane:
         period = self._config.heartbeat_interval_s / 2
         last = self._clock.monotonic()
         while True:
-            await asyncio.sleep(period)
+            await self._clock.sleep(period)
             now = self._clock.monotonic()
             lag, last = now - last, now
             if lag > starved_after(period):
@@ -271,65 +272,22 @@ class ControlPlane:
         self._send(peer, Refuse(code=code, reason=reason))
 
     def _on_hello(self, peer: bytes, msg: Hello, user: str = "") -> None:
-        theirs, ours = f"{msg.protocol_version}.{msg.protocol_minor}", f"{PROTOCOL_VERSION}.{PROTOCOL_MINOR}"
-        if msg.protocol_version != PROTOCOL_VERSION:
-            self._refuse(
-                peer,
-                VersionMismatch.code,
-                f"agent speaks protocol v{theirs}, orchestrator v{ours}: the major versions must match",
-            )
-            return
-        if not msg.agent_id:
-            self._refuse(peer, "invalid_hello", "agent_id must not be empty")
-            return
-        refusal = self._hello_refusal(peer, msg, user)
-        if refusal is not None:
-            code, reason = refusal
-            log.warning("refusing Hello as %r from %s: %s", msg.agent_id, self._who(peer), reason)
-            self._refuse(peer, code, reason)
+        """A Hello: refused with its reason, or the connection bound to its agent, the session begun
+        (or, for the same agent process on a new connection, gone on with), and a Welcome sent."""
+        if self._refused_hello(peer, msg, user):
             return
         key = (msg.instance.model, msg.instance.revision)
         if key in self._revisions and self._revisions[key] is None:
             self._revisions[key] = ModelSettings.of(msg.instance)  # a rollout's new revision, first seen
         self._models.setdefault(msg.instance.model, ModelSettings.of(msg.instance))
-        if self._refused_peers:
-            self._refused_peers = {k for k in self._refused_peers if k[0] != peer}
-        old_peer = self._agent_to_peer.get(msg.agent_id)
-        if old_peer is not None and old_peer != peer:
-            self._peer_to_agent.pop(old_peer, None)
-        self._peer_to_agent[peer] = msg.agent_id
-        self._agent_to_peer[msg.agent_id] = peer
-        self._minors[msg.agent_id] = msg.protocol_minor
-        view = self._registry.get(msg.agent_id)
+        self._bind(peer, msg)
         if self._reconnected(msg):
             # The same agent process on a new connection: its engine, cache and requests are as they
             # were, so its session goes on (a new one would abandon its requests as lost).
+            view = self._registry.get(msg.agent_id)
             log.info("agent %s reconnected (session %d goes on)", msg.agent_id, view.session if view else 0)
         else:
-            self._incarnations[msg.agent_id] = msg.incarnation
-            self.kv_index.drop(msg.agent_id)  # a new session: maybe a new engine, whose cache is empty
-            view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic(), protocol=theirs)
-            if theirs != ours:  # one side is upgraded before the other: fine within a major version
-                log.info("agent %s speaks protocol v%s, this orchestrator v%s", msg.agent_id, theirs, ours)
-            if self._hello_hook is not None:
-                self._hello_hook(msg.instance)
-            log.info(
-                "hello from %s (session %d): %s %s at %s",
-                msg.agent_id,
-                view.session,
-                msg.instance.role,
-                msg.instance.model,
-                msg.instance.url,
-            )
-            missing = msg.instance.capabilities.missing()
-            if missing:
-                log.warning(
-                    "instance %s: its engine at %s lacks %s: streams it cannot say the ids of are relayed "
-                    "as they come and are not resumable (docs/engines.md)",
-                    msg.agent_id,
-                    msg.instance.url,
-                    ", ".join(missing),
-                )
+            self._new_session(msg)
         self._send(
             peer,
             Welcome(
@@ -341,6 +299,68 @@ class ControlPlane:
                 protocol_minor=PROTOCOL_MINOR if msg.protocol_minor else 0,
             ),
         )
+
+    def _refused_hello(self, peer: bytes, msg: Hello, user: str) -> bool:
+        """Refuse a Hello that may not start a session (another major version, no agent id, any of
+        ``_hello_refusal``'s reasons); whether it was."""
+        if msg.protocol_version != PROTOCOL_VERSION:
+            theirs = f"{msg.protocol_version}.{msg.protocol_minor}"
+            self._refuse(
+                peer,
+                VersionMismatch.code,
+                f"agent speaks protocol v{theirs}, orchestrator v{_OURS}: the major versions must match",
+            )
+            return True
+        if not msg.agent_id:
+            self._refuse(peer, "invalid_hello", "agent_id must not be empty")
+            return True
+        refusal = self._hello_refusal(peer, msg, user)
+        if refusal is None:
+            return False
+        code, reason = refusal
+        log.warning("refusing Hello as %r from %s: %s", msg.agent_id, self._who(peer), reason)
+        self._refuse(peer, code, reason)
+        return True
+
+    def _bind(self, peer: bytes, msg: Hello) -> None:
+        """The connection speaks for ``msg.agent_id`` from now on (a connection it had before, no more)."""
+        if self._refused_peers:
+            self._refused_peers = {k for k in self._refused_peers if k[0] != peer}
+        old_peer = self._agent_to_peer.get(msg.agent_id)
+        if old_peer is not None and old_peer != peer:
+            self._peer_to_agent.pop(old_peer, None)
+        self._peer_to_agent[peer] = msg.agent_id
+        self._agent_to_peer[msg.agent_id] = peer
+        self._minors[msg.agent_id] = msg.protocol_minor
+
+    def _new_session(self, msg: Hello) -> None:
+        """A new session in the registry: maybe a new engine, so nothing it cached is known any more."""
+        theirs = f"{msg.protocol_version}.{msg.protocol_minor}"
+        self._incarnations[msg.agent_id] = msg.incarnation
+        self.kv_index.drop(msg.agent_id)
+        view = self._registry.hello(msg.agent_id, msg.instance, self._clock.monotonic(), protocol=theirs)
+        if theirs != _OURS:  # one side is upgraded before the other: fine within a major version
+            log.info("agent %s speaks protocol v%s, this orchestrator v%s", msg.agent_id, theirs, _OURS)
+        if self._hello_hook is not None:
+            self._hello_hook(msg.instance)
+        info = msg.instance
+        log.info(
+            "hello from %s (session %d): %s %s at %s",
+            msg.agent_id,
+            view.session,
+            info.role,
+            info.model,
+            info.url,
+        )
+        missing = info.capabilities.missing()
+        if missing:
+            log.warning(
+                "instance %s: its engine at %s lacks %s: streams it cannot say the ids of are relayed "
+                "as they come and are not resumable (docs/engines.md)",
+                msg.agent_id,
+                info.url,
+                ", ".join(missing),
+            )
 
     def _reconnected(self, msg: Hello) -> bool:
         """Whether this Hello is a live session's agent process back on a new connection."""

@@ -1,37 +1,47 @@
 """The one way an instance changes role: the operator's (``vllm-disagg role``, the admin API) and the
-planner's. Its agent is asked first (``set_role``: it checks that the engine can serve the role;
-``Conflict`` with its reason if not). Two ways follow:
+planner's. What a change does, step by step, is decided by ``role_steps`` (pure); this carries it out:
+it asks the agent over the control plane, changes the registry, publishes the ``role_restart``
+events, and steps again when the registry changes (a request ending during the drain, the new engine's
+ready heartbeat) or a deadline passes on the injected clock. Nothing polls.
 
-- **routing** (vLLM ``kv_both`` engines, the simulator: they serve either role as they run): on yes
-  the registry moves the instance to the other pool at once, its session and its requests in flight
-  untouched;
-- **restart** (a vLLM launched ``kv_producer`` or ``kv_consumer``): the agent answers
-  ``restart_required``; the instance is drained (no new requests; those on it finish, for at most
-  ``role_drain_timeout_s``, and any left then fail over like those of a dead engine), asked again
-  with ``restart``, moved to its new pool while its agent restarts the engine with the new role's
-  ``kv_role``, and routed to once the new engine is ready (within ``role_restart_timeout_s``).
-
-Each restart's steps are ``role_restart`` events with their timeline (seconds since the request);
-every change feeds ``vllm_disagg_role_change_seconds{how}``.
+Every change feeds ``vllm_disagg_role_change_seconds{how}``; the planner's cooldown counts from the
+last one (``last_change_at``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
-from vllm_disagg.clock import Clock
+from vllm_disagg.clock import Clock, wait_event
 from vllm_disagg.errors import Conflict, NotFound, RequestError, TimedOut
-from vllm_disagg.orchestrator.control.plane import ControlPlane
+from vllm_disagg.orchestrator.control import role_steps as steps
+from vllm_disagg.orchestrator.control.role_steps import (
+    Answer,
+    Ask,
+    EngineRestarting,
+    Fail,
+    Limits,
+    MoveRole,
+    Publish,
+    RoleState,
+    SetDrain,
+)
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
-from vllm_disagg.orchestrator.state.registry import InstanceView, Registry
-from vllm_disagg.protocol.commands import SetRole
-from vllm_disagg.protocol.messages import RESTART_REQUIRED, Ack, Role
+from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.orchestrator.state.views import InstanceView
+from vllm_disagg.protocol.commands import CommandPayload, SetRole
+from vllm_disagg.protocol.messages import Ack, Role
 
-_POLL_S = 0.05  # how often a drain or a restart is looked at (the registry has no change callback)
+
+class Commands(Protocol):
+    """What a role change needs of the control plane (``ControlPlane``): a command sent, its Ack back."""
+
+    async def send_command(
+        self, agent_id: str, payload: CommandPayload, timeout_s: float | None = None
+    ) -> Ack: ...
 
 
 @dataclass(slots=True)
@@ -52,7 +62,7 @@ class RoleChanger:
     def __init__(
         self,
         registry: Registry,
-        control: ControlPlane,
+        control: Commands,
         metrics: OrchestratorMetrics,
         clock: Clock,
         events: EventLog | None = None,
@@ -76,101 +86,98 @@ class RoleChanger:
         view = self._registry.get(agent_id)
         if view is None:
             raise NotFound(f"no instance {agent_id!r}")
-        old = view.info.role
-        if role == old:
-            return RoleChange(old, view, "none")
+        if role == view.info.role:
+            return RoleChange(view.info.role, view, "none")
         if agent_id in self._changing:
             raise Conflict(f"a role change of {agent_id} is under way")
         self._changing.add(agent_id)
         try:
-            started = self._clock.monotonic()
-            ack = await self._ask(agent_id, role)
-            if ack.ok:
-                change = RoleChange(old, self._registry.set_role(agent_id, role), "routing")
-            elif ack.code == RESTART_REQUIRED:
-                change = await self._restart(agent_id, old, role, started)
-            else:
-                raise Conflict(f"{agent_id} cannot serve as {role}: {ack.error}")
+            limits = Limits(self.drain_timeout_s, self.restart_timeout_s)
+            state = await self._drive(steps.begin(view, role, self._clock.monotonic(), limits))
         finally:
             self._changing.discard(agent_id)
-        self._metrics.role_changed(agent_id, old, role, change.how, self._clock.monotonic() - started)
-        self.last_change_at = self._clock.monotonic()
-        return change
+        now = self._clock.monotonic()
+        self._metrics.role_changed(agent_id, state.old, role, state.how, now - state.started)
+        self.last_change_at = now
+        return RoleChange(
+            state.old,
+            self._registry.get(agent_id) or view,
+            state.how,
+            dict(state.timeline),
+            state.left_in_flight,
+        )
 
-    async def _ask(self, agent_id: str, role: Role, restart: bool = False) -> Ack:
-        return await self._control.send_command(agent_id, SetRole(role, restart))
-
-    async def _restart(self, agent_id: str, old: Role, role: Role, started: float) -> RoleChange:
-        """Drain, have the agent restart its engine as ``role``, wait for it to be ready, undrain."""
-        view = self._registry.get(agent_id)
-        assert view is not None
-        change = RoleChange(old, view, "restart")
-        was_draining, session = view.admin_draining, view.session
-        self._registry.set_admin_drain(agent_id, True)  # routing follows at once
-        self._step(change, agent_id, role, "draining")
+    async def _drive(self, step: steps.Step) -> RoleState:
+        """Carry out each step's effects and take the next: on the agent's answer, on a change of the
+        registry (in-flight counts included), or at the state's deadline. Returns the ended state, or
+        raises the failure's error; a cancelled change puts back the drain it made."""
+        changed = asyncio.Event()
+        unwatch = self._registry.watch(changed.set, in_flight=True)
+        state = step.state
+        error: RequestError | None = None  # the last command's, raised as is on ``Fail("agent")``
         try:
-            drained = await self._until(lambda: self._in_flight(agent_id) == 0, self.drain_timeout_s)
-            change.left_in_flight = 0 if drained else self._in_flight(agent_id)
-            self._mark(change, "drained", started)
-            self._alive(agent_id, session)
-            ack = await self._ask(agent_id, role, restart=True)
-            if not ack.ok:
-                raise Conflict(f"{agent_id} cannot serve as {role}: {ack.error}")
-            # The Ack arrives before the heartbeat that says so: the old engine must not look ready.
-            self._registry.engine_restarting(agent_id, f"restarting as {role}")
-            change.view = self._registry.set_role(agent_id, role)
-            self._mark(change, "restarting", started)
-            self._step(change, agent_id, role, "restarting")
-
-            def ready() -> bool:
-                self._alive(agent_id, session)
-                v = self._registry.get(agent_id)
-                return v is not None and v.engine_state == "ready"
-
-            if not await self._until(ready, self.restart_timeout_s):
-                raise TimedOut(
-                    f"{agent_id} restarted as {role} but its engine was not ready within "
-                    f"{self.restart_timeout_s:g} s (it is routed to once it is)"
-                )
-            self._mark(change, "ready", started)
-        except RequestError as exc:
-            self._step(change, agent_id, role, "failed", error=exc.message)
+            while True:
+                state = step.state
+                self._carry_out(step, error)
+                if state.phase in steps.ENDED:
+                    return state
+                ask = step.ask
+                if ask is not None:
+                    answer, error = await self._answer(ask)
+                    step = steps.answered(state, answer, self._clock.monotonic())
+                    continue
+                changed.clear()
+                step = steps.step(state, self._registry.snapshot(), self._clock.monotonic())
+                while step.state == state and not step.effects:  # nothing yet: wait for a reason to look
+                    timeout = None if state.deadline is None else state.deadline - self._clock.monotonic()
+                    await wait_event(self._clock, changed, timeout)
+                    changed.clear()
+                    step = steps.step(state, self._registry.snapshot(), self._clock.monotonic())
+        except asyncio.CancelledError:
+            self._carry_out(steps.cancel(state), None)
             raise
         finally:
-            if self._registry.get(agent_id) is not None:
-                change.view = self._registry.set_admin_drain(agent_id, was_draining)
-        self._step(change, agent_id, role, "ready")
-        return change
+            unwatch()
 
-    def _alive(self, agent_id: str, session: int) -> None:
-        """``Conflict`` once the instance died or its agent started another session."""
-        view = self._registry.get(agent_id)
-        if view is None or view.state == "dead" or view.session != session:
-            why = "is gone" if view is None or view.state == "dead" else "started a new session"
-            raise Conflict(f"{agent_id} {why} during its role change")
+    async def _answer(self, ask: Ask) -> tuple[Answer, RequestError | None]:
+        try:
+            ack = await self._control.send_command(ask.agent_id, SetRole(ask.role, ask.restart))
+        except RequestError as exc:  # not delivered or not acknowledged: the control plane says why
+            return Answer(False, error=exc.message, delivered=False), exc
+        return Answer(ack.ok, ack.code, ack.error), None
 
-    def _in_flight(self, agent_id: str) -> int:
-        return self._registry.snapshot().in_flight_of(agent_id)
+    def _carry_out(self, step: steps.Step, error: RequestError | None) -> None:
+        state = step.state
+        for effect in step.effects:
+            if isinstance(effect, SetDrain):
+                if self._registry.get(effect.agent_id) is not None:
+                    self._registry.set_admin_drain(effect.agent_id, effect.draining)
+            elif isinstance(effect, MoveRole):
+                self._registry.set_role(effect.agent_id, effect.role)
+            elif isinstance(effect, EngineRestarting):
+                self._registry.engine_restarting(effect.agent_id, effect.reason)
+            elif isinstance(effect, Publish):
+                self._publish(state, effect)
+            elif isinstance(effect, Fail):
+                raise _error(effect, error)
 
-    async def _until(self, done: Callable[[], bool], timeout_s: float) -> bool:
-        """Whether ``done()`` came true within ``timeout_s`` (checked every ``_POLL_S``)."""
-        deadline = self._clock.monotonic() + timeout_s
-        while not done():
-            if self._clock.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(_POLL_S)
-        return True
-
-    def _mark(self, change: RoleChange, step: str, started: float) -> None:
-        change.timeline[step] = round(self._clock.monotonic() - started, 3)
-
-    def _step(self, change: RoleChange, agent_id: str, role: Role, step: str, error: str = "") -> None:
+    def _publish(self, state: RoleState, effect: Publish) -> None:
         if self._events is None:
             return
-        fields: dict[str, Any] = {"instance": agent_id, "from": change.old, "to": role, "step": step}
-        fields["timeline"] = dict(change.timeline)
-        if change.left_in_flight:
-            fields["left_in_flight"] = change.left_in_flight
-        if error:
-            fields["error"] = error
+        fields: dict[str, Any] = {"instance": state.agent_id, "from": state.old, "to": state.new}
+        fields["step"] = effect.step
+        fields["timeline"] = dict(effect.timeline)
+        if effect.left_in_flight:
+            fields["left_in_flight"] = effect.left_in_flight
+        if effect.error:
+            fields["error"] = effect.error
         self._events.publish("role_restart", **fields)
+
+
+def _error(fail: Fail, error: RequestError | None) -> RequestError:
+    """The error the operator gets for ``fail``: the control plane's own for a command that failed."""
+    if fail.failure == "agent" and error is not None:
+        return error
+    if fail.failure == "timed_out":
+        return TimedOut(fail.message)
+    return Conflict(fail.message)

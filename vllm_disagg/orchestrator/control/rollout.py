@@ -1,25 +1,16 @@
-"""Rolling model upgrades: instances of a new revision join beside the old ones and take the load as
-the old revision drains out; pausable, and reversible.
+"""Rolling model upgrades in the orchestrator: the operator's actions and the registry's changes drive
+the pure steps of ``rollout_steps`` (which says what a rollout does), and this carries out what they
+decide.
 
 ``vllm-disagg rollout --to REVISION`` (``POST /admin/v1/rollouts``) starts one for a model. Until then a
 Hello of another revision of a served model is refused (``model_mismatch``): a revision joins only
-when an operator says so. During it:
+when an operator says so. During it, instances of the new revision are admitted (each revision with its
+own engine, tokenizer and block size); pairs never mix revisions (``kv-compat-filter``), so a request
+runs on an old pair or on a new one, never across.
 
-- instances of the new revision are admitted (each revision with its own engine, tokenizer and block
-  size); pairs never mix revisions (``kv-compat-filter``), so a request runs on an old pair or on a
-  new one, never across;
-- every ``STEP_S`` the rollout drains one old instance for each new one that is ready, role by role
-  (least busy first; all of them once the new revision has as many ready instances as the old had):
-  a drained instance takes no new request and finishes those it has, so no client sees an error;
-- it is **complete** once every old instance is drained and idle; new Hellos of the model are then
-  checked against the new revision's settings (old instances stay registered, drained, for the
-  operator to shut down);
-- **pause** stops it where it is; **resume** goes on; **rollback** undrains the old instances it
-  drained and moves the load back the same way, draining one new instance for each old one ready
-  again (``rolling_back``, then ``rolled_back``): at no moment is a role left without a ready
-  instance by the rollout.
-
-Each step is a ``rollout`` event (admin API, dashboard).
+A moving rollout (rolling or rolling back) watches the registry, in-flight counts included, and steps
+as soon as anything it decides on changes: a new instance ready, an old one idle. Nothing polls, and
+no step waits on a timer. Each step is a ``rollout`` event (admin API, dashboard).
 """
 
 from __future__ import annotations
@@ -27,63 +18,31 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from vllm_disagg.clock import Clock
-from vllm_disagg.errors import RolloutConflict, RolloutInvalid, RolloutNotFound
+from vllm_disagg.errors import RolloutNotFound
+from vllm_disagg.orchestrator.control import rollout_steps as steps
+from vllm_disagg.orchestrator.control.rollout_steps import (
+    MOVING,
+    Admit,
+    Drain,
+    Effect,
+    Publish,
+    RolloutState,
+    Settle,
+)
 from vllm_disagg.orchestrator.state.event_log import EventLog
-from vllm_disagg.orchestrator.state.registry import InstanceView, Registry
-from vllm_disagg.protocol.commands import CommandPayload, Drain, Undrain
+from vllm_disagg.orchestrator.state.registry import Registry, Unwatch
+from vllm_disagg.protocol.commands import CommandPayload
+from vllm_disagg.protocol.commands import Drain as DrainCommand
+from vllm_disagg.protocol.commands import Undrain as UndrainCommand
 
 log = logging.getLogger(__name__)
 
-STEP_S = 0.25
-Phase = Literal["rolling", "paused", "complete", "rolling_back", "rolled_back"]
-
-
-@dataclass
-class Rollout:
-    """One model's rollout (owned by ``Rollouts``)."""
-
-    model: str
-    from_revision: str
-    to_revision: str
-    started_at: float  # wall
-    phase: Phase = "rolling"
-    drained: list[str] = field(default_factory=list)  # old instances this rollout drained, in order
-    held: list[str] = field(default_factory=list)  # new instances it drained rolling back
-
-    def to_json(self, registry: Registry) -> dict[str, Any]:
-        snap = registry.snapshot()
-
-        def of(revision: str) -> list[dict[str, Any]]:
-            return [
-                {
-                    "agent_id": v.agent_id,
-                    "role": v.info.role,
-                    "state": v.state,
-                    "in_flight": snap.in_flight_of(v.agent_id),
-                }
-                for v in snap.instances
-                if v.info.model == self.model and v.info.revision == revision and v.state != "dead"
-            ]
-
-        return {
-            "model": self.model,
-            "from": self.from_revision,
-            "to": self.to_revision,
-            "phase": self.phase,
-            "started_at": self.started_at,
-            "drained": list(self.drained),
-            "held": list(self.held),
-            "old": of(self.from_revision),
-            "new": of(self.to_revision),
-        }
-
 
 class Rollouts:
-    """Every model's rollout; ``step()`` moves the rolling ones on (the orchestrator's task calls it)."""
+    """Every model's rollout; ``run()`` steps the moving ones whenever the registry changes."""
 
     def __init__(
         self,
@@ -100,157 +59,125 @@ class Rollouts:
         self._command = command  # (agent id, Drain() | Undrain()): tell the agent (best effort)
         self._events = events
         self._clock = clock
-        self.by_model: dict[str, Rollout] = {}
+        self.by_model: dict[str, RolloutState] = {}
         self._tasks: set[asyncio.Future[None]] = set()
+        # Set by the registry while a rollout moves; ``run`` steps once per wake, however many changes.
+        self._changed = asyncio.Event()
+        self._unwatch: Unwatch | None = None
 
-    def start(self, model: str | None, to_revision: str) -> Rollout:
+    def start(self, model: str | None, to_revision: str) -> RolloutState:
         """Begin rolling ``model`` (the only one served, when None) to ``to_revision``."""
-        snap = self._registry.snapshot()
-        models = sorted({v.info.model for v in snap.instances if v.state != "dead"})
-        if model is None:
-            if len(models) != 1:
-                raise RolloutInvalid(f"name the model: served models are {models}")
-            model = models[0]
-        live = [v for v in snap.instances if v.info.model == model and v.state != "dead"]
-        if not live:
-            raise RolloutNotFound(f"no live instance serves model {model!r}")
-        revisions = sorted({v.info.revision for v in live})
-        current = self.by_model.get(model)
-        if current is not None and current.phase in ("rolling", "paused", "rolling_back"):
-            raise RolloutConflict(
-                f"model {model!r} is already rolling to {current.to_revision!r} ({current.phase})"
-            )
-        if revisions == [to_revision]:
-            raise RolloutConflict(f"model {model!r} is served by revision {to_revision!r} already")
-        from_revision = revisions[0] if len(revisions) == 1 else self._serving(model, live, to_revision)
-        rollout = Rollout(model, from_revision, to_revision, self._clock.wall())
-        self.by_model[model] = rollout
-        self._admit(model, from_revision, to_revision)
-        self._publish(rollout, "started")
-        log.info("rollout of %s: %r -> %r started", model, from_revision, to_revision)
-        return rollout
+        step = steps.begin(self._registry.snapshot(), model, to_revision, self.by_model, self._clock.wall())
+        state = self._act(step)
+        log.info("rollout of %s: %r -> %r started", state.model, state.from_revision, state.to_revision)
+        return state
 
-    def _serving(self, model: str, live: list[InstanceView], to_revision: str) -> str:
-        others = sorted({v.info.revision for v in live if v.info.revision != to_revision})
-        if len(others) != 1:
-            raise RolloutConflict(
-                f"model {model!r} is served by several revisions {others}: finish one first"
-            )
-        return others[0]
-
-    def pause(self, model: str) -> Rollout:
+    def pause(self, model: str) -> RolloutState:
         """Stop draining where it is (both revisions serve) until ``resume``."""
-        rollout = self._get(model, ("rolling",))
-        rollout.phase = "paused"
-        self._publish(rollout, "paused")
-        return rollout
+        return self._act(steps.pause(self._get(model)))
 
-    def resume(self, model: str) -> Rollout:
+    def resume(self, model: str) -> RolloutState:
         """Go on with a paused rollout."""
-        rollout = self._get(model, ("paused",))
-        rollout.phase = "rolling"
-        self._publish(rollout, "resumed")
-        return rollout
+        return self._act(steps.resume(self._get(model)))
 
-    def rollback(self, model: str) -> Rollout:
+    def rollback(self, model: str) -> RolloutState:
         """Undrain the old instances this rollout drained; the new revision's drain as they are ready."""
-        rollout = self._get(model, ("rolling", "paused", "complete"))
-        rollout.phase = "rolling_back"
-        for agent_id in rollout.drained:
-            self._drain(agent_id, False)
-        rollout.drained.clear()
-        self._publish(rollout, "rolling_back")
-        return rollout
+        return self._act(steps.rollback(self._get(model), self._registry.snapshot()))
 
-    def _get(self, model: str, phases: tuple[Phase, ...]) -> Rollout:
+    def _get(self, model: str) -> RolloutState:
         rollout = self.by_model.get(model)
         if rollout is None:
             raise RolloutNotFound(f"no rollout of model {model!r}")
-        if rollout.phase not in phases:
-            raise RolloutConflict(f"the rollout of {model!r} is {rollout.phase}")
         return rollout
 
     def step(self) -> None:
-        """Drain old instances as new ones are ready; complete when the old ones are drained and idle."""
-        for rollout in list(self.by_model.values()):
-            if rollout.phase == "rolling":
-                if self._move(rollout, rollout.from_revision, rollout.to_revision, rollout.drained):
-                    rollout.phase = "complete"
-                    self._complete(rollout.model, rollout.to_revision)
-                    self._publish(rollout, "complete")
-                    log.info("rollout of %s to %r complete", rollout.model, rollout.to_revision)
-            elif rollout.phase == "rolling_back" and self._move(
-                rollout, rollout.to_revision, rollout.from_revision, rollout.held
-            ):
-                rollout.phase = "rolled_back"
-                self._complete(rollout.model, rollout.from_revision)
-                self._publish(rollout, "rolled_back")
-                log.info("rollout of %s rolled back to %r", rollout.model, rollout.from_revision)
-
-    def _move(self, rollout: Rollout, source: str, target: str, drained: list[str]) -> bool:
-        """Drain one ``source`` instance per ready ``target`` one, role by role (all of them once as
-        many ``target`` instances are ready); True once every ``source`` instance is drained and idle."""
+        """Move every moving rollout on by what the registry says now."""
         snap = self._registry.snapshot()
-        old, ready = [], []
-        for v in snap.instances:
-            if v.info.model == rollout.model and v.state != "dead":
-                if v.info.revision == source:
-                    old.append(v)
-                elif v.info.revision == target and v.state == "ready":
-                    ready.append(v)
-        everyone = len(ready) >= len(old)
-        for role in sorted({v.info.role for v in old}):
-            mine = [v for v in old if v.info.role == role]
-            gone = sum(v.admin_draining for v in mine)
-            wanted = len(mine) if everyone else min(len(mine), sum(v.info.role == role for v in ready))
-            idle_first = sorted(
-                (v for v in mine if not v.admin_draining),
-                key=lambda v: (snap.in_flight_of(v.agent_id), v.agent_id),
-            )
-            for v in idle_first[: max(0, wanted - gone)]:
-                drained.append(v.agent_id)
-                self._drain(v.agent_id, True)
-                self._publish(rollout, "drained", instance=v.agent_id)
-        return bool(ready) and all(v.admin_draining and snap.in_flight_of(v.agent_id) == 0 for v in old)
+        for state in list(self.by_model.values()):
+            if state.phase in MOVING:
+                self._apply(steps.step(state, snap))
+
+    def _act(self, step: steps.Step) -> RolloutState:
+        """An operator's action: applied, and a moving rollout's next step due now (not at the next
+        change: the new instances may all be ready already)."""
+        state = self._apply(step)
+        if state.phase in MOVING:
+            self._changed.set()
+        return state
+
+    def _apply(self, step: steps.Step) -> RolloutState:
+        """Keep the step's state, carry out its effects in order, watch the registry while one moves."""
+        self.by_model[step.state.model] = step.state
+        for effect in step.effects:
+            self._do(step.state, effect)
+        moving = any(r.phase in MOVING for r in self.by_model.values())
+        if moving and self._unwatch is None:
+            self._unwatch = self._registry.watch(self._changed.set, in_flight=True)
+        elif not moving and self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
+        return step.state
+
+    def _do(self, state: RolloutState, effect: Effect) -> None:
+        if isinstance(effect, Admit):
+            self._admit(effect.model, effect.old, effect.new)
+        elif isinstance(effect, Drain):
+            self._drain(effect.agent_id, effect.draining)
+        elif isinstance(effect, Settle):
+            self._complete(effect.model, effect.revision)
+        elif isinstance(effect, Publish):
+            self._publish(state, effect)
 
     def _drain(self, agent_id: str, draining: bool) -> None:
         if self._registry.get(agent_id) is None:
             return
         self._registry.set_admin_drain(agent_id, draining)  # routing follows at once
-        task = asyncio.ensure_future(self._tell(agent_id, Drain() if draining else Undrain()))
+        command = DrainCommand() if draining else UndrainCommand()
+        task = asyncio.ensure_future(self._tell(agent_id, command))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _tell(self, agent_id: str, command: Drain | Undrain) -> None:
+    async def _tell(self, agent_id: str, command: DrainCommand | UndrainCommand) -> None:
         try:
             await self._command(agent_id, command)
         except Exception as exc:  # the registry's flag already routes around it; the agent hears later
             log.warning("rollout: telling %s to %s failed: %s", agent_id, command.KIND, exc)
 
-    def _publish(self, rollout: Rollout, what: str, **fields: Any) -> None:
+    def _publish(self, state: RolloutState, effect: Publish) -> None:
+        fields: dict[str, Any] = {"instance": effect.instance} if effect.instance is not None else {}
         self._events.publish(
             "rollout",
-            model=rollout.model,
-            what=what,
-            phase=rollout.phase,
-            **{"from": rollout.from_revision, "to": rollout.to_revision},
+            model=state.model,
+            what=effect.what,
+            phase=effect.phase,
+            **{"from": state.from_revision, "to": state.to_revision},
             **fields,
         )
+        if effect.what == "complete":
+            log.info("rollout of %s to %r complete", state.model, state.to_revision)
+        elif effect.what == "rolled_back":
+            log.info("rollout of %s rolled back to %r", state.model, state.from_revision)
 
     def describe(self) -> dict[str, Any]:
         """The admin API's view."""
-        return {"rollouts": [r.to_json(self._registry) for r in self.by_model.values()]}
+        snap = self._registry.snapshot()
+        return {"rollouts": [r.to_json(snap) for r in self.by_model.values()]}
 
     async def run(self) -> None:
-        """Step every ``STEP_S`` until cancelled."""
+        """Step whenever the registry changes while a rollout moves, until cancelled."""
         while True:
-            await asyncio.sleep(STEP_S)
+            await self._changed.wait()
+            self._changed.clear()
             try:
                 self.step()
             except Exception:
                 log.exception("a rollout step failed")
 
     async def close(self) -> None:
+        """Stop watching the registry and the commands still on their way."""
+        if self._unwatch is not None:
+            self._unwatch()
+            self._unwatch = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

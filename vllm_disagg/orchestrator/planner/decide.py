@@ -69,6 +69,16 @@ class Plan:
     memory: Memory = field(default_factory=Memory)
 
 
+def remember_change(memory: Memory, last_change_at: float | None) -> Memory:
+    """``memory`` with a role change made elsewhere (an operator's) as the last shift, if it is later
+    than the last one the planner knows: the cooldown counts from it."""
+    if last_change_at is None or (
+        memory.last_shift_at is not None and last_change_at <= memory.last_shift_at
+    ):
+        return memory
+    return Memory(memory.short, memory.streak, last_change_at, memory.pressures)
+
+
 def pressure(pool: PoolSignals, target_s: float, min_samples: int) -> float | None:
     """The pool's p90 over its target; None with fewer than ``min_samples`` requests measured."""
     if pool.p90_s is None or pool.samples < max(1, min_samples):
@@ -101,10 +111,39 @@ def suggest_ratio(
 def plan(
     prefill: PoolSignals, decode: PoolSignals, memory: Memory, config: PlannerConfig, now: float
 ) -> Plan:
-    """At most one shift, and why (see the module's docstring)."""
+    """At most one shift, and why (see the module's docstring): the pools' pressures, which pool is
+    short, whether it has been for long enough, and whether a move may and would help, in that order."""
     pp = pressure(prefill, config.ttft_target_s, config.min_samples)
     pd = pressure(decode, config.tpot_target_s, config.min_samples)
-    figures: Figures = {
+    figures = _figures(prefill, decode, pp, pd, memory)
+    ratio = suggest_ratio((prefill.size, decode.size), (pp, pd), config)
+    seen = (pp, pd)
+
+    def hold(reason: str, short: PoolName | None = None, streak: int = 0) -> Plan:
+        return Plan(None, reason, figures, ratio, Memory(short, streak, memory.last_shift_at, seen))
+
+    if pp is None or pd is None:
+        return hold(_too_few(prefill, decode, pp, pd, config))
+    shortage = _shortage(pp, pd, memory, config)
+    if shortage is None:
+        return hold(f"balanced: prefill at {pp:.2f}x its TTFT target, decode at {pd:.2f}x its TPOT target")
+    pool = decode if shortage.giver == "decode" else prefill
+    why_not = _why_not(shortage, pool, prefill.size, ratio, memory, config, now)
+    if why_not is not None:
+        return hold(why_not, shortage.short, shortage.streak)
+    shift = Shift(pool.movable[0], shortage.giver, shortage.short)
+    reason = (
+        f"{shortage.said} at {shortage.streak} looks in a row: {shift.agent_id} moves from "
+        f"{shortage.giver} to {shortage.short}"
+    )
+    return Plan(shift, reason, figures, ratio, Memory(None, 0, now, seen))
+
+
+def _figures(
+    prefill: PoolSignals, decode: PoolSignals, pp: float | None, pd: float | None, memory: Memory
+) -> Figures:
+    """What the look saw, as the admin API and the ``planner_shift`` event show it."""
+    return {
         "prefill_instances": prefill.size,
         "decode_instances": decode.size,
         "ttft_p90_s": prefill.p90_s,
@@ -120,26 +159,40 @@ def plan(
         "prefill_kv_usage": round(prefill.kv_usage, 3),
         "decode_kv_usage": round(decode.kv_usage, 3),
     }
-    ratio = suggest_ratio((prefill.size, decode.size), (pp, pd), config)
-    seen = (pp, pd)
 
-    def hold(reason: str, short: PoolName | None = None, streak: int = 0) -> Plan:
-        return Plan(None, reason, figures, ratio, Memory(short, streak, memory.last_shift_at, seen))
 
-    if pp is None or pd is None:
-        few = [
-            f"{name} pool {n} of {config.min_samples}"
-            for name, n, v in (("prefill", prefill.samples, pp), ("decode", decode.samples, pd))
-            if v is None
-        ]
-        return hold("too few requests in the window to judge (" + ", ".join(few) + ")")
-    short: PoolName | None = None
+def _too_few(
+    prefill: PoolSignals, decode: PoolSignals, pp: float | None, pd: float | None, config: PlannerConfig
+) -> str:
+    few = [
+        f"{name} pool {n} of {config.min_samples}"
+        for name, n, v in (("prefill", prefill.samples, pp), ("decode", decode.samples, pd))
+        if v is None
+    ]
+    return "too few requests in the window to judge (" + ", ".join(few) + ")"
+
+
+@dataclass(frozen=True, slots=True)
+class _Shortage:
+    """The pool found short at this look, and how long it has been."""
+
+    short: PoolName
+    giver: PoolName
+    said: str  # the reason's opening: which pool, at what pressure against the other's
+    streak: int  # looks in a row it was short, this one counted unless it is recovering
+    before: float | None  # its pressure at the last look
+    recovering: bool  # its pressure fell by more than ``margin`` since the last look
+
+
+def _shortage(pp: float, pd: float, memory: Memory, config: PlannerConfig) -> _Shortage | None:
+    """The short pool (over ``overload`` and over the other by more than ``margin``), None if neither."""
+    short: PoolName
     if pp > config.overload and pp - pd > config.margin:
         short = "prefill"
     elif pd > config.overload and pd - pp > config.margin:
         short = "decode"
-    if short is None:
-        return hold(f"balanced: prefill at {pp:.2f}x its TTFT target, decode at {pd:.2f}x its TPOT target")
+    else:
+        return None
     giver: PoolName = "decode" if short == "prefill" else "prefill"
     mine, theirs = (pp, pd) if short == "prefill" else (pd, pp)
     what = "TTFT" if short == "prefill" else "TPOT"
@@ -149,47 +202,48 @@ def plan(
     before = memory.pressures[0 if short == "prefill" else 1]
     recovering = before is not None and before - mine > config.margin
     streak = (memory.streak if memory.short == short else 0) + (0 if recovering else 1)
-    if recovering:
-        return hold(f"{said}, but recovering ({before:.2f}x at the last look)", short, streak)
-    if streak < config.sustain:
-        return hold(f"{said} at {streak} of {config.sustain} looks in a row", short, streak)
+    return _Shortage(short, giver, said, streak, before, recovering)
+
+
+def _why_not(
+    s: _Shortage,
+    pool: PoolSignals,
+    prefill_size: int,
+    ratio: tuple[int, int],
+    memory: Memory,
+    config: PlannerConfig,
+    now: float,
+) -> str | None:
+    """Why no instance moves from the giving ``pool`` to the short one now; None when one may."""
+    said, giver, short = s.said, s.giver, s.short
+    if s.recovering:
+        return f"{said}, but recovering ({s.before:.2f}x at the last look)"
+    if s.streak < config.sustain:
+        return f"{said} at {s.streak} of {config.sustain} looks in a row"
     if memory.last_shift_at is not None and now - memory.last_shift_at < config.cooldown_s:
         ago = now - memory.last_shift_at
-        return hold(
-            f"{said}, but the last role change was {ago:.0f} s ago (cooldown {config.cooldown_s:g} s)",
-            short,
-            streak,
-        )
-    pool = decode if giver == "decode" else prefill
+        return f"{said}, but the last role change was {ago:.0f} s ago (cooldown {config.cooldown_s:g} s)"
     minimum = config.min_decode if giver == "decode" else config.min_prefill
     if pool.size - 1 < minimum:
-        return hold(f"{said}, but the {giver} pool is at its minimum of {minimum}", short, streak)
+        return f"{said}, but the {giver} pool is at its minimum of {minimum}"
     if not pool.movable:
-        return hold(
-            f"{said}, but no {giver} instance may move (pinned, drained or serving both roles)", short, streak
-        )
-    more_prefill = ratio[0] - prefill.size
+        return f"{said}, but no {giver} instance may move (pinned, drained or serving both roles)"
+    more_prefill = ratio[0] - prefill_size
     if not (more_prefill > 0 if short == "prefill" else more_prefill < 0):
         # The split that evens the pools' work per instance is this one or on the giver's side: the
         # move would press the giver more than it relieves the short pool (two pools over their
         # targets instead of one), and the next look would want the instance back.
-        return hold(
+        return (
             f"{said}, but moving one would press the {giver} pool more than it relieves the {short} pool "
-            f"(the split that evens their work: {ratio[0]}P{ratio[1]}D)",
-            short,
-            streak,
+            f"(the split that evens their work: {ratio[0]}P{ratio[1]}D)"
         )
     kv_after = _kv_after_giving(pool)
     if kv_after > config.kv_usage_ceiling:
-        return hold(
+        return (
             f"{said}, but the {giver} pool's KV cache would fill: {pool.kv_usage:.0%} in use now, about "
-            f"{kv_after:.0%} on one instance fewer (ceiling {config.kv_usage_ceiling:.0%})",
-            short,
-            streak,
+            f"{kv_after:.0%} on one instance fewer (ceiling {config.kv_usage_ceiling:.0%})"
         )
-    shift = Shift(pool.movable[0], giver, short)
-    reason = f"{said} at {streak} looks in a row: {shift.agent_id} moves from {giver} to {short}"
-    return Plan(shift, reason, figures, ratio, Memory(None, 0, now, seen))
+    return None
 
 
 def _kv_after_giving(pool: PoolSignals) -> float:

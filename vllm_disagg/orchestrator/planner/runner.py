@@ -22,7 +22,7 @@ from vllm_disagg.errors import RequestError
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
-from vllm_disagg.orchestrator.planner.decide import Memory, Plan, pressure
+from vllm_disagg.orchestrator.planner.decide import Memory, Plan, pressure, remember_change
 from vllm_disagg.orchestrator.planner.decide import plan as decide
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
 from vllm_disagg.orchestrator.state.event_log import EventLog
@@ -61,7 +61,7 @@ class PlannerRunner:
     async def run(self) -> None:
         """Look every ``interval_s`` until cancelled."""
         while True:
-            await asyncio.sleep(self.config.interval_s)
+            await self._clock.sleep(self.config.interval_s)
             try:
                 self.look()
             except Exception:  # a bug in a look must not stop the next one
@@ -71,11 +71,7 @@ class PlannerRunner:
         """Read the pools, decide, publish; start the shift unless in dry-run."""
         config, now = self.config, self._clock.monotonic()
         prefill, decode = pool_signals(self._registry.snapshot(), self._window)
-        memory = self.memory
-        if self._roles.last_change_at is not None and (
-            memory.last_shift_at is None or self._roles.last_change_at > memory.last_shift_at
-        ):
-            memory = Memory(memory.short, memory.streak, self._roles.last_change_at, memory.pressures)
+        memory = remember_change(self.memory, self._roles.last_change_at)
         if self._shifting is not None and not self._shifting.done():
             result = Plan(None, "a shift is under way", {}, (prefill.size, decode.size), memory)
         else:

@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 
 from vllm_disagg.orchestrator.planner.decide import PoolName, PoolSignals
-from vllm_disagg.orchestrator.state.registry import InstanceView, RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
 _MAX_SAMPLES = 50_000  # per kind: a window of a busy minute; older ones go first
 

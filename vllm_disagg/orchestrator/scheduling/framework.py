@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, Protocol
 
-from vllm_disagg.orchestrator.state.registry import InstanceView, RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 Mode = Literal["disaggregated", "colocated"]

@@ -26,7 +26,7 @@ from vllm_disagg.orchestrator.scheduling.plugins.scorers.tpot import TpotScorer
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
 from vllm_disagg.orchestrator.scheduling.predict import Prediction, tpot_s, ttft_s
 from vllm_disagg.orchestrator.scheduling.terms import reads
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
 Combine = Callable[[Sequence[Sequence[float]], int], list[float]]

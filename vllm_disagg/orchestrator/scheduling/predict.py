@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 # (metrics, in-flight count, cached prompt tokens, prompt length >= 0, default) -> seconds

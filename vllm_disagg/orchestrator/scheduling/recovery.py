@@ -11,7 +11,7 @@ import dataclasses
 
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
-from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 
 
 def may_retry_prefill(tries: int, pinned: bool, config: OrchestratorConfig) -> bool:

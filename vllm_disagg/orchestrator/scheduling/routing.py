@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from vllm_disagg.errors import NoCapacity
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
-from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 
 
 @dataclass(frozen=True, slots=True)

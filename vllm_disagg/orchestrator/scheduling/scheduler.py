@@ -44,7 +44,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     prefill_rate,
     uncached_tokens,
 )
-from vllm_disagg.orchestrator.state.registry import PREFILL_ROLES, InstanceView, RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import PREFILL_ROLES, InstanceView, RegistrySnapshot
 
 NAME = "plugins"
 _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from vllm_disagg.orchestrator.scheduling.framework import ProfileContext, Term
 from vllm_disagg.orchestrator.scheduling.predict import prompt_tokens
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 # (prompt length, its inverse, in-flight lookup, cached-tokens lookup): lookups take (agent id, 0).
 Reads = tuple[int, float, Callable[[str, int], int], Callable[[str, int], int]]

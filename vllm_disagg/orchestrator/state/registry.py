@@ -20,11 +20,9 @@ Every method is synchronous and cheap: the control plane calls them per frame, t
 from __future__ import annotations
 
 import dataclasses
-import itertools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 from vllm_disagg.orchestrator.state import health
 from vllm_disagg.orchestrator.state.health import (
@@ -35,133 +33,36 @@ from vllm_disagg.orchestrator.state.health import (
     InstanceState,
 )
 from vllm_disagg.orchestrator.state.kv_audit import DecodeAudit, Outcome
+from vllm_disagg.orchestrator.state.views import (
+    DECODE_ROLES,
+    PREFILL_ROLES,
+    GatewayRegistry,
+    InstanceView,
+    RegistrySnapshot,
+    SnapshotSource,
+    sum_counts,
+)
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
-__all__ = ["INSTANCE_STATES", "InstanceState", "InstanceView", "Registry", "RegistrySnapshot"]
+# The views live in ``views``; these names are here too, so that what reads a registry imports it and
+# what it hands out from one place.
+__all__ = [
+    "DECODE_ROLES",
+    "INSTANCE_STATES",
+    "PREFILL_ROLES",
+    "GatewayRegistry",
+    "InstanceState",
+    "InstanceView",
+    "Registry",
+    "RegistrySnapshot",
+    "SnapshotSource",
+    "Unwatch",
+    "sum_counts",
+]
+Unwatch = Callable[[], None]  # stops what ``Registry.watch`` started
+
 # Engine states in which requests already on the instance will not complete.
 _ENGINE_LOST: frozenset[EngineState] = frozenset(("unhealthy", "restarting", "stopped"))
-
-# Roles that may serve each leg of a request.
-PREFILL_ROLES: frozenset[Role] = frozenset(("prefill", "both"))
-DECODE_ROLES: frozenset[Role] = frozenset(("decode", "both"))
-
-_EMPTY_METRICS = MetricsSnapshot()
-REGISTRY_IDS = itertools.count(1)
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceView:
-    """An immutable picture of one instance at snapshot time (in-flight counts live in the snapshot)."""
-
-    agent_id: str
-    info: InstanceInfo
-    state: InstanceState
-    session: int  # increments with every Hello, so a comeback is visible
-    engine_state: EngineState
-    agent_draining: bool  # the agent's heartbeat says so
-    admin_draining: bool  # an operator drained it through the admin API
-    joined_at: float  # monotonic time of the session's Hello
-    last_heartbeat: float  # monotonic; the Hello counts as the first sign of life
-    heartbeats: int
-    metrics: MetricsSnapshot
-    dead_reason: str
-    admin_cordoned: bool = False
-    breaker: Breaker = CLOSED
-    late: bool = False  # no heartbeat for ``suspect_after_s``
-    protocol: str = ""  # "major.minor" its agent speaks
-    role_pinned: bool = False  # an operator set its role: the planner leaves it there
-
-    @property
-    def suspect_reason(self) -> str:
-        """Why it is suspect ("" when it is not)."""
-        if self.state != "suspect":
-            return ""
-        return health.suspect_reason(engine_state=self.engine_state, late=self.late, breaker=self.breaker)
-
-
-class GatewayRegistry(Protocol):
-    """What the gateway asks of a registry: the ``Registry`` itself, or a gateway worker's replica of it
-    (``orchestrator.workers``), which forwards what changes state to the orchestrator's."""
-
-    def snapshot(self) -> RegistrySnapshot: ...
-    def get(self, agent_id: str) -> InstanceView | None: ...
-    def acquire(self, agent_id: str) -> None: ...
-    def release(self, agent_id: str) -> None: ...
-    def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None: ...
-    def leg_failed(
-        self, agent_id: str, now: float, partner: str | None = None, *, instance_fault: bool = True
-    ) -> None: ...
-    def audit_dispatch(
-        self, decode: str, request_id: str, prefill: str, tokens: int, now: float, key: int | None = None
-    ) -> int | None: ...
-    def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class RegistrySnapshot:
-    """What the scheduler and the admin API see: instances, in-flight counts, and per-model indexes.
-
-    A heartbeat changes one instance's view, so a snapshot is rebuilt for every few requests in a busy
-    cluster: only ``by_id`` is copied then. The per-model id tuples last as long as the membership,
-    and the tuples of views (``by_model``, ``ready_prefill``, ``ready_decode``, ``instances``) are
-    built on first use (at 1,024 instances building them all took 57 µs per snapshot).
-    """
-
-    version: int  # changes with every change to any instance (a heartbeat's metrics included)
-    # Changes only when an instance joins, leaves, or changes state (ready, draining, dead...); with
-    # ``registry_id`` it keys caches of anything that depends on who is there, not on metrics.
-    membership: int
-    registry_id: int
-    by_id: Mapping[str, InstanceView]  # in join order
-    in_flight: Mapping[str, int]
-    known_models: frozenset[str]  # served by an instance in any state, dead included
-    model_ids: Mapping[str, tuple[str, ...]]  # model -> its instances in any state, by agent id
-    prefill_ids: Mapping[str, tuple[str, ...]]  # model -> ready instances that can prefill
-    decode_ids: Mapping[str, tuple[str, ...]]  # model -> ready instances that can decode
-    # (prefill id, decode id) pairs whose link breaker lets no request through now.
-    blocked_links: frozenset[tuple[str, str]] = frozenset()
-    # The view tuples built so far, shared by the snapshots that differ only in in-flight counts.
-    _built: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def instances(self) -> tuple[InstanceView, ...]:
-        """Every instance, in join order."""
-        built = self._built.get("instances")
-        if built is None:
-            built = self._built["instances"] = tuple(self.by_id.values())
-        return built
-
-    @property
-    def by_model(self) -> Mapping[str, tuple[InstanceView, ...]]:
-        """Model -> its instances in any state, by agent id."""
-        return self._views_of("by_model", self.model_ids)
-
-    @property
-    def ready_prefill(self) -> Mapping[str, tuple[InstanceView, ...]]:
-        """Model -> ready instances that can prefill."""
-        return self._views_of("ready_prefill", self.prefill_ids)
-
-    @property
-    def ready_decode(self) -> Mapping[str, tuple[InstanceView, ...]]:
-        """Model -> ready instances that can decode."""
-        return self._views_of("ready_decode", self.decode_ids)
-
-    def _views_of(
-        self, name: str, ids: Mapping[str, tuple[str, ...]]
-    ) -> Mapping[str, tuple[InstanceView, ...]]:
-        built = self._built.get(name)
-        if built is None:
-            pick = self.by_id.__getitem__
-            built = self._built[name] = MappingProxyType({m: tuple(map(pick, i)) for m, i in ids.items()})
-        return built
-
-    def in_flight_of(self, agent_id: str) -> int:
-        """Gateway requests outstanding on an instance."""
-        return self.in_flight.get(agent_id, 0)
-
-    def ready_models(self) -> list[str]:
-        """Models at least one ready instance serves, sorted."""
-        return sorted(set(self.prefill_ids) | set(self.decode_ids))
 
 
 @dataclass(slots=True)
@@ -219,76 +120,6 @@ class _Instance:
         )
 
 
-class SnapshotSource:
-    """Views kept copy-on-write and the snapshots built from them, cached until something changes: the
-    ``Registry``'s, and a gateway worker's replica of it. A subclass says the in-flight counts."""
-
-    def __init__(self) -> None:
-        self._version = 0
-        self._membership = 0
-        self._id = next(REGISTRY_IDS)
-        # Views are rebuilt per changed instance, not per snapshot: a snapshot of 1,024 instances after
-        # one heartbeat costs a few dict/tuple copies, not 1,024 new views.
-        self._views: dict[str, InstanceView] = {}
-        # Copy-on-write: the last snapshot shares ``_views`` (no 1,024-entry copy per snapshot); the next
-        # change copies it first (``_own_views``), so a snapshot never sees a later change. The copy then
-        # falls in heartbeat handling, not in a request's decision.
-        self._views_shared = False
-        self._groups: IdGroups | None = None  # agent ids per model / ready role; rebuilt on membership
-        self._blocked: frozenset[tuple[str, str]] = frozenset()
-        self._cached: RegistrySnapshot | None = None
-        self._cached_in_flight: dict[str, int] | None = None
-
-    def _own_views(self) -> dict[str, InstanceView]:
-        """``_views``, copied first if a snapshot shares it."""
-        if self._views_shared:
-            self._views = dict(self._views)
-            self._views_shared = False
-        return self._views
-
-    def _in_flight_counts(self) -> dict[str, int]:
-        """Outstanding gateway requests per instance, a new dict (only ever read by snapshots)."""
-        raise NotImplementedError
-
-    def snapshot(self) -> RegistrySnapshot:
-        """An immutable view; the instance part is rebuilt only when something changed."""
-        cached = self._cached
-        if cached is None:
-            cached = self._cached = self._build()
-            self._cached_in_flight = None
-        if self._cached_in_flight is None:
-            self._cached_in_flight = self._in_flight_counts()
-            cached = self._cached = with_in_flight(cached, self._cached_in_flight)
-        return cached
-
-    def _build(self) -> RegistrySnapshot:
-        views = self._views
-        self._views_shared = True
-        groups = self._groups
-        if groups is None:
-            groups = self._groups = IdGroups.of(views.values())
-        return RegistrySnapshot(
-            version=self._version,
-            membership=self._membership,
-            registry_id=self._id,
-            by_id=MappingProxyType(views),
-            in_flight=MappingProxyType({}),
-            known_models=groups.known_models,
-            model_ids=groups.by_model,
-            prefill_ids=groups.prefill,
-            decode_ids=groups.decode,
-            blocked_links=self._blocked,
-        )
-
-
-def sum_counts(first: Mapping[str, int], second: Mapping[str, int]) -> dict[str, int]:
-    """Two in-flight count maps added up."""
-    counts = dict(first)
-    for agent_id, n in second.items():
-        counts[agent_id] = counts.get(agent_id, 0) + n
-    return counts
-
-
 class Registry(SnapshotSource):
     """Instances by agent id, their state machine, breakers, and the gateway's in-flight counts."""
 
@@ -318,6 +149,9 @@ class Registry(SnapshotSource):
         self.on_kv_audit: Callable[[Outcome], None] | None = None
         # Called with (kind, fields) as instances join, change state, and breakers open or close.
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
+        # ``watch``: called after every change a snapshot shows; the second also as in-flight counts move.
+        self._watchers: tuple[Callable[[], None], ...] = ()
+        self._flight_watchers: tuple[Callable[[], None], ...] = ()
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -328,6 +162,43 @@ class Registry(SnapshotSource):
     def breaker_policy(self) -> BreakerPolicy:
         """When the instance and link breakers open, and for how long."""
         return self._policy
+
+    def watch(self, callback: Callable[[], None], *, in_flight: bool = False) -> Unwatch:
+        """Call ``callback()`` after every change a new snapshot shows (a join, a state, a drain, a
+        role, a heartbeat's metrics, a removal, a P→D link opening or closing) and, with ``in_flight``,
+        after every request sent to an instance or over; returns the call that stops it.
+
+        What steps on the registry's state (a rollout, a role change) waits on this instead of looking
+        every so often. It runs inside the change, so it must be cheap, must not raise and must not
+        change the registry: set a flag or an ``asyncio.Event``, and do the work after.
+        """
+        if in_flight:
+            self._flight_watchers += (callback,)
+        else:
+            self._watchers += (callback,)
+
+        def unwatch() -> None:
+            if in_flight:
+                self._flight_watchers = _without(self._flight_watchers, callback)
+            else:
+                self._watchers = _without(self._watchers, callback)
+
+        return unwatch
+
+    @property
+    def watchers(self) -> tuple[int, int]:
+        """Callbacks watching now: (changes only, changes and in-flight counts)."""
+        return len(self._watchers), len(self._flight_watchers)
+
+    def _notify(self) -> None:
+        for callback in self._watchers:
+            callback()
+        for callback in self._flight_watchers:
+            callback()
+
+    def _notify_in_flight(self) -> None:
+        for callback in self._flight_watchers:
+            callback()
 
     def _changed(self, inst: _Instance, membership: bool) -> None:
         views = self._own_views()
@@ -340,6 +211,8 @@ class Registry(SnapshotSource):
         if membership:
             self._membership += 1
             self._groups = None
+        if self._watchers or self._flight_watchers:
+            self._notify()
 
     def _update(self, inst: _Instance, lost_reason: str = "") -> None:
         """Re-derive a live instance's state after a signal changed; tell ``on_lost`` when it is lost."""
@@ -549,6 +422,8 @@ class Registry(SnapshotSource):
         self._groups = None
         if self.on_event is not None:
             self.on_event("removed", {"instance": agent_id})
+        if self._watchers or self._flight_watchers:
+            self._notify()
         return view
 
     # --- the gateway's outcomes ---------------------------------------------------------------------
@@ -630,6 +505,8 @@ class Registry(SnapshotSource):
             self._version += 1
             self._cached = None
             self._membership += 1  # a pairing rule changed: memoized filters must see it
+            if self._watchers or self._flight_watchers:
+                self._notify()
 
     def _drop_links(self, agent_id: str) -> None:
         if not self._links:
@@ -656,6 +533,8 @@ class Registry(SnapshotSource):
         self._cached_in_flight = None
         self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + 1
         self.probe_sent(agent_id)
+        if self._flight_watchers:
+            self._notify_in_flight()
 
     def probe_sent(self, agent_id: str) -> None:
         """A request went to ``agent_id``: if its breaker is half-open, this one is the probe (nobody
@@ -676,6 +555,8 @@ class Registry(SnapshotSource):
             self._in_flight[agent_id] = count - 1
         self._cached_in_flight = None
         self.probe_ended(agent_id)
+        if self._flight_watchers:
+            self._notify_in_flight()
 
     def probe_ended(self, agent_id: str) -> None:
         """A request to ``agent_id`` is over: a probe that ended without a verdict (the client left)
@@ -695,6 +576,8 @@ class Registry(SnapshotSource):
         if counts != self._remote_in_flight:
             self._remote_in_flight = counts
             self._cached_in_flight = None
+            if self._flight_watchers:
+                self._notify_in_flight()
 
     def count_sent(self, counts: Mapping[str, int]) -> None:
         """Requests the gateway workers sent per instance since they last said (``requests_total``)."""
@@ -705,49 +588,11 @@ class Registry(SnapshotSource):
         return sum_counts(self._in_flight, self._remote_in_flight)
 
 
-@dataclass(frozen=True, slots=True)
-class IdGroups:
-    """Agent ids grouped the ways snapshots index them; valid until membership changes."""
-
-    known_models: frozenset[str]
-    by_model: Mapping[str, tuple[str, ...]]  # every state, sorted by agent id
-    prefill: Mapping[str, tuple[str, ...]]  # ready and prefill-capable
-    decode: Mapping[str, tuple[str, ...]]  # ready and decode-capable
-
-    @staticmethod
-    def of(views: Iterable[InstanceView]) -> IdGroups:
-        by_model: dict[str, list[str]] = {}
-        prefill: dict[str, list[str]] = {}
-        decode: dict[str, list[str]] = {}
-        for v in views:
-            model = v.info.model
-            by_model.setdefault(model, []).append(v.agent_id)
-            if v.state != "ready":
-                continue
-            if v.info.role in PREFILL_ROLES:
-                prefill.setdefault(model, []).append(v.agent_id)
-            if v.info.role in DECODE_ROLES:
-                decode.setdefault(model, []).append(v.agent_id)
-        return IdGroups(
-            known_models=frozenset(by_model),
-            by_model=MappingProxyType({m: tuple(sorted(ids)) for m, ids in by_model.items()}),
-            prefill=MappingProxyType({m: tuple(ids) for m, ids in prefill.items()}),
-            decode=MappingProxyType({m: tuple(ids) for m, ids in decode.items()}),
-        )
-
-
-def with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> RegistrySnapshot:
-    # A new outer object sharing the (immutable) instance indexes: O(1) apart from the count copy.
-    return RegistrySnapshot(
-        version=snap.version,
-        membership=snap.membership,
-        registry_id=snap.registry_id,
-        by_id=snap.by_id,
-        in_flight=MappingProxyType(in_flight),
-        known_models=snap.known_models,
-        model_ids=snap.model_ids,
-        prefill_ids=snap.prefill_ids,
-        decode_ids=snap.decode_ids,
-        blocked_links=snap.blocked_links,
-        _built=snap._built,
-    )
+def _without(
+    callbacks: tuple[Callable[[], None], ...], callback: Callable[[], None]
+) -> tuple[Callable[[], None], ...]:
+    """``callbacks`` less one registration of ``callback`` (a watcher may watch twice, and stop once)."""
+    for i, c in enumerate(callbacks):
+        if c == callback:
+            return callbacks[:i] + callbacks[i + 1 :]
+    return callbacks

@@ -12,7 +12,7 @@ from typing import ClassVar
 from vllm_disagg.orchestrator.scheduling.framework import ModeChoice, PluginSpec, ProfileContext
 from vllm_disagg.orchestrator.scheduling.plugins import check_int
 from vllm_disagg.orchestrator.scheduling.predict import uncached_tokens
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 TYPE = "uncached-tokens-decider"
 

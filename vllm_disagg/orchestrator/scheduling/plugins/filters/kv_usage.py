@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 TYPE = "kv-usage-filter"
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 TYPE = "ready-filter"
 

@@ -17,7 +17,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     predicted_tpot,
     predicted_ttft,
 )
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 TYPE = "slo-filter"
 

@@ -8,7 +8,7 @@ from typing import ClassVar
 
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileContext, Term
 from vllm_disagg.orchestrator.scheduling.terms import column
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "kv-usage-scorer"

@@ -15,7 +15,7 @@ from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileCon
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
 from vllm_disagg.orchestrator.scheduling.predict import tpot_s
 from vllm_disagg.orchestrator.scheduling.terms import column
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "tpot-scorer"

@@ -17,7 +17,7 @@ from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, ProfileCon
 from vllm_disagg.orchestrator.scheduling.plugins import check_real
 from vllm_disagg.orchestrator.scheduling.predict import ttft_s
 from vllm_disagg.orchestrator.scheduling.terms import column
-from vllm_disagg.orchestrator.state.registry import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 TYPE = "ttft-scorer"
