@@ -26,8 +26,8 @@ from vllm_disagg.orchestrator.control.rollout import Rollouts
 from vllm_disagg.orchestrator.control.spawner import AgentSpawner
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
-from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
+from vllm_disagg.orchestrator.gateway.service import Gateway
 from vllm_disagg.orchestrator.gateway.workers.hub import JournaledKvIndex, WorkerHub
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics

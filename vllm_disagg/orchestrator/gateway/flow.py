@@ -58,7 +58,7 @@ from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
 
 if TYPE_CHECKING:
-    from vllm_disagg.orchestrator.gateway.routes import Gateway, ParsedRequest, Route
+    from vllm_disagg.orchestrator.gateway.service import Gateway, ParsedRequest, Route
 
 
 class Flow:

@@ -32,8 +32,8 @@ from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.control.kv_moves import MoveResult, failed
 from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
-from vllm_disagg.orchestrator.gateway.routes import Gateway
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
+from vllm_disagg.orchestrator.gateway.service import Gateway
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.gateway.workers.messages import (
     Answer,
