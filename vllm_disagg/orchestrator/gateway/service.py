@@ -59,7 +59,6 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
-    Decision,
     Scheduler,
     SchedulingRequest,
 )
@@ -308,7 +307,7 @@ class Gateway:
             raw = await read_body(request, self.config.max_body_bytes)
             parsed = parse_request(raw, route)
             model, stream = parsed.model, parsed.stream
-            flow = await self._flow(request, route, parsed, raw, request_id, out_headers, t0)
+            flow = await self._schedule(request, route, parsed, raw, request_id, out_headers, t0)
             self._live.add(flow)
             response = await flow.run()
             timing = flow.timing
@@ -328,7 +327,7 @@ class Gateway:
                 self._live.discard(flow)
                 self._record(flow.outcome(status, error))
 
-    async def _flow(
+    async def _schedule(
         self,
         request: ClientRequest,
         route: Route,
@@ -338,30 +337,12 @@ class Gateway:
         out_headers: dict[str, str],
         t0: float,
     ) -> Flow:
-        """The request scheduled: its flow, ready to run."""
+        """The request scheduled, as its flow ready to run: what the scheduler knows of it (with the
+        prompt's exact token ids where its tokenizer is loaded) and where it goes (a prefill instance
+        serves colocated, as a last resort, when no decode instance can)."""
         slo = request_slo(request.headers, self.config.slo_ttft_ms, self.config.slo_tpot_ms)
         pin = pinned_prefill(request, parsed)
-        scheduling, decision, tokens = await self._decide(request_id, route, parsed, pin, t0, slo)
-        t_decided = self.clock.monotonic()
-        up_headers = self._upstream_headers(request, request_id)
-        flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
-        flow.stamps["scheduled"] = t_decided
-        if decision.kv_source is not None:
-            flow.prompt_tokens = tokens  # the block keys its decode instance fetches
-        return flow
-
-    async def _decide(
-        self,
-        request_id: str,
-        route: Route,
-        parsed: ParsedRequest,
-        pin: str | None,
-        now: float,
-        slo: tuple[float | None, float | None] = (None, None),
-    ) -> tuple[SchedulingRequest, Decision, list[int] | None]:
-        """What the scheduler knows of the request, where it goes (a prefill instance serves
-        colocated, as a last resort, when no decode instance can), and the prompt's exact token ids."""
-        snapshot = self.registry.snapshot()
+        snapshot, now = self.registry.snapshot(), t0
         population = snapshot.model_ids.get(parsed.model)
         if population and parsed.model not in self._tokenizer_of:
             self.instance_joined(snapshot.by_id[population[0]].info)
@@ -375,7 +356,13 @@ class Gateway:
         decision = route_request(self.scheduler, scheduling, snapshot, now)
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))
-        return scheduling, decision, tokens
+        t_decided = self.clock.monotonic()
+        up_headers = self._upstream_headers(request, request_id)
+        flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
+        flow.stamps["scheduled"] = t_decided
+        if decision.kv_source is not None:
+            flow.prompt_tokens = tokens  # the block keys its decode instance fetches
+        return flow
 
     def _upstream_headers(self, request: ClientRequest, request_id: str) -> dict[str, str]:
         """The engine legs' headers: the request id, and the engines' key (or, when configured, the
