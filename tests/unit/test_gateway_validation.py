@@ -9,8 +9,8 @@ import pytest
 
 from vllm_disagg.errors import BadRequest
 from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body
+from vllm_disagg.orchestrator.gateway.parsing import Route, parse_request
 from vllm_disagg.orchestrator.gateway.records import RequestLog, RequestRecord
-from vllm_disagg.orchestrator.gateway.routes import Route, parse_request
 
 OK_COMPLETION = {"model": "m", "prompt": "hello"}
 OK_CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

@@ -97,3 +97,14 @@ def test_events_from_an_instance_the_index_never_saw_store_nothing_and_fail_noth
     assert index.apply("a", [removed(1), CLEARED]) == 2
     assert index.apply("a", [stored([1], PROMPT[:4], 0)]) == 0  # a block size below 1 is malformed
     assert (index.blocks_of("a"), index.total_blocks(), index.block_sizes()) == (0, 0, [])
+
+
+def test_an_index_that_takes_another_holds_what_it_held_and_forgets_its_own() -> None:
+    """A gateway worker's index on the orchestrator's whole state: the same object, its readers unchanged."""
+    ours, whole = KvIndex(), KvIndex()
+    ours.apply("old", [stored([1], PROMPT[:4], 4)])
+    whole.apply("a", [stored([11, 12], PROMPT[:8], 4)])
+    ours.take(whole)
+    assert ours.cached_tokens(PROMPT) == {"a": 8} and ours.blocks_of("old") == 0
+    ours.apply("a", [stored([13], PROMPT[8:12], 4, parent=12)])
+    assert ours.cached_tokens(PROMPT) == {"a": 12}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -19,15 +20,16 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.admin.api import Admin
 from vllm_disagg.orchestrator.admin.dashboard import add_dashboard_routes
-from vllm_disagg.orchestrator.control.kv_moves import ControlKvMover, KvMoveSettings
+from vllm_disagg.orchestrator.control.kv_moves import ControlKvMover, KvMover, KvMoveSettings
 from vllm_disagg.orchestrator.control.plane import ControlPlane, cancel_and_wait
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.control.rollout import Rollouts
 from vllm_disagg.orchestrator.control.spawner import AgentSpawner
-from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
-from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.gateway.routes import OpenAIRoutes
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
+from vllm_disagg.orchestrator.gateway.service import Gateway
+from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.workers.hub import JournaledKvIndex, WorkerHub
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
@@ -37,6 +39,7 @@ from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.health import BreakerPolicy
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.orchestrator.state.registry import Registry
@@ -50,6 +53,7 @@ REGISTRY_KEY = web.AppKey("registry", Registry)
 METRICS_KEY = web.AppKey("metrics", OrchestratorMetrics)
 CONTROL_KEY = web.AppKey("control", ControlPlane)
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
+ROUTES_KEY = web.AppKey("routes", OpenAIRoutes)  # the gateway's handlers, for the port's own server
 REQUEST_LOG_KEY = web.AppKey("request_log", RequestLog)
 KV_INDEX_KEY = web.AppKey("kv_index", KvIndex)
 SPAWNER_KEY = web.AppKey("spawner", AgentSpawner)
@@ -57,14 +61,6 @@ ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate
 WORKERS_KEY = web.AppKey("workers", WorkerHub)  # only with --gateway-workers above 1
 PLANNER_KEY = web.AppKey("planner", PlannerRunner)
 ROLLOUTS_KEY = web.AppKey("rollouts", Rollouts)
-
-
-def _both(first: Callable[..., None], second: Callable[..., None]) -> Callable[..., None]:
-    def call(*args: Any) -> None:
-        first(*args)
-        second(*args)
-
-    return call
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -99,12 +95,48 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
 
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     gateway = app[GATEWAY_KEY]
-    gateway.session = new_session(app[CONFIG_KEY])
+    gateway.open()
     try:
         yield
     finally:
         await gateway.close()
         gateway.tokenizers.close()
+
+
+class _Listeners:
+    """Calls each of its listeners in turn. Handed to a part that tells of something (the control
+    plane, of a Hello) before its listeners exist: they use what is built after it (the KV mover)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[..., None]] = []
+
+    def __call__(self, *args: Any) -> None:
+        for listener in self.listeners:
+            listener(*args)
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    """What everything else reads or feeds: instances, the KV index, metrics, the event log."""
+
+    registry: Registry
+    kv_index: KvIndex
+    metrics: OrchestratorMetrics
+    events: EventLog
+
+    @classmethod
+    def build(cls, config: OrchestratorConfig, clock: Clock) -> _State:
+        registry = Registry(
+            config.heartbeat_timeout_s,
+            suspect_after_s=config.suspect_after_s,
+            breaker=BreakerPolicy(failures_to_open=config.breaker_failures, open_s=config.breaker_open_s),
+        )
+        # With gateway workers the index keeps a journal of its writes, which the workers replay.
+        kv_index = KvIndex() if config.gateway_workers == 1 else JournaledKvIndex()
+        metrics = OrchestratorMetrics(
+            registry.snapshot, kv_index.blocks_of, pool_blocks=kv_index.pool_blocks_of
+        )
+        return cls(registry, kv_index, metrics, EventLog(clock.wall))
 
 
 def build_app(
@@ -115,84 +147,138 @@ def build_app(
     kv_moves: KvMoveSettings | None = None,
 ) -> web.Application:
     """The orchestrator's application; nothing is bound until it is started. ``kv_moves``: how KV is
-    moved between agents' pools (defaults: ``KvMoveSettings``)."""
+    moved between agents' pools (defaults: ``KvMoveSettings``).
+
+    Each part is built after what it uses and given it in its constructor. What is joined afterwards
+    is who hears of events: the gateway and the workers' hub of an instance's Hello (the control
+    plane's, through ``_Listeners``), of its loss, and of KV audits (the registry's hooks)."""
     clock = clock or SystemClock()
-    registry = Registry(
-        config.heartbeat_timeout_s,
-        suspect_after_s=config.suspect_after_s,
-        breaker=BreakerPolicy(failures_to_open=config.breaker_failures, open_s=config.breaker_open_s),
-    )
-    kv_index = KvIndex() if config.gateway_workers == 1 else JournaledKvIndex()
-    metrics = OrchestratorMetrics(registry.snapshot, kv_index.blocks_of, pool_blocks=kv_index.pool_blocks_of)
-    request_log = RequestLog(REQUEST_LOG_CAPACITY)
+    state = _State.build(config, clock)
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
-    gateway = Gateway(config, registry, scheduler, metrics, clock, request_log, kv_index)
-    events = gateway.events
-    registry.on_event = events.publish_fields
-    registry.on_kv_audit = gateway.kv_audited
-    hub = None
-    if isinstance(kv_index, JournaledKvIndex):
-        hub = WorkerHub(config, registry, kv_index, events, getattr(scheduler, "weights", None))
-        request_log.note_elsewhere = hub.note
-    registry.on_lost = (
-        gateway.instance_lost if hub is None else _both(gateway.instance_lost, hub.instance_lost)
-    )
-    on_hello = gateway.instance_joined if hub is None else _both(gateway.instance_joined, hub.instance_joined)
-    control = ControlPlane(config, registry, clock, metrics, kv_index, on_hello=on_hello)
+    hellos = _Listeners()
+    control = ControlPlane(config, state.registry, clock, state.metrics, state.kv_index, on_hello=hellos)
     kv_moves = kv_moves or KvMoveSettings(
         config.kv_grant_ttl_s, config.kv_grant_timeout_s, config.kv_fetch_timeout_s
     )
-    gateway.kv_mover = ControlKvMover(control, registry, kv_moves)
-    if hub is not None:
-        hub.kv_mover = gateway.kv_mover
-    spawner = AgentSpawner(control, registry)
+    kv_mover = ControlKvMover(control, state.registry, kv_moves)
+    hub = None
+    if isinstance(state.kv_index, JournaledKvIndex):
+        weights = getattr(scheduler, "weights", None)
+        hub = WorkerHub(config, state.registry, state.kv_index, state.events, weights, kv_mover=kv_mover)
+    planner_config = load_planner_config_file(config.planner_config)
+    slo_window = SloWindow(planner_config.window_s, clock.monotonic)
+    gateway = _gateway(config, clock, state, scheduler, kv_mover, hub, slo_window)
+    _listen(state.registry, hellos, gateway, hub)
     roles = RoleChanger(
-        registry,
+        state.registry,
         control,
-        metrics,
+        state.metrics,
         clock,
-        events,
+        state.events,
         drain_timeout_s=config.role_drain_timeout_s,
         restart_timeout_s=config.role_restart_timeout_s,
     )
-    planner_config = load_planner_config_file(config.planner_config)
-    gateway.slo_window = SloWindow(planner_config.window_s, clock.monotonic)
-    planner = PlannerRunner(planner_config, registry, gateway.slo_window, roles, metrics, events, clock)
+    planner = PlannerRunner(
+        planner_config, state.registry, slo_window, roles, state.metrics, state.events, clock
+    )
+    return _application(config, clock, state, control, gateway, hub, roles, planner)
+
+
+def _gateway(
+    config: OrchestratorConfig,
+    clock: Clock,
+    state: _State,
+    scheduler: Scheduler,
+    kv_mover: KvMover,
+    hub: WorkerHub | None,
+    slo_window: SloWindow,
+) -> Gateway:
+    """The gateway, with its request log and tokenizers."""
+    return Gateway(
+        config,
+        state.registry,
+        scheduler,
+        state.metrics,
+        clock,
+        # A KV audit's note for a request served by a worker goes to the workers.
+        request_log=RequestLog(REQUEST_LOG_CAPACITY, note_elsewhere=hub.note if hub is not None else None),
+        kv_index=state.kv_index,
+        tokenizers=Tokenizers(max_pending=config.tokenize_queue, metrics=state.metrics),
+        events=state.events,
+        kv_mover=kv_mover,
+        slo_window=slo_window,
+    )
+
+
+def _listen(registry: Registry, hellos: _Listeners, gateway: Gateway, hub: WorkerHub | None) -> None:
+    """Who hears of an instance's Hello, of its loss, of KV audits and of the registry's events."""
+    hellos.listeners.append(gateway.instance_joined)  # it loads the model's tokenizer before traffic
+    lost = _Listeners()
+    lost.listeners.append(gateway.instance_lost)
+    if hub is not None:
+        hellos.listeners.append(hub.instance_joined)
+        lost.listeners.append(hub.instance_lost)
+    registry.on_lost = lost
+    registry.on_kv_audit = gateway.kv_audited
+    registry.on_event = gateway.events.publish_fields
+
+
+def _application(
+    config: OrchestratorConfig,
+    clock: Clock,
+    state: _State,
+    control: ControlPlane,
+    gateway: Gateway,
+    hub: WorkerHub | None,
+    roles: RoleChanger,
+    planner: PlannerRunner,
+) -> web.Application:
+    """The application: its parts under their keys, every route, and what starts and stops with it."""
+    registry, events = state.registry, state.events
+    spawner = AgentSpawner(control, registry)
     rollouts = Rollouts(
         registry, control.admit_revisions, control.settle_revision, control.send_command, events, clock
     )
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app[CONFIG_KEY] = config
+    app[CLOCK_KEY] = clock
+    app[REGISTRY_KEY] = registry
+    app[METRICS_KEY] = state.metrics
+    app[CONTROL_KEY] = control
+    app[GATEWAY_KEY] = gateway
+    app[REQUEST_LOG_KEY] = gateway.request_log
+    app[KV_INDEX_KEY] = state.kv_index
+    app[SPAWNER_KEY] = spawner
+    if hub is not None:
+        app[WORKERS_KEY] = hub
+    app[PLANNER_KEY] = planner
+    app[ROLLOUTS_KEY] = rollouts
+    app[ROUTES_KEY] = routes = OpenAIRoutes(gateway)
+    routes.add_to(app)
     admin = Admin(
         registry,
         control,
-        metrics,
-        request_log,
+        state.metrics,
+        gateway.request_log,
         clock,
         gateway.describe,
         events,
         gateway.live_requests,
-        scheduler,
+        gateway.scheduler,
         spawner=spawner,
         workers=hub,
         roles=roles,
         planner=planner.describe,
         rollouts=rollouts,
     )
+    _add_admin(app, admin, config)
+    app.cleanup_ctx.append(_control_ctx)
+    app.cleanup_ctx.append(_session_ctx)
+    return app
 
-    app = web.Application(client_max_size=config.max_body_bytes)
-    app[CONFIG_KEY] = config
-    app[CLOCK_KEY] = clock
-    app[REGISTRY_KEY] = registry
-    app[METRICS_KEY] = metrics
-    app[CONTROL_KEY] = control
-    app[GATEWAY_KEY] = gateway
-    app[REQUEST_LOG_KEY] = request_log
-    app[KV_INDEX_KEY] = kv_index
-    app[SPAWNER_KEY] = spawner
-    if hub is not None:
-        app[WORKERS_KEY] = hub
-    app[PLANNER_KEY] = planner
-    app[ROLLOUTS_KEY] = rollouts
-    gateway.add_routes(app)
+
+def _add_admin(app: web.Application, admin: Admin, config: OrchestratorConfig) -> None:
+    """The admin API and dashboard: on the gateway's port, or on their own listener."""
     admin.add_public_routes(app)
     if config.admin_port is None:
         admin.add_admin_routes(app, config.admin_token)
@@ -203,9 +289,6 @@ def build_app(
         add_dashboard_routes(admin_app)  # not on the public port: there it is a 404
         app[ADMIN_APP_KEY] = admin_app
         app.router.add_route("*", "/admin/{tail:.*}", answering(admin.elsewhere))
-    app.cleanup_ctx.append(_control_ctx)
-    app.cleanup_ctx.append(_session_ctx)
-    return app
 
 
 class OrchestratorServer:
@@ -268,14 +351,14 @@ async def start_orchestrator(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
     runners = [runner]
-    gateway = app[GATEWAY_KEY]
+    routes = app[ROUTES_KEY]
     listener: GatewayServer | None = None
     try:
         await runner.setup()
         assert runner.server is not None
-        gateway.route_directly(runner.server, app)
+        routes.route_directly(runner.server, app)
         # The gateway's port: its own server for the OpenAI routes, aiohttp's for the rest.
-        listener = GatewayServer(gateway.fast_routes(), runner.server, config.max_body_bytes)
+        listener = GatewayServer(routes.fast(), runner.server, config.max_body_bytes)
         hub = app.get(WORKERS_KEY)
         bound = await listener.start(config.host, config.port, reuse_port=hub is not None)
         url = _url(bound)

@@ -16,16 +16,19 @@
   computes what it lacks.
 
 Every leg's outcome feeds the registry's breakers (per instance, and per P→D link for decode legs);
-every attempt is kept for the request's record (``/admin/v1/requests/{id}``).
+every attempt is kept, and the flow's ``outcome`` (``contract.Outcome``) hands them to the gateway with
+the rest of what it did, for the request's metrics and record (``/admin/v1/requests/{id}``). The flow
+sees the gateway only as ``contract.FlowServices``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from vllm_disagg.errors import EngineRejected, UpstreamError
+from vllm_disagg.orchestrator.gateway.contract import FlowServices, Outcome
 from vllm_disagg.orchestrator.gateway.handoff import (
     Prefilled,
     cached_tokens,
@@ -34,6 +37,7 @@ from vllm_disagg.orchestrator.gateway.handoff import (
     prefill_body,
     run_prefill,
 )
+from vllm_disagg.orchestrator.gateway.parsing import ParsedRequest, Route
 from vllm_disagg.orchestrator.gateway.records import Attempt
 from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream
@@ -57,16 +61,13 @@ from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
 
-if TYPE_CHECKING:
-    from vllm_disagg.orchestrator.gateway.routes import Gateway, ParsedRequest, Route
-
 
 class Flow:
-    """The legs of one request after its first scheduling decision; the gateway reads the outcome."""
+    """The legs of one request after its first scheduling decision; ``outcome`` says what came of them."""
 
     def __init__(
         self,
-        gateway: Gateway,
+        gateway: FlowServices,
         request: ClientRequest,
         route: Route,
         parsed: ParsedRequest,
@@ -87,6 +88,7 @@ class Flow:
         self.out_headers = out_headers
         self.t0 = t0
         self.mode = decision.mode
+        self.explanation = decision.explanation
         self.prefill_id = decision.prefill
         self.decode_id = decision.decode
         self.pinned = scheduling.pinned_prefill is not None
@@ -132,6 +134,11 @@ class Flow:
     def _excluding(self) -> SchedulingRequest:
         return dataclasses.replace(self.scheduling, exclude=frozenset(self.failed))
 
+    def _usable(self, agent_id: str) -> bool:
+        """May a new leg start on ``agent_id``? Not once it is dead or suspect (a retry's second look)."""
+        view = self.gw.registry.get(agent_id)
+        return view is not None and view.state not in ("dead", "suspect")
+
     async def run(self) -> Answer:
         """Prefill (with retries and fallback), then decode (with retries); the client's response."""
         kv = await self._prefill() if self.prefill_id is not None else None
@@ -146,7 +153,7 @@ class Flow:
         path_cause = ""
         p = self.prefill_id
         while p is not None:
-            if not gw.usable(p):  # e.g. a re-prefill after a decode failure, on a P lost meanwhile
+            if not self._usable(p):  # e.g. a re-prefill after a decode failure, on a P lost meanwhile
                 self.failed.add(p)
                 path_cause = path_cause or "lost"
                 p = self.prefill_id = gw.scheduler.pick_prefill(
@@ -394,6 +401,46 @@ class Flow:
             client_ids=self.parsed.body.get("return_token_ids") is True,
             max_tokens=self.parsed.max_tokens,
             client_usage=self._client_usage,
+        )
+
+    def outcome(self, status: int, error: str) -> Outcome:
+        """What the request came to, once it ended with ``status`` (``error`` saying why, if it failed)."""
+        timing, stamps, state, parsed = self.timing, self.stamps, self.state, self.parsed
+        # Only a stream shows when the first token came; a whole body arrives at the last one.
+        if timing.first_byte is not None and parsed.stream:
+            stamps["first_token"] = timing.first_byte
+        if timing.finished is not None and status < 400:
+            stamps["last_token"] = timing.finished
+        reason, relay = self.relay_outcome()
+        tpot = None
+        if state is not None and status == 200 and state.n_ids >= 2:
+            first, last = timing.first_byte, timing.finished
+            if first is not None and last is not None:
+                tpot = (last - first) / (state.n_ids - 1)
+        return Outcome(
+            self.scheduling.request_id,
+            self.route,
+            parsed.model,
+            parsed.stream,
+            status,
+            error,
+            self.t0,
+            self.scheduling,
+            self.explanation,
+            self.mode,
+            self.prefill_id,
+            self.decode_id,
+            stamps,
+            timing.first_byte,
+            self.prefill_s,
+            self.engine_s,
+            tuple(self.attempts),
+            self.fallback,
+            self.resumes,
+            reason,
+            relay,
+            state.unread if state is not None else 0,
+            tpot,
         )
 
     def relay_outcome(self) -> tuple[str, str]:

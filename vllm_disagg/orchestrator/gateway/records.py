@@ -74,11 +74,14 @@ REQUEST_LOG_CAPACITY = 1000  # records each gateway process keeps
 class RequestLog:
     """The last ``capacity`` records, addressable by request id."""
 
-    def __init__(self, capacity: int = 1000) -> None:
+    def __init__(
+        self, capacity: int = 1000, note_elsewhere: Callable[[str, str], None] | None = None
+    ) -> None:
+        """``note_elsewhere``: told a note for a record this log does not keep (with gateway workers,
+        another process may keep it)."""
         self._capacity = capacity
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()
-        # Told a note for a record this log does not keep (with gateway workers: another process may).
-        self.note_elsewhere: Callable[[str, str], None] | None = None
+        self.note_elsewhere = note_elsewhere
 
     def add(self, record: RequestRecord) -> None:
         """Keep a record, forgetting the oldest beyond capacity."""

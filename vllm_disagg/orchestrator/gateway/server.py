@@ -12,7 +12,7 @@ served by ``GatewayProtocol``:
 - any other request (another method or path, a query string) hands the connection, from that request
   on, to aiohttp's server for the same application, exactly as if aiohttp had accepted it: the admin
   API, the dashboard, ``/metrics``, 404 and 405 answer as they always did, and so do the OpenAI routes
-  on that connection afterwards (through ``Gateway.route_directly``).
+  on that connection afterwards (through ``routes.OpenAIRoutes.route_directly``).
 
 The choice is made on a request's first bytes, where a connection is between requests. Requests
 pipelined behind a fast one in the same packets are parsed here too; a pipelined request for another

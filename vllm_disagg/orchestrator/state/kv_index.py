@@ -113,6 +113,11 @@ class KvIndex:
         self._gpu = _Medium("prefix cache")
         self._pool = _Medium("KV pool")
 
+    def take(self, other: KvIndex) -> None:
+        """Hold what ``other`` holds, and drop what this one held: a gateway worker's index on the
+        orchestrator's whole state. Its readers keep the same object; ``other`` is not used again."""
+        self._gpu, self._pool = other._gpu, other._pool
+
     def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
         """Apply one agent's events in order; how many were applied (malformed ones are skipped)."""
         applied = 0

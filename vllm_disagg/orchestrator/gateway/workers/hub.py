@@ -107,7 +107,9 @@ class WorkerHub:
         kv_index: JournaledKvIndex,
         events: EventLog,
         weights: Callable[[], dict[str, dict[str, float]]] | None = None,
+        kv_mover: KvMover | None = None,
     ) -> None:
+        """``kv_mover``: the orchestrator's, for the workers' ``KvMove``s (None: each fails)."""
         self._config = config
         self._registry = registry
         self._kv_index = kv_index
@@ -127,7 +129,7 @@ class WorkerHub:
         self._closing = False
         self.primary_url = ""
         self.all_serving = asyncio.Event()
-        self.kv_mover: KvMover | None = None  # the orchestrator's, for the workers' ``KvMove``s
+        self.kv_mover = kv_mover
         self._moves: set[asyncio.Task[None]] = set()
 
     @property

@@ -30,11 +30,11 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import OrchestratorUnreachable
 from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.control.kv_moves import MoveResult, failed
-from vllm_disagg.orchestrator.gateway.handoff import new_session
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
-from vllm_disagg.orchestrator.gateway.routes import Gateway
+from vllm_disagg.orchestrator.gateway.routes import OpenAIRoutes
 from vllm_disagg.orchestrator.gateway.server import GatewayServer
-from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
+from vllm_disagg.orchestrator.gateway.service import Gateway
+from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers, preload_tokenizer_libs
 from vllm_disagg.orchestrator.gateway.workers.messages import (
     Answer,
     Ask,
@@ -133,7 +133,10 @@ class Worker:
         self.outbox: list[object] = []
         self.replica = RegistryReplica(index, self.outbox.append)
         self.kv_mover = LinkKvMover(self.send)  # at once, not with the next push: a decode leg waits
+        # The orchestrator's index, as its whole state and then its writes in order say.
+        self.kv_index = KvIndex()
         self.gateway: Gateway | None = None
+        self.routes: OpenAIRoutes | None = None
         self.primary_url = ""
         self.stopped = asyncio.Event()
 
@@ -148,21 +151,24 @@ class Worker:
         config = setup.config
         self.primary_url = setup.primary_url
         metrics = OrchestratorMetrics(self.replica.snapshot, instances=False)
-        scheduler = PluginScheduler(load_scheduler_config(config))
-        gateway = Gateway(
+        self.gateway = gateway = Gateway(
             config,
             self.replica,
-            scheduler,
+            PluginScheduler(load_scheduler_config(config)),
             metrics,
             SystemClock(),
-            RequestLog(REQUEST_LOG_CAPACITY),
-            KvIndex(),  # replaced by the orchestrator's whole index before the first request
+            request_log=RequestLog(REQUEST_LOG_CAPACITY),
+            kv_index=self.kv_index,
+            tokenizers=Tokenizers(max_pending=config.tokenize_queue, metrics=metrics),
+            events=_ForwardedEvents(self.outbox.append),
+            kv_mover=self.kv_mover,
+            # The planner's window measures the orchestrator process's own requests: a fair sample,
+            # as the kernel spreads connections evenly (docs/planner.md).
+            slo_window=None,
         )
-        gateway.events = _ForwardedEvents(self.outbox.append)
-        gateway.kv_mover = self.kv_mover
-        self.gateway = gateway
+        self.routes = OpenAIRoutes(gateway)
         app = web.Application(client_max_size=config.max_body_bytes)
-        gateway.add_routes(app)
+        self.routes.add_to(app)
         app.router.add_route("*", "/{tail:.*}", answering(self.proxy))
         app.cleanup_ctx.append(self._session_ctx)
         return app
@@ -170,7 +176,7 @@ class Worker:
     async def _session_ctx(self, app: web.Application) -> Any:
         assert self.gateway is not None
         gateway = self.gateway
-        gateway.session = new_session(gateway.config)
+        gateway.open()
         # No total timeout: the admin event stream (SSE) lasts as long as its reader.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0)
         self.http = aiohttp.ClientSession(auto_decompress=False, timeout=timeout)
@@ -216,12 +222,12 @@ class Worker:
                     self.send(Resync(self.index))
                 return
             if msg.full and msg.kv_index is not None:
-                gateway.kv_index = msg.kv_index
+                self.kv_index.take(msg.kv_index)
             for kind, agent_id, events in msg.kv:
                 if kind == "apply":
-                    gateway.kv_index.apply(agent_id, events)
+                    self.kv_index.apply(agent_id, events)
                 else:
-                    gateway.kv_index.drop(agent_id)
+                    self.kv_index.drop(agent_id)
             for view in self.replica.apply(msg):
                 gateway.instance_joined(view.info)
             if msg.weights:
@@ -278,9 +284,9 @@ async def serve(link: str, index: int) -> None:
     tasks = [asyncio.create_task(worker.read(), name="worker-link")]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
     await runner.setup()
-    assert runner.server is not None and worker.gateway is not None
-    worker.gateway.route_directly(runner.server, app)
-    listener = GatewayServer(worker.gateway.fast_routes(), runner.server, config.max_body_bytes)
+    assert runner.server is not None and worker.routes is not None
+    worker.routes.route_directly(runner.server, app)
+    listener = GatewayServer(worker.routes.fast(), runner.server, config.max_body_bytes)
     await listener.start(config.host, config.port, reuse_port=True)
     gc.collect()
     gc.freeze()  # as the orchestrator: full collections never walk the start-up heap
