@@ -11,7 +11,12 @@ TREE=$1; PORT=$2; shift 2
 ZMQ=$((PORT + 51))
 PY=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
 export PYTHONPATH="$TREE"
-CLI="from vllm_disagg.cli.commands import main; raise SystemExit(main())"
+# The command's entry point, in the layout of either side of the move to cli/ (issue 25).
+CLI="try:
+    from vllm_disagg.cli.commands import main
+except ImportError:
+    from vllm_disagg.cli import main
+raise SystemExit(main())"
 role=prefill; i=0
 for arg in "$@"; do
   case $arg in
