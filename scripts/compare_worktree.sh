@@ -9,8 +9,11 @@
 set -eu
 TREE=$1; PORT=$2; shift 2
 ZMQ=$((PORT + 51))
-PY=${PYTHON:-$(dirname "$0")/../.venv/bin/python}
+PY=${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
 export PYTHONPATH="$TREE"
+# From the tree itself: `python -c` puts the working directory before PYTHONPATH on sys.path, so run
+# from another checkout it would measure that checkout instead of this one.
+cd "$TREE"
 # The command's entry point, in the layout of either side of the move to cli/ (issue 25).
 CLI="try:
     from vllm_disagg.cli.commands import main
