@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 UP_ARGS ?= --prefill 1 --decode 1
+# Each test file runs whole on one of 4 workers, the real-vLLM files in two lanes (tests/lanes.py).
+PARALLEL ?= -n 4 --dist loadfile
 
 .PHONY: up test lint typecheck unit setup setup-test bench clean chromium
 
@@ -12,9 +14,10 @@ UP_ARGS ?= --prefill 1 --decode 1
 up: setup
 	$(BIN)/vllm-disagg up $(UP_ARGS)
 
-## test: set up, then ruff, mypy strict (the package and the tests) and every test
+## test: set up, then ruff, mypy strict (the package and the tests) and every test, every tier, in
+## parallel (docs/testing.md)
 test: setup-test lint typecheck
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PARALLEL)
 
 lint: setup-test
 	$(BIN)/ruff check vllm_disagg tests

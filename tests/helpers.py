@@ -31,7 +31,22 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # And never the same port twice in a run: bind(0) may hand a just-closed port out again, and two
 # picks that collide start two servers on one port (seen in CI: up's ZMQ port was its first
 # engine's, and that engine never started).
-_TEST_PORTS = range(10000, 30000)
+_ALL_TEST_PORTS = range(10000, 30000)
+
+
+def _share(ports: range) -> range:
+    """This process's share of ``ports``: each pytest-xdist worker picks from its own slice, so two
+    workers never pick one port (each checks only its own picks)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw"):
+        return ports
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = len(ports) // count
+    start = ports.start + int(worker[2:]) * size
+    return range(start, start + size)
+
+
+_TEST_PORTS = _share(_ALL_TEST_PORTS)
 _handed_out: set[int] = set()
 _port_rng = random.Random(os.getpid())
 

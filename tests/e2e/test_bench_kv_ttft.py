@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.engine_slots import engine_slots
+
 pytestmark = pytest.mark.timeout(1200)
 
 
@@ -17,7 +19,8 @@ def test_the_pool_round_loads_the_two_blocks_instead_of_computing_them(
     from vllm_disagg.cli.commands import main
 
     argv = ["bench", "kv", "--blocks", "2", "--rounds", "1", "--layers", "2", "--layer-block-kib", "16"]
-    assert main([*argv, "--ttft-rounds", "2", "--json"]) == 0
+    with engine_slots(1, "bench kv"):  # the TTFT part starts one engine
+        assert main([*argv, "--ttft-rounds", "2", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["ttft_prefix_tokens"] == 256  # two CPU blocks of 128
     # Each round's pool request loaded both blocks; the computed and local ones loaded nothing.

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 import zmq
 
+from tests.e2e.reference import Book, concurrent_cases, routes_and_modes, shared_prompts
 from tests.e2e.vllm_support import (
     BLOCK,
     JSON,
@@ -29,9 +30,7 @@ from tests.e2e.vllm_support import (
     Case,
     UpCluster,
     ask,
-    colocated_answers,
     free_engine_ports,
-    prompts_for,
     running_up,
     up_1p1d_argv,
 )
@@ -54,14 +53,7 @@ pytestmark = pytest.mark.timeout(1800)
 
 
 def _cases(prompts: list[str]) -> list[Case]:
-    return [
-        Case(
-            f"{'chat' if chat else 'completions'}-{'stream' if stream else 'nonstream'}-{i}", chat, stream, p
-        )
-        for i, p in enumerate(prompts[:4])
-        for chat in (False, True)
-        for stream in (False, True)
-    ]
+    return routes_and_modes(prompts[:4])
 
 
 def _port_of(instance: dict[str, Any]) -> int:
@@ -70,17 +62,12 @@ def _port_of(instance: dict[str, Any]) -> int:
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model: Path) -> list[str]:
-    return prompts_for(tiny_model, 16, first_tokens=2 * BLOCK + 20)
+    return shared_prompts(tiny_model)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory) -> Answers:
-    cases = _cases(prompts) + _concurrent_cases(prompts)
-    return colocated_answers(tiny_model, cases, tmp_path_factory.mktemp("reference") / "vllm.log")
-
-
-def _concurrent_cases(prompts: list[str]) -> list[Case]:
-    return [Case(f"concurrent-{i}", False, False, p) for i, p in enumerate(prompts)]
+def reference(reference_book: Book, prompts: list[str]) -> Answers:
+    return reference_book.answers(_cases(prompts) + concurrent_cases(prompts))
 
 
 class EngineBlocks:
@@ -187,7 +174,7 @@ async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
             assert (headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"]) == ("prefill-0", "decode-0")
             assert text == reference.texts[case.name], case.name
         # Sixteen at once.
-        concurrent = _concurrent_cases(prompts)
+        concurrent = concurrent_cases(prompts)
         answers = await asyncio.gather(*(ask(session, cluster.base, c) for c in concurrent))
         for case, (text, _, headers) in zip(concurrent, answers, strict=True):
             assert headers["X-Disagg-Mode"] == "disaggregated"
@@ -242,7 +229,7 @@ async def test_1p1d_output_is_token_identical_to_colocated_and_the_kv_travelled(
 
 
 async def test_agents_report_what_they_scrape_from_real_vllm(cluster: Cluster, prompts: list[str]) -> None:
-    cases = _concurrent_cases(prompts)
+    cases = concurrent_cases(prompts)
     async with aiohttp.ClientSession() as session:
         for case in cases[:2]:
             await ask(session, cluster.base, case)

@@ -12,22 +12,20 @@ prefill agent's) and computes only the rest. At most two vLLM instances run at o
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from tests.e2e.reference import Book, PoolPrompts, pool_cases, pool_prompts
 from tests.e2e.vllm_support import (
     BLOCK,
     Answers,
     Case,
     UpCluster,
     ask,
-    colocated_answers,
     free_engine_ports,
-    prompts_for,
     running_up,
     up_1p1d_argv,
 )
@@ -37,40 +35,18 @@ pytestmark = pytest.mark.timeout(1800)
 SOURCE = "vllm:prompt_tokens_by_source_total"
 
 
-@dataclass(frozen=True)
-class Prompts:
-    handoff: list[str]  # through the gateway, P to D
-    prefix: str  # computed on P alone
-    sharing: str  # the same first blocks, another tail: sent to D
+@pytest.fixture(scope="module")
+def prompts(tiny_model: Path) -> PoolPrompts:
+    return pool_prompts(tiny_model)
+
+
+def _cases(prompts: PoolPrompts) -> list[Case]:
+    return pool_cases(prompts)
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_model: Path) -> Prompts:
-    handoff = prompts_for(tiny_model, 3, first_tokens=2 * BLOCK + 20)
-    # "Request 3: ...": no block in common with the handoff prompts ("Request 0..2: ...").
-    long = prompts_for(tiny_model, 4, first_tokens=3 * BLOCK + 10)[3]
-    return Prompts(handoff, long + " and then the first tail", long + " but a second, other tail")
-
-
-def _cases(prompts: Prompts) -> list[Case]:
-    cases = [
-        Case(
-            f"{'chat' if chat else 'completions'}-{'stream' if stream else 'nonstream'}-{i}", chat, stream, p
-        )
-        for i, p in enumerate(prompts.handoff)
-        for chat in (False, True)
-        for stream in (False, True)
-    ]
-    return [
-        *cases,
-        Case("prefix", False, False, prompts.prefix),
-        Case("sharing", False, False, prompts.sharing),
-    ]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model: Path, prompts: Prompts, tmp_path_factory: pytest.TempPathFactory) -> Answers:
-    return colocated_answers(tiny_model, _cases(prompts), tmp_path_factory.mktemp("reference") / "vllm.log")
+def reference(reference_book: Book, prompts: PoolPrompts) -> Answers:
+    return reference_book.answers(_cases(prompts))
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +70,7 @@ async def _metrics(session: aiohttp.ClientSession, url: str) -> dict[Any, float]
 
 
 async def test_prefill_to_decode_through_the_pools_is_token_identical_and_the_kv_is_loaded(
-    cluster: UpCluster, reference: Answers, prompts: Prompts
+    cluster: UpCluster, reference: Answers, prompts: PoolPrompts
 ) -> None:
     decode_url = cluster.instances()["decode-0"]["url"]
     cases = _cases(prompts)[:-2]
@@ -120,7 +96,7 @@ async def test_prefill_to_decode_through_the_pools_is_token_identical_and_the_kv
 
 
 async def test_a_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_other(
-    cluster: UpCluster, reference: Answers, prompts: Prompts
+    cluster: UpCluster, reference: Answers, prompts: PoolPrompts
 ) -> None:
     urls = {agent: i["url"] for agent, i in cluster.instances().items()}
     prefix_case, sharing_case = _cases(prompts)[-2:]

@@ -18,23 +18,20 @@ import os
 import random
 import signal
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
+from tests.e2e.reference import Book, LongCase, long_cases, shared_prompts, short_cases
 from tests.e2e.vllm_support import (
-    BLOCK,
     JSON,
     START_TIMEOUT_S,
     Case,
     UpCluster,
     ask,
-    colocated_answers,
     free_engine_ports,
-    prompts_for,
     running_up,
     up_1p1d_argv,
 )
@@ -52,7 +49,6 @@ from vllm_disagg import jsonutil
 from vllm_disagg.procfs import engine_servers, group_members
 
 pytestmark = pytest.mark.timeout(1800)
-LONG = 96  # output tokens of the streams cut mid-way (the context is 512: prompts are ~300)
 # How long P keeps KV that no decode pulls (vLLM's default is 30 s), and how soon after P's last
 # prefill the gateway must have freed it: far apart, so a slow machine is not mistaken for a leak.
 KV_LEASE_S = 900
@@ -60,36 +56,14 @@ IDLE_WITHIN_S = 120
 TRIES = 3  # pairs of long streams started, until both are under way at once
 
 
-@dataclass(frozen=True)
-class LongCase(Case):
-    """A long greedy stream: long enough to be cut in the middle."""
-
-    def body(self) -> dict[str, Any]:
-        return {**super().body(), "max_tokens": LONG, "ignore_eos": True}
-
-
 @pytest.fixture(scope="module")
 def prompts(tiny_model: Path) -> list[str]:
-    return prompts_for(tiny_model, 8, first_tokens=2 * BLOCK + 20)
-
-
-def _long_cases(prompts: list[str]) -> list[LongCase]:
-    return [
-        LongCase("long-completion", False, True, prompts[6]),
-        LongCase("long-chat", True, True, prompts[7]),
-    ]
-
-
-def _short_cases(prompts: list[str]) -> list[Case]:
-    return [Case(f"short-{i}", False, False, p) for i, p in enumerate(prompts[:4])]
+    return shared_prompts(tiny_model)[:8]
 
 
 @pytest.fixture(scope="module")
-def reference(
-    tiny_model: Path, prompts: list[str], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, str]:
-    cases: list[Case] = [*_long_cases(prompts), *_short_cases(prompts)]
-    return colocated_answers(tiny_model, cases, tmp_path_factory.mktemp("reference") / "vllm.log").texts
+def reference(reference_book: Book, prompts: list[str]) -> dict[str, str]:
+    return reference_book.answers([*long_cases(prompts), *short_cases(prompts)]).texts
 
 
 class Up(UpCluster):
@@ -232,7 +206,7 @@ async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals
     up: Up, prompts: list[str], reference: dict[str, str]
 ) -> None:
     await up.both_ready()
-    cases = _long_cases(prompts)
+    cases = long_cases(prompts)
     async with aiohttp.ClientSession() as session:
         for attempt in range(1, TRIES + 1):
             ids = [f"{case.name}-{attempt}" for case in cases]
@@ -265,7 +239,7 @@ async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_
     os.killpg(pgid, signal.SIGSTOP)  # frozen: requests sent now wait inside the prefill engine
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-            cases = _short_cases(prompts)
+            cases = short_cases(prompts)
             tasks = [asyncio.ensure_future(ask(session, up.base, c)) for c in cases]
             await eventually(
                 lambda: up.instances()["prefill-0"]["in_flight"] == len(cases), timeout=60, what="all on P"

@@ -107,13 +107,10 @@ class Dirs:
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory: pytest.TempPathFactory) -> Dirs:
+def dirs(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Dirs:
     from tokenizers import Tokenizer, processors
 
-    from vllm_disagg.cli.up import tiny_model_dir
-    from vllm_disagg.model.tiny import build_tiny_model
-
-    tiny = build_tiny_model(tiny_model_dir()).path
+    tiny = tiny_model
     root = tmp_path_factory.mktemp("tokenize-models")
     model = root / "tiny-bos"
     shutil.copytree(tiny, model)

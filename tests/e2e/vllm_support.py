@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import signal
@@ -15,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from tests.e2e.engine_slots import engine_slots
 from tests.helpers import (
     ADMIN,
     cli_argv,
@@ -62,12 +62,19 @@ def running_vllms(
     """Several engines started side by side (a cold start is a minute or more here); their base URLs
     once all are healthy. ``env``: more variables for an engine, by agent id. On exit each process
     group is stopped as ``running_vllm`` does."""
+    with engine_slots(len(engines), ", ".join(cfg.agent_id for cfg, _ in engines)):
+        yield from _started(engines, env or {})
+
+
+def _started(
+    engines: list[tuple[AgentConfig, Path]], env: Mapping[str, Mapping[str, str]]
+) -> Iterator[tuple[str, ...]]:
     command = VllmEngineCommand()
     procs: list[tuple[subprocess.Popen[bytes], str, Path]] = []
     try:
         for cfg, log in engines:
             with log.open("wb") as out:
-                more = (env or {}).get(cfg.agent_id, {})
+                more = env.get(cfg.agent_id, {})
                 proc = subprocess.Popen(
                     command.argv(cfg), env={**os.environ, **command.env(cfg), **more}, stdout=out,
                     stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_engine_preexec,
@@ -195,28 +202,6 @@ class Answers:
     prompt_tokens: dict[str, int]
 
 
-def colocated_answers(model_dir: Path, cases: list[Case], log: Path) -> Answers:
-    """Every case asked, one at a time, of one plain vLLM (no KV connector): the reference that
-    disaggregated serving must match token for token."""
-    cfg = AgentConfig(
-        agent_id="reference", role="both", engine="vllm", model=MODEL, model_path=str(model_dir),
-        engine_port=free_engine_ports(1), kv_connector="",
-    )  # fmt: skip
-    with running_vllm(cfg, log) as base:
-
-        async def collect() -> Answers:
-            answers = Answers({}, {})
-            async with aiohttp.ClientSession() as session:
-                for case in cases:
-                    text, usage, _ = await ask(session, base, case)
-                    answers.texts[case.name] = text
-                    if usage:
-                        answers.prompt_tokens[case.name] = usage["prompt_tokens"]
-            return answers
-
-        return asyncio.run(collect())
-
-
 @dataclass
 class UpCluster:
     """A running ``vllm-disagg up`` with real vLLM engines."""
@@ -236,6 +221,16 @@ class UpCluster:
 def running_up(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``vllm-disagg up`` with ``argv``, once it says every instance is ready; stopped on exit (its
     whole process group, engines included). A start that fails raises with the log's last lines."""
+    with engine_slots(_engines_in(argv), "up"):
+        yield from _up(argv, log)
+
+
+def _engines_in(argv: list[str]) -> int:
+    """How many engines ``up`` with ``argv`` runs: its ``--prefill`` and ``--decode`` counts."""
+    return sum(int(argv[argv.index(flag) + 1]) for flag in ("--prefill", "--decode") if flag in argv)
+
+
+def _up(argv: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
