@@ -2,7 +2,7 @@
 cache, and KV held for decode engines.
 
 It follows the real-time simulated engine (``vllm_disagg.sim_engine.core``) step for step, so that the two
-agree (``tests/integration/test_cluster_sim_fidelity.py``): a step admits what fits (FCFS, blocks for
+agree (``tests/integration/cluster_sim/test_fidelity.py``): a step admits what fits (FCFS, blocks for
 prompt and output reserved), prefills, and ends with one token for every request whose prompt is
 done; a request leaves with its last token. Beyond it: chunked prefill (``max_batched_tokens``) and
 context-dependent step costs (``EngineProfile``).

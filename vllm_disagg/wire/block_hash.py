@@ -8,7 +8,7 @@ keys on it, and a receiving agent knows which blocks a prompt needs before its e
 Only plain text blocks are covered (``extra_keys`` None: no LoRA, no multimodal inputs, no cache salt).
 
 The encoder is the few lines of canonical CBOR this shape needs, not a CBOR library: unsigned integers,
-a byte string, a text string, arrays and null. ``tests/unit/test_block_hash.py`` checks it against
+a byte string, a text string, arrays and null. ``tests/unit/wire/test_block_hash.py`` checks it against
 vLLM's own function.
 """
 

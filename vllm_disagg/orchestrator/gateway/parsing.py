@@ -5,7 +5,7 @@ client sees (``vllm_disagg.http_errors`` answers it): a body over ``max_body_byt
 JSON, a non-object, a missing ``prompt``/``messages``, a wrongly typed field or a pin the header and the
 body disagree on is a 400 whose reason names the field. (An unknown model is the scheduler's 404: only
 the registry knows which models are served.) Nothing here reads the gateway's state, so the rules are
-tested on bytes alone (``tests/unit/test_gateway_validation.py``).
+tested on bytes alone (``tests/unit/orchestrator/gateway/test_validation.py``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ weighted sum included) and reads a candidate's metrics, in-flight count and cach
 scorer. When every weighted scorer has a ``term`` (``framework.TermScorer``), ``fused_totals`` reads
 each candidate once and calls the terms on what it read, giving the weighted totals directly; the
 columns are computed only when an explanation is rendered. Both call the same terms, so the totals
-are bit for bit what ``weighted_sum`` gives of the columns (tests/unit/test_scheduling_fused.py).
+are bit for bit what ``weighted_sum`` gives of the columns
+(tests/unit/orchestrator/scheduling/test_fused.py).
 
 The pass is one of a few plain functions, chosen by the number of terms when the weights are set (a
 loop over the terms inside the loop over the candidates costs a fifth more). Each term is a Python
@@ -60,8 +61,8 @@ def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
 
     A term is a call per candidate, a fifth of a decision at 16 candidates a profile: here the three
     scores that read only the candidate are written out a second time, inline, and the prediction is
-    the one formula's (``predict``), called. tests/unit/test_scheduling_fused.py checks, for any
-    parameters, weights and metrics, that the totals are bit for bit what the terms give.
+    the one formula's (``predict``), called. tests/unit/orchestrator/scheduling/test_fused.py checks,
+    for any parameters, weights and metrics, that the totals are bit for bit what the terms give.
     """
     if len(weighted) != 4:
         return None
