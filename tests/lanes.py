@@ -3,7 +3,7 @@
 Each test file is one unit, run whole by one worker, so its module fixtures (clusters, engines,
 servers) start once. The real-vLLM files (tests/e2e/vllm/) are the exception: they form ``LANES``
 units, a lane being a chain of such files that one worker runs one after the other. Each engine start
-takes one of two machine-wide engine slots (tests/e2e/engine_slots.py); more workers among the real-
+takes one of two machine-wide engine slots (tests/e2e/vllm/engine_slots.py); more workers among the real-
 vLLM files would only wait there while the rest of the suite could run. The lanes go first (the
 collection puts them first, tests/conftest.py): they are the longest chains.
 """
@@ -18,7 +18,7 @@ VLLM_DIR = "tests/e2e/vllm/"
 LANES = 2  # one per engine slot
 
 
-class LaneScheduling(LoadScopeScheduling):
+class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships no type hints
     """Units of work: one per file, and ``LANES`` for the real-vLLM files, in collection order."""
 
     def __init__(self, config: pytest.Config, log: Producer | None = None) -> None:

@@ -20,8 +20,8 @@ import aiohttp
 import pytest
 import zmq
 
-from tests.e2e.reference import Book, concurrent_cases, routes_and_modes, shared_prompts
-from tests.e2e.vllm_support import (
+from tests.e2e.vllm.reference import Book, concurrent_cases, routes_and_modes, shared_prompts
+from tests.e2e.vllm.support import (
     BLOCK,
     JSON,
     MAX_TOKENS,

@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.reference import Book, LongCase, long_cases, shared_prompts, short_cases
-from tests.e2e.vllm_support import (
+from tests.e2e.vllm.reference import Book, LongCase, long_cases, shared_prompts, short_cases
+from tests.e2e.vllm.support import (
     JSON,
     START_TIMEOUT_S,
     Case,

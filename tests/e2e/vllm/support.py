@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.e2e.engine_slots import engine_slots
+from tests.e2e.vllm.engine_slots import engine_slots
 from tests.helpers import (
     ADMIN,
     cli_argv,
@@ -122,7 +122,7 @@ JSON = {"Content-Type": "application/json"}
 
 
 def _words() -> list[str]:
-    text = (Path(__file__).parent.parent.parent / "docs" / "architecture.md").read_text()
+    text = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text()
     return [w for w in text.split() if w.isascii()]
 
 

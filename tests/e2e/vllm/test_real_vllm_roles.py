@@ -21,8 +21,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.test_real_vllm_attached import running
-from tests.e2e.vllm_support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.e2e.vllm.support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.e2e.vllm.test_real_vllm_attached import running
 from tests.helpers import ADMIN, cli_argv, eventually
 from tests.integration.orchestrator_support import orch_config
 from vllm_disagg import jsonutil

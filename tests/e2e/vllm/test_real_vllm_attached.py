@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.e2e.vllm_support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.e2e.vllm.support import JSON, MODEL, free_engine_ports, running_vllms
 from tests.helpers import (
     ADMIN,
     cli_argv,

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import pytest
 
-from tests.e2e.vllm_support import BLOCK, MODEL, running_vllms
+from tests.e2e.vllm.support import BLOCK, MODEL, running_vllms
 from tests.helpers import eventually_sync, free_ports, http_json, metric_sum, parse_prometheus
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.kv.agent_pool import KvPool

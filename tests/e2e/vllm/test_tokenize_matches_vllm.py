@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.vllm_support import free_engine_ports, running_vllm
+from tests.e2e.vllm.support import free_engine_ports, running_vllm
 from tests.helpers import eventually_sync, http_json
 from vllm_disagg import jsonutil
 from vllm_disagg.config import AgentConfig
@@ -52,7 +52,7 @@ UNICODE = "naïve café — 日本語のテキスト, ελληνικά, emoji �
 
 
 def _long_text() -> str:
-    words = (Path(__file__).parents[2] / "docs" / "architecture.md").read_text().split()
+    words = (Path(__file__).parents[3] / "docs" / "architecture.md").read_text().split()
     return " ".join(words[:200])  # about 700 tokens: more than four 128-token blocks
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.engine_slots import engine_slots
+from tests.e2e.vllm.engine_slots import engine_slots
 
 pytestmark = pytest.mark.timeout(1200)
 

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.vllm_support import (
+from tests.e2e.vllm.support import (
     BLOCK,
     MODEL,
     Answers,

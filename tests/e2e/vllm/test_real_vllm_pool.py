@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.reference import Book, PoolPrompts, pool_cases, pool_prompts
-from tests.e2e.vllm_support import (
+from tests.e2e.vllm.reference import Book, PoolPrompts, pool_cases, pool_prompts
+from tests.e2e.vllm.support import (
     BLOCK,
     Answers,
     Case,
