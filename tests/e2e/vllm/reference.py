@@ -123,10 +123,11 @@ class Book:
 
     def answers(self, cases: list[Case]) -> Answers:
         """The answers to ``cases``, by case name."""
-        missing = [c.name for c in cases if _key(c) not in self._texts]
+        keys = {c.name: _key(c) for c in cases}
+        missing = [name for name, key in keys.items() if key not in self._texts]
         assert not missing, f"not in the reference book (add them to all_reference_cases): {missing}"
-        texts = {c.name: self._texts[_key(c)] for c in cases}
-        tokens = {c.name: self._prompt_tokens[_key(c)] for c in cases if _key(c) in self._prompt_tokens}
+        texts = {name: self._texts[key] for name, key in keys.items()}
+        tokens = {name: self._prompt_tokens[key] for name, key in keys.items() if key in self._prompt_tokens}
         return Answers(texts, tokens)
 
     def save(self, path: Path) -> None:
@@ -149,14 +150,14 @@ def _asked(model_dir: Path, cases: list[Case], log: Path) -> Book:
     with running_vllm(cfg, log) as base:
 
         async def collect() -> Book:
-            book = Book({}, {})
+            texts: dict[str, str] = {}
+            prompt_tokens: dict[str, int] = {}
             async with aiohttp.ClientSession() as session:
                 for case in cases:
-                    text, usage, _ = await ask(session, base, case)
-                    book._texts[_key(case)] = text
+                    texts[_key(case)], usage, _ = await ask(session, base, case)
                     if usage:
-                        book._prompt_tokens[_key(case)] = usage["prompt_tokens"]
-            return book
+                        prompt_tokens[_key(case)] = usage["prompt_tokens"]
+            return Book(texts, prompt_tokens)
 
         return asyncio.run(collect())
 
