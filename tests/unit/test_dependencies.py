@@ -11,6 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[2]
 PACKAGE = ROOT / "vllm_disagg"
+CONNECTOR = "vllm_disagg/agent/kv/connector.py"
+PLUGIN = "vllm_disagg/agent/vllm_plugin.py"
+# Where an engine runs, not dependencies of the project: who may import them (vLLM loads both).
+ENGINE_SIDE = {"vllm": {CONNECTOR}, "nixl": {PLUGIN}}
 
 
 def _imported_modules() -> dict[str, set[str]]:
@@ -56,19 +60,19 @@ def test_every_third_party_import_is_a_declared_dependency() -> None:
     for module, files in _imported_modules().items():
         if module in sys.stdlib_module_names or module in ("vllm_disagg", "__future__"):
             continue
-        if module == "vllm":  # the engine itself: installed by scripts/setup_engine.sh, imported only
-            continue  # by the connector vLLM loads into its own processes (a test below keeps it so)
+        if module in ENGINE_SIDE:  # the engine and NIXL: installed by scripts/setup_engine.sh, imported
+            continue  # only by the modules vLLM loads into its own processes (a test below keeps it so)
         dists = {_normal(d) for d in owners.get(module, [module])}
         if not dists & _declared():
             undeclared[module] = sorted(files)
     assert not undeclared, f"imported but not declared in pyproject.toml: {undeclared}"
 
 
-CONNECTOR = "vllm_disagg/agent/kv/connector.py"
-
-
-def test_only_the_connector_vllm_loads_imports_vllm() -> None:
-    assert _imported_modules().get("vllm", set()) <= {CONNECTOR}
+def test_only_the_modules_vllm_loads_import_the_engines_packages() -> None:
+    imported = _imported_modules()
+    assert {module: imported.get(module, set()) <= files for module, files in ENGINE_SIDE.items()} == {
+        module: True for module in ENGINE_SIDE
+    }, {module: imported.get(module) for module in ENGINE_SIDE}
 
 
 def test_the_control_plane_never_imports_the_connector() -> None:

