@@ -2,7 +2,8 @@
 
 Each test file is one unit, run whole by one worker, so its module fixtures (clusters, engines,
 servers) start once. The real-vLLM files (tests/e2e/vllm/) are the exception: they form ``LANES``
-units, a lane being a chain of such files that one worker runs one after the other. Each engine start
+units, a lane being a chain of such files (a folder of them counting as one, as it shares a cluster)
+that one worker runs one after the other. Each engine start
 takes one of two machine-wide engine slots (tests/e2e/vllm/engine_slots.py); more workers among the real-
 vLLM files would only wait there while the rest of the suite could run. The lanes go first (the
 collection puts them first, tests/conftest.py): they are the longest chains.
@@ -31,4 +32,6 @@ class LaneScheduling(LoadScopeScheduling):  # type: ignore[misc]  # xdist ships 
         path = nodeid.split("::", 1)[0]
         if not path.startswith(VLLM_DIR):
             return path
-        return self._lanes.setdefault(path, f"vllm-lane-{len(self._lanes) % LANES}")
+        # A folder below is one link of a lane: its files share a cluster (a package fixture).
+        link = VLLM_DIR + path[len(VLLM_DIR) :].split("/", 1)[0]
+        return self._lanes.setdefault(link, f"vllm-lane-{len(self._lanes) % LANES}")

@@ -98,7 +98,7 @@ def pool_cases(prompts: PoolPrompts) -> list[Case]:
 
 
 def all_reference_cases(model_dir: Path) -> list[Case]:
-    """Every module's reference cases (test_real_vllm, _recovery, _pool)."""
+    """Every module's reference cases (nixl/test_handoff, _recovery, _roles; test_real_vllm_pool)."""
     prompts = shared_prompts(model_dir)
     return [
         *routes_and_modes(prompts[:4]),

@@ -4,7 +4,7 @@ once the new engine is ready, in the same session. A stream in flight finishes w
 outlives the drain's timeout is resumed elsewhere. No request fails.
 
 Real agents (``agent.main.serve``) launch real simulated engines here, with ``role_switch: restart``
-(the simulator itself could switch by routing); tests/e2e/vllm/test_real_vllm.py does it with real vLLM.
+(the simulator itself could switch by routing); tests/e2e/vllm/nixl/test_roles.py does it with real vLLM.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Recovery on real vLLM: engines killed under load, clients that leave, and nothing lost.
 
-A plain colocated vLLM answers every request first (the reference, greedy). Then ``vllm-disagg up``
-runs 1P1D with NIXL, and:
+On the package's 1P1D cluster (conftest.py), after test_handoff.py:
 
 - clients that leave at random points, mid-prefill included, leave no KV held on the prefill engine;
 - the decode engine is SIGKILLed mid-stream: both streams resume on the instance left (the prefill
@@ -17,48 +16,22 @@ import contextlib
 import os
 import random
 import signal
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.e2e.vllm.reference import Book, LongCase, long_cases, shared_prompts, short_cases
-from tests.e2e.vllm.support import (
-    JSON,
-    START_TIMEOUT_S,
-    Case,
-    UpCluster,
-    ask,
-    free_engine_ports,
-    running_up,
-    up_1p1d_argv,
-)
-from tests.helpers import (
-    ADMIN,
-    eventually,
-    eventually_sync,
-    free_port,
-    http_json,
-    metric_sum,
-    parse_prometheus,
-    sse_text,
-)
+from tests.e2e.vllm.nixl.cluster import Cluster, metrics
+from tests.e2e.vllm.reference import Book, LongCase, long_cases, short_cases
+from tests.e2e.vllm.support import JSON, Case, ask
+from tests.helpers import eventually, eventually_sync, http_json, metric_sum, parse_prometheus, sse_text
 from vllm_disagg import jsonutil
-from vllm_disagg.procfs import engine_servers, group_members
+from vllm_disagg.procfs import group_members
 
 pytestmark = pytest.mark.timeout(1800)
-# How long P keeps KV that no decode pulls (vLLM's default is 30 s), and how soon after P's last
-# prefill the gateway must have freed it: far apart, so a slow machine is not mistaken for a leak.
-KV_LEASE_S = 900
+# How soon after P's last prefill the gateway must have freed the KV of clients that left: far below
+# P's own lease (cluster.KV_LEASE_S), so a slow machine is not mistaken for a leak.
 IDLE_WITHIN_S = 120
 TRIES = 3  # pairs of long streams started, until both are under way at once
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_model: Path) -> list[str]:
-    return shared_prompts(tiny_model)[:8]
 
 
 @pytest.fixture(scope="module")
@@ -66,82 +39,25 @@ def reference(reference_book: Book, prompts: list[str]) -> dict[str, str]:
     return reference_book.answers([*long_cases(prompts), *short_cases(prompts)]).texts
 
 
-class Up(UpCluster):
-    """A running ``vllm-disagg up`` 1P1D."""
-
-    def engine_group(self, agent_id: str) -> int:
-        (pgid,) = engine_servers({int(str(self.instances()[agent_id]["url"]).rsplit(":", 1)[1])})
-        return pgid
-
-    async def both_ready(self) -> None:
-        """Both instances ready, and each engine answering itself: right after an engine is killed,
-        until its agent has seen it (a starved agent may take seconds), the registry still says ready
-        (seen in CI: the next test's requests went to the dead decode engine)."""
-
-        def ready() -> bool:
-            instances = self.instances()
-            if {i: v["state"] for i, v in instances.items()} != {"prefill-0": "ready", "decode-0": "ready"}:
-                return False
-            return all(http_json(f"{v['url']}/health")[0] == 200 for v in instances.values())
-
-        await eventually(ready, timeout=START_TIMEOUT_S, interval=0.5, what="1P1D ready")
-
-    async def explain(self, session: aiohttp.ClientSession, ids: list[str], events: list[int]) -> str:
-        """Where streams that are not under way are: their events so far, the gateway's live requests
-        (stage, pair, age), and what each engine is running and waiting for."""
-        lines = [f"{request_id}: {n} events" for request_id, n in zip(ids, events, strict=True)]
-        async with session.get(f"{self.base}/admin/v1/live-requests", headers=ADMIN) as resp:
-            lines.append(f"live requests: {(await resp.text())[:3000]}")
-        for agent_id, view in self.instances().items():
-            samples = _metrics(str(view["url"]))
-            running = metric_sum(samples, "vllm:num_requests_running")
-            waiting = metric_sum(samples, "vllm:num_requests_waiting")
-            lines.append(
-                f"{agent_id} ({view['state']}, in flight {view['in_flight']}): "
-                f"engine running {running}, waiting {waiting}"
-            )
-        return "\n".join(lines)
-
-    async def record(self, session: aiohttp.ClientSession, request_id: str) -> dict[str, Any]:
-        async with session.get(f"{self.base}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
-            assert resp.status == 200
-            return dict(await resp.json())
-
-
-@pytest.fixture(scope="module")
-def up(tiny_model: Path, reference: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    argv = [*up_1p1d_argv(tiny_model, port, zmq_port, engine_base), "--kv-lease-s", str(KV_LEASE_S)]
-    with running_up(argv, log) as proc:
-        yield Up(proc, f"http://127.0.0.1:{port}", log)
-
-
-def _metrics(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    status, text = http_json(f"{url}/metrics")
-    assert status == 200 and isinstance(text, str)
-    return parse_prometheus(text)
-
-
 def _kv_usage(url: str) -> float:
-    return metric_sum(_metrics(url), "vllm:kv_cache_usage_perc")
+    return metric_sum(metrics(url), "vllm:kv_cache_usage_perc")
 
 
 async def test_clients_that_leave_at_random_points_leave_no_kv_held_on_the_prefill_engine(
-    up: Up, prompts: list[str]
+    cluster: Cluster, prompts: list[str]
 ) -> None:
-    await up.both_ready()
-    prefill_url = str(up.instances()["prefill-0"]["url"])
+    await cluster.both_ready()
+    prefill_url = str(cluster.instances()["prefill-0"]["url"])
     rng = random.Random(9)
     async with aiohttp.ClientSession() as session:
 
         async def leave(i: int) -> None:
             # A new prompt each time (no prefix-cache shortcut), abandoned after a random moment:
             # during the prefill, between the legs, or during the decode.
-            case = Case(f"leave-{i}", i % 2 == 1, i % 3 == 0, f"Leaving {i}. " + prompts[i % len(prompts)])
+            case = Case(f"leave-{i}", i % 2 == 1, i % 3 == 0, f"Leaving {i}. " + prompts[i % 8])
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(rng.uniform(0.0, 1.5)):
-                    await ask(session, up.base, case)
+                    await ask(session, cluster.base, case)
 
         for start in range(0, 50, 5):  # 50 in all, 5 at a time
             await asyncio.gather(*(leave(i) for i in range(start, start + 5)))
@@ -149,7 +65,7 @@ async def test_clients_that_leave_at_random_points_leave_no_kv_held_on_the_prefi
         def no_work() -> bool:
             # The abandoned prefills run to their end (the gateway lets them, to hand their KV over):
             # on a loaded 2-core machine that takes a while. Blocks held after that are the leak.
-            samples = _metrics(prefill_url)
+            samples = metrics(prefill_url)
             return (
                 metric_sum(samples, "vllm:num_requests_running")
                 + metric_sum(samples, "vllm:num_requests_waiting")
@@ -167,14 +83,14 @@ async def test_clients_that_leave_at_random_points_leave_no_kv_held_on_the_prefi
             await eventually(idle, timeout=IDLE_WITHIN_S, interval=0.2, what="P's KV cache back at idle")
         except AssertionError as exc:
             raise AssertionError(f"{exc}: kv_cache_usage_perc {_kv_usage(prefill_url)}") from None
-        status, text = http_json(f"{up.base}/metrics")
+        status, text = http_json(f"{cluster.base}/metrics")
         assert status == 200 and isinstance(text, str)
         released = metric_sum(parse_prometheus(text), "vllm_disagg_kv_released_total")
         assert released > 0, "some clients left during a prefill, and their KV was released"
 
 
 async def _pair_under_way(
-    up: Up, session: aiohttp.ClientSession, cases: list[LongCase], ids: list[str]
+    cluster: Cluster, session: aiohttp.ClientSession, cases: list[LongCase], ids: list[str]
 ) -> tuple[list[asyncio.Task[bytes]], bool]:
     """The streams started together; True once each has 8 events, False if one ended before that."""
     events = [0] * len(cases)
@@ -182,7 +98,7 @@ async def _pair_under_way(
     async def stream(n: int, case: LongCase) -> bytes:
         body = jsonutil.dumps(case.body())
         headers = {**JSON, "X-Request-Id": ids[n]}
-        async with session.post(up.base + case.route, data=body, headers=headers) as resp:
+        async with session.post(cluster.base + case.route, data=body, headers=headers) as resp:
             assert resp.status == 200
             raw = b""
             async for chunk in resp.content.iter_any():
@@ -198,19 +114,19 @@ async def _pair_under_way(
             what="both streams under way",
         )
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n{await up.explain(session, ids, events)}") from None
+        raise AssertionError(f"{exc}\n{await cluster.explain(session, ids, events)}") from None
     return tasks, min(events) >= 8
 
 
 async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals_the_reference(
-    up: Up, prompts: list[str], reference: dict[str, str]
+    cluster: Cluster, prompts: list[str], reference: dict[str, str]
 ) -> None:
-    await up.both_ready()
+    await cluster.both_ready()
     cases = long_cases(prompts)
     async with aiohttp.ClientSession() as session:
         for attempt in range(1, TRIES + 1):
             ids = [f"{case.name}-{attempt}" for case in cases]
-            tasks, under_way = await _pair_under_way(up, session, cases, ids)
+            tasks, under_way = await _pair_under_way(cluster, session, cases, ids)
             if under_way:
                 break
             # One stream ran to its end before the other was under way (a loaded machine can start
@@ -219,30 +135,32 @@ async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals
                 assert sse_text(raw, chat=case.chat) == reference[case.name], case.name
         else:
             raise AssertionError(f"in {TRIES} tries, the two streams were never under way together")
-        pgid = up.engine_group("decode-0")
+        pgid = cluster.engine_group("decode-0")
         os.killpg(pgid, signal.SIGKILL)
         raws = await asyncio.gather(*tasks)
         for case, request_id, raw in zip(cases, ids, raws, strict=True):
             assert b'"error"' not in raw and raw.endswith(b"data: [DONE]\n\n"), raw[-500:]
             assert sse_text(raw, chat=case.chat) == reference[case.name], case.name
-            record = await up.record(session, request_id)
+            record = await cluster.record(session, request_id)
             assert record["status"] == 200 and record["resumes"] >= 1, record["attempts"]
             assert record["attempts"][-1]["leg"] == "resume" and record["attempts"][-1]["outcome"] == "ok"
     eventually_sync(lambda: not group_members({pgid}), timeout=60, what="the killed engine gone")
 
 
 async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_one_like_the_reference(
-    up: Up, prompts: list[str], reference: dict[str, str]
+    cluster: Cluster, prompts: list[str], reference: dict[str, str]
 ) -> None:
-    await up.both_ready()  # the decode engine is back after the previous test
-    pgid = up.engine_group("prefill-0")
+    await cluster.both_ready()  # the decode engine is back after the previous test
+    pgid = cluster.engine_group("prefill-0")
     os.killpg(pgid, signal.SIGSTOP)  # frozen: requests sent now wait inside the prefill engine
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             cases = short_cases(prompts)
-            tasks = [asyncio.ensure_future(ask(session, up.base, c)) for c in cases]
+            tasks = [asyncio.ensure_future(ask(session, cluster.base, c)) for c in cases]
             await eventually(
-                lambda: up.instances()["prefill-0"]["in_flight"] == len(cases), timeout=60, what="all on P"
+                lambda: cluster.instances()["prefill-0"]["in_flight"] == len(cases),
+                timeout=60,
+                what="all on P",
             )
             os.killpg(pgid, signal.SIGKILL)
             answers = await asyncio.gather(*tasks)

@@ -1,53 +1,26 @@
 """Real vLLM under the agents: 1P1D with NIXL on CPU is token-identical to one colocated vLLM.
 
-The tiny model is built offline at test time. First one plain vLLM (no KV connector) answers every
-request: the reference. Then ``vllm-disagg up`` starts 1P1D (two agents, two vLLM engines, NIXL) and
-the same requests go through the gateway. At most two vLLM instances run at once (a 2-core machine).
+The tiny model is built offline at test time. One plain vLLM (no KV connector) has answered every
+request (the reference book); the package's ``vllm-disagg up`` 1P1D (two agents, two vLLM engines,
+NIXL) then answers the same requests through the gateway. Nothing has been killed yet: the recovery
+and role modules come after (conftest.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import zmq
 
-from tests.e2e.vllm.reference import Book, concurrent_cases, routes_and_modes, shared_prompts
-from tests.e2e.vllm.support import (
-    BLOCK,
-    JSON,
-    MAX_TOKENS,
-    START_TIMEOUT_S,
-    Answers,
-    Case,
-    UpCluster,
-    ask,
-    free_engine_ports,
-    running_up,
-    up_1p1d_argv,
-)
-from tests.helpers import (
-    ADMIN,
-    eventually,
-    eventually_sync,
-    free_port,
-    http_json,
-    metric_sum,
-    parse_prometheus,
-    stop_process_group,
-)
+from tests.e2e.vllm.nixl.cluster import Cluster
+from tests.e2e.vllm.reference import Book, concurrent_cases, routes_and_modes
+from tests.e2e.vllm.support import BLOCK, JSON, MAX_TOKENS, Answers, Case, ask
+from tests.helpers import ADMIN, eventually, http_json, metric_sum, parse_prometheus
 from vllm_disagg import jsonutil
-from vllm_disagg.errors import KvEventsError
-from vllm_disagg.procfs import engine_servers, group_members
-from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -56,99 +29,9 @@ def _cases(prompts: list[str]) -> list[Case]:
     return routes_and_modes(prompts[:4])
 
 
-def _port_of(instance: dict[str, Any]) -> int:
-    return int(str(instance["url"]).rsplit(":", 1)[1])
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_model: Path) -> list[str]:
-    return shared_prompts(tiny_model)
-
-
 @pytest.fixture(scope="module")
 def reference(reference_book: Book, prompts: list[str]) -> Answers:
     return reference_book.answers(_cases(prompts) + concurrent_cases(prompts))
-
-
-class EngineBlocks:
-    """The blocks an engine holds, from its KV-event publisher: a SUB socket read by a thread.
-
-    Subscribed before the engine starts, it hears every event the engine ever publishes (a
-    subscriber misses what is published while it joins), so its count is the engine's, to compare
-    with the orchestrator's index of that instance at any moment both have caught up.
-    """
-
-    def __init__(self, endpoint: str) -> None:
-        self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        self._sock.connect(endpoint)  # connects whenever the engine binds
-        self._held: set[int] = set()
-        self._error: KvEventsError | None = None
-        self.batches = 0
-        self.keyed = 0  # stored blocks the index may not hold (LoRA, salt, multimodal)
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._read, name="engine-kv-events", daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        while not self._stop.is_set():
-            if not self._sock.poll(100):
-                continue
-            try:
-                batch = decode_frames(self._sock.recv_multipart())
-            except KvEventsError as exc:
-                self._error = exc  # the count would be wrong from here on
-                return
-            with self._lock:
-                self.batches += 1
-                for event in batch.events:
-                    if isinstance(event, BlockStored):
-                        self._held.update(event.block_hashes)
-                        self.keyed += len(event.block_hashes) if event.keyed else 0
-                    elif isinstance(event, BlockRemoved):
-                        self._held.difference_update(event.block_hashes)
-                    else:
-                        self._held.clear()
-
-    def blocks(self) -> frozenset[int]:
-        """The engine's hashes of the blocks it holds now, as far as its events have arrived."""
-        if self._error is not None:
-            raise self._error
-        with self._lock:
-            return frozenset(self._held)
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sock.close(linger=0)
-        self._ctx.term()
-
-
-@dataclass
-class Cluster(UpCluster):
-    prefill_blocks: EngineBlocks  # what prefill-0's engine holds
-
-
-@pytest.fixture(scope="module")
-def cluster(
-    tiny_model: Path, reference: Answers, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Cluster]:
-    port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
-    log = tmp_path_factory.mktemp("up") / "up.log"
-    prefill_blocks = EngineBlocks(f"tcp://127.0.0.1:{engine_base + 2000}")  # prefill-0's KV events
-    argv = up_1p1d_argv(tiny_model, port, zmq_port, engine_base)
-    try:
-        with running_up(argv, log) as proc:
-            yield Cluster(proc, f"http://127.0.0.1:{port}", log, prefill_blocks)
-    finally:
-        prefill_blocks.close()
-
-
-def _stop(cluster: Cluster) -> int | None:
-    return stop_process_group(cluster.proc, timeout=120)
 
 
 def test_reference_prompts_are_longer_than_two_kv_blocks(reference: Answers) -> None:
@@ -355,44 +238,3 @@ async def test_the_index_follows_the_prefill_engines_kv_events_and_scores_a_repe
     (row,) = again["explanation"]["prefill"]["candidates"]
     assert row["id"] == "prefill-0"
     assert row["scores"]["prefix-scorer"] == pytest.approx(full * BLOCK / prompt_tokens, abs=1e-5)
-
-
-async def test_producer_and_consumer_swap_roles_by_restart_and_stay_token_identical(
-    cluster: Cluster, reference: Answers, prompts: list[str]
-) -> None:
-    """``up`` launches prefill as ``kv_producer`` and decode as ``kv_consumer``: a role change drains
-    the instance and its agent restarts vLLM with the other kv_role, in the same session."""
-    before = cluster.instances()
-    timings = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2 * START_TIMEOUT_S)) as session:
-        for agent_id, role in (("prefill-0", "decode"), ("decode-0", "prefill")):
-            started = time.monotonic()
-            url = f"{cluster.base}/admin/v1/instances/{agent_id}/role"
-            async with session.post(url, json={"role": role}, headers=ADMIN) as resp:
-                body = await resp.json()
-            assert resp.status == 200 and (body["role"], body["how"]) == (role, "restart"), body
-            timings.append((agent_id, time.monotonic() - started, body["timeline"]))
-        after = cluster.instances()
-        for agent_id in ("prefill-0", "decode-0"):
-            assert after[agent_id]["session"] == before[agent_id]["session"], "the same session"
-            assert after[agent_id]["state"] == "ready"
-        for case in [c for c in _cases(prompts) if not c.chat][:3]:
-            text, _, headers = await ask(session, cluster.base, case)
-            went = (headers["X-Disagg-Mode"], headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"])
-            assert went == ("disaggregated", "decode-0", "prefill-0"), case.name
-            assert text == reference.texts[case.name], case.name
-    for agent_id, seconds, timeline in timings:
-        print(f"role change of {agent_id} by restart: {seconds:.1f} s, steps {timeline}")
-
-
-def test_after_up_stops_no_vllm_process_remains(cluster: Cluster) -> None:
-    ports = {_port_of(i) for i in cluster.instances().values()}
-    # Killed engines and what the gateway does about them: test_real_vllm_recovery.py.
-    pgids = set(engine_servers(ports))
-    assert pgids, "expected running engines before the stop"
-    assert _stop(cluster) == 0
-    # Gone and reaped: not even a zombie is left (this container's init does not reap orphans).
-    eventually_sync(
-        lambda: not group_members(pgids, zombies=True), timeout=60, what="every vLLM process gone"
-    )
-    assert engine_servers(ports) == []
