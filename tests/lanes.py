@@ -3,9 +3,9 @@
 Each test file is one unit, run whole by one worker, so its module fixtures (clusters, engines,
 servers) start once. The real-vLLM files (tests/e2e/vllm/) are the exception: they form ``LANES``
 units, a lane being a chain of such files (a folder of them counting as one, as it shares a cluster)
-that one worker runs one after the other. Each engine start
-takes one of two machine-wide engine slots (tests/e2e/vllm/engine_slots.py); more workers among the real-
-vLLM files would only wait there while the rest of the suite could run. The lanes go first (the
+that one worker runs one after the other. Each engine start takes one of two machine-wide engine slots
+(tests/e2e/vllm/engine_slots.py); more workers among the real-vLLM files would only wait there while
+the rest of the suite could run. The lanes go first (the
 collection puts them first, tests/conftest.py): they are the longest chains.
 """
 
