@@ -72,7 +72,7 @@ PROTOCOL_FIELDS: dict[type[Any], tuple[str, ...]] = {
     ),
     Refuse: ("code", "reason"),
     Heartbeat: ("seq", "engine_state", "draining", "metrics"),
-    Command: ("id", "kind", "args", "payload"),
+    Command: ("id", "kind", "args", "payload", "epoch"),
     Ack: ("id", "ok", "error", "code", "detail", "result"),
     Goodbye: ("reason",),
     KvEvents: ("seq", "events", "missed"),
@@ -116,6 +116,7 @@ SINCE_MINOR = {
     (KvEvent, "medium"): 3,
     (InstanceInfo, "capabilities"): 4,
     (Command, "payload"): 5,
+    (Command, "epoch"): 6,
     (Ack, "result"): 5,
 }
 
@@ -146,7 +147,7 @@ PROTOCOL_EXAMPLES: list[Message] = [
     Welcome(1, "p0", 0.25, 1.0, 5),
     Refuse("unknown_agent", "no session"),
     Heartbeat(3, "ready", True, MetricsSnapshot(num_running=2, ttft_s=0.5, prompt_tokens_cached=7)),
-    Command.of(1, commands.Drain()),
+    Command.of(1, commands.Drain(), epoch=7),
     Command.of(2, commands.Undrain()),
     Command.of(3, commands.Shutdown()),
     Command.of(4, commands.SetRole("decode", restart=True)),

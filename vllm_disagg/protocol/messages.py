@@ -39,8 +39,9 @@ PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # 1: unknown fields are ignored, Hello and Welcome say their minor. 2: ``Ack.code``. 3: KV pools
 # (``kv_grant``/``kv_fetch`` commands, ``Ack.detail``, ``InstanceInfo.kv_pool_endpoint``, ``KvEvent.medium``).
 # 4: ``InstanceInfo.capabilities`` (what the engine's streamed answers carry). 5: typed payloads
-# (``Command.payload``, ``Ack.result``) in place of the string maps ``args`` and ``detail``.
-PROTOCOL_MINOR = 5
+# (``Command.payload``, ``Ack.result``) in place of the string maps ``args`` and ``detail``. 6: fencing
+# (``Command.epoch``: the term of the leader that sent it; ``STALE_EPOCH`` refusals).
+PROTOCOL_MINOR = 6
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
@@ -48,9 +49,13 @@ SINCE_MINOR_2 = {"since_minor": 2}
 SINCE_MINOR_3 = {"since_minor": 3}
 SINCE_MINOR_4 = {"since_minor": 4}
 SINCE_MINOR_5 = {"since_minor": TYPED_MINOR}
+SINCE_MINOR_6 = {"since_minor": 6}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
 # orchestrator drains the instance, then asks again with ``SetRole.restart`` (1.4: ``args["restart"]``).
 RESTART_REQUIRED = "restart_required"
+# ``Ack.code`` of a command whose ``epoch`` is older than one this agent has obeyed: it came from a
+# leader that has since been replaced (docs/operations.md, replicas), and was not carried out.
+STALE_EPOCH = "stale_epoch"
 
 Role = Literal["prefill", "decode", "both"]
 EngineState = Literal["starting", "ready", "unhealthy", "restarting", "stopped"]
@@ -225,17 +230,21 @@ class Command:
     kind: CommandKind
     args: dict[str, str] = field(default_factory=dict)  # up to 1.4; empty beside a payload
     payload: CommandPayload | None = field(default=None, metadata=SINCE_MINOR_5)
+    # The leadership term of the orchestrator that sent it (1.6), from etcd; 0 from a single
+    # orchestrator without etcd. An agent refuses a command older than the newest it has obeyed.
+    epoch: int = field(default=0, metadata=SINCE_MINOR_6)
 
     @classmethod
-    def of(cls, id: int, payload: CommandPayload) -> Command:
-        """Command ``id`` asking for ``payload``."""
-        return cls(id=id, kind=payload.KIND, payload=payload)
+    def of(cls, id: int, payload: CommandPayload, epoch: int = 0) -> Command:
+        """Command ``id`` asking for ``payload``, in leadership term ``epoch``."""
+        return cls(id=id, kind=payload.KIND, payload=payload, epoch=epoch)
 
     def for_minor(self, minor: int) -> Command:
-        """This command as an agent of protocol 1.``minor`` reads it: before 1.5, its payload as args."""
+        """This command as an agent of protocol 1.``minor`` reads it: before 1.5, its payload as args
+        (an agent before 1.6 ignores ``epoch``: it cannot fence)."""
         if minor >= TYPED_MINOR or self.payload is None:
             return self
-        return Command(id=self.id, kind=self.kind, args=to_args(self.payload))
+        return Command(id=self.id, kind=self.kind, args=to_args(self.payload), epoch=self.epoch)
 
     def read(self) -> CommandPayload:
         """What this command asks, from its payload or (a peer before 1.5) its args; ``ValueError``
