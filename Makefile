@@ -9,7 +9,7 @@ UP_ARGS ?= --prefill 1 --decode 1
 # that depend on timing failed under it (docs/testing.md).
 PARALLEL ?=
 
-.PHONY: up test lint typecheck unit setup setup-test bench clean chromium
+.PHONY: up test lint typecheck unit setup setup-test bench clean chromium system-tools
 
 ## up: set up (project + vLLM engine), then run a local 1P1D cluster of real vLLM on the tiny offline
 ## model, serving on http://127.0.0.1:8000 (Ctrl-C stops it)
@@ -46,8 +46,8 @@ $(VENV)/.installed-engine: scripts/setup_engine.sh | $(VENV)/.installed
 	scripts/setup_engine.sh $(VENV)
 	touch $@
 
-# `| chromium` is order-only: checked on every run (cheap) without redoing the pip install.
-$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed | chromium
+# `| system-tools` is order-only: checked on every run (cheap) without redoing the pip install.
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed | system-tools
 	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
@@ -56,6 +56,14 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed | chromium
 chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+# What the tests of the replicated control plane run for real: Debian's etcd server (tests/.../ha) and
+# kubectl with kustomize (deploy/kubernetes is rendered and validated); installed once, when missing.
+system-tools: chromium
+	@command -v etcd >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+	@command -v kubectl >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
