@@ -7,6 +7,7 @@ with a ``ConfigError`` naming the field, so a bad flag fails at start-up rather 
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field, fields
 
 from vllm_disagg.errors import ConfigError
@@ -141,6 +142,49 @@ class SimEngineConfig:
             raise ConfigError("sim.model must not be empty")
 
 
+_CLUSTER_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MIN_LEASE_TTL_S = 2  # etcd's shortest lease with its default election timeout (1 s): 3/2 of it, rounded up
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """This orchestrator as one replica of a replicated control plane (docs/operations.md, "Replicas").
+
+    Replicas of one ``cluster`` find each other and elect their leader in etcd, under the key prefix
+    ``/vllm-disagg/<cluster>/``. Without one (``OrchestratorConfig.replica`` None) the orchestrator is
+    the single process it always was, and nothing here is read.
+    """
+
+    etcd: tuple[str, ...]  # etcd's client URLs (http://host:2379); any one of them will do
+    cluster: str = "default"
+    replica_id: str = ""  # unique in the cluster; "": <hostname>-<HTTP port>
+    # The host other replicas reach this one at (its HTTP port, for forwarded admin writes, and its peer
+    # link); "": the HTTP bind host, or this host's name when that is a wildcard.
+    advertise_host: str = ""
+    peer_port: int = 0  # the replica link's TCP port (ZeroMQ, CurveZMQ with the orchestrator's key); 0: any
+    # The leader's etcd lease, in whole seconds (etcd's unit). A leader that cannot renew it steps down
+    # before it can expire; a follower takes over once it has (at most this, plus an election).
+    lease_ttl_s: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.etcd:
+            raise ConfigError("replica.etcd needs at least one etcd URL")
+        for url in self.etcd:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"replica.etcd: {url!r} is not an http(s):// URL of an etcd client port")
+        if not _CLUSTER_NAME.fullmatch(self.cluster):
+            raise ConfigError(f"replica.cluster must match {_CLUSTER_NAME.pattern}, got {self.cluster!r}")
+        if self.replica_id and not _CLUSTER_NAME.fullmatch(self.replica_id):
+            raise ConfigError(
+                f"replica.replica_id must match {_CLUSTER_NAME.pattern}, got {self.replica_id!r}"
+            )
+        _port("replica", "peer_port", self.peer_port)
+        if not MIN_LEASE_TTL_S <= self.lease_ttl_s <= 60:
+            raise ConfigError(
+                f"replica.lease_ttl_s must be {MIN_LEASE_TTL_S}..60 whole seconds, got {self.lease_ttl_s}"
+            )
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """The orchestrator: gateway, registry, agent endpoint."""
@@ -206,6 +250,8 @@ class OrchestratorConfig:
     # Without an engine key: pass the client's Authorization header through (engines check clients'
     # keys themselves). Off: a client's credentials never reach an engine.
     forward_client_authorization: bool = False
+    # --- replicas (docs/operations.md): one replica of a cluster in etcd; None: a single orchestrator
+    replica: ReplicaConfig | None = None
 
     def __post_init__(self) -> None:
         _port("orchestrator", "port", self.port)

@@ -8,7 +8,7 @@ import gc
 import logging
 import sys
 
-from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.config import OrchestratorConfig, ReplicaConfig
 from vllm_disagg.orchestrator.admin.auth import (
     ENV_ADMIN_TOKEN,
     ENV_ENGINE_API_KEY,
@@ -113,7 +113,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="without an engine key, pass each client's Authorization header through to the engines",
     )
+    replicas = parser.add_argument_group("replicas (docs/operations.md): run this as one replica of many")
+    replicas.add_argument(
+        "--etcd",
+        default="",
+        metavar="URL[,URL...]",
+        help="etcd client URLs: elect a leader and keep operators' intent there (default: one process, "
+        "no etcd)",
+    )
+    replicas.add_argument("--cluster", default="default", help="with --etcd: the cluster this replica joins")
+    replicas.add_argument(
+        "--replica-id", default="", help="with --etcd: unique per replica (default: HOST-PORT)"
+    )
+    replicas.add_argument(
+        "--advertise-host",
+        default="",
+        help="with --etcd: the address other replicas reach this one at (default: --host, or the host name)",
+    )
+    replicas.add_argument(
+        "--peer-port", type=int, default=0, help="with --etcd: the replica link's port (0: any free one)"
+    )
+    replicas.add_argument(
+        "--lease-ttl-s",
+        type=int,
+        default=ReplicaConfig.lease_ttl_s,
+        help="with --etcd: the leader's lease in seconds; a new leader takes over within about this",
+    )
     parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def replica_from_args(args: argparse.Namespace) -> ReplicaConfig | None:
+    """The replica the flags describe; None without ``--etcd`` (raises ``ConfigError``)."""
+    if not args.etcd:
+        return None
+    return ReplicaConfig(
+        etcd=tuple(url.strip() for url in args.etcd.split(",") if url.strip()),
+        cluster=args.cluster,
+        replica_id=args.replica_id,
+        advertise_host=args.advertise_host,
+        peer_port=args.peer_port,
+        lease_ttl_s=args.lease_ttl_s,
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
@@ -138,6 +178,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         admin_port=args.admin_port,
         curve_secret_key_file=args.curve_secret_key_file,
         agent_keys_dir=args.agent_keys_dir,
+        replica=replica_from_args(args),
     )
 
 
