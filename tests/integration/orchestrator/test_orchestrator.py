@@ -85,6 +85,21 @@ async def test_health_turns_ok_when_a_decode_instance_registers_and_ready(
     assert [m["id"] for m in models["data"]] == [MODEL]
 
 
+async def test_liveness_answers_at_once_and_readiness_waits_for_a_decode_instance(
+    orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory, sim_engine: EngineFactory
+) -> None:
+    assert await get_json(http, f"{orch.url}/health/live") == (200, {"status": "ok"})
+    status, body = await get_json(http, f"{orch.url}/health/ready")
+    assert (status, body["reason"]) == (503, "no ready decode-capable instance")
+    assert "leader" not in body, "a single orchestrator has no leader to speak of"
+    await fake_agent("p0", (await sim_engine()).url, "prefill")
+    await eventually(lambda: orch.registry.snapshot().ready_prefill, what="p0 ready")
+    assert (await get_json(http, f"{orch.url}/health/ready"))[0] == 503, "a prefill instance cannot route"
+    await fake_agent("d0", (await sim_engine()).url, "decode")
+    await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
+    assert await get_json(http, f"{orch.url}/health/ready") == (200, {"status": "ok", "ready_decode": 1})
+
+
 async def test_a_prefill_only_cluster_is_not_healthy(
     orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory, sim_engine: EngineFactory
 ) -> None:

@@ -38,6 +38,8 @@ from vllm_disagg.protocol.commands import SIMPLE
 from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
 
 _DEFAULT_REQUESTS_LIMIT = 100
+_MAX_NOTE_CHARS = 2000  # a supervisor's note: a line of a log, not a document
+SUPERVISOR_ACTIONS = ("restarted", "gave_up")
 _KEEPALIVE_S = 15.0
 
 
@@ -154,8 +156,11 @@ class Admin:
         roles: RoleChanger | None = None,
         planner: Callable[[], dict[str, Any]] | None = None,
         rollouts: Rollouts | None = None,
+        leader: Callable[[], str | None] | None = None,
     ) -> None:
         self._rollouts = rollouts
+        # A replica: the id of the leader it knows ("" while there is none); None: a single process.
+        self._leader = leader or (lambda: None)
         self._roles = roles or RoleChanger(registry, control, metrics, clock)
         self._planner = planner
         self._workers = workers  # gateway workers: their metrics and live requests are asked for
@@ -186,6 +191,51 @@ class Admin:
             return _json({"status": "ok", **body})
         reason = f"no ready decode-capable instance ({len(snap.instances)} registered, {len(ready)} ready)"
         return _json({"status": "unavailable", "reason": reason, **body}, status=503)
+
+    async def live(self, request: web.Request) -> web.Response:
+        """``GET /health/live``: 200 while this process serves (a liveness probe: its loop answers)."""
+        return _json({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        """``GET /health/ready``: 200 when this orchestrator can route (a readiness probe): it knows a
+        ready decode-capable instance, or, as a replica, a leader exists. 503 with the reason otherwise."""
+        snap = self._registry.snapshot()
+        decode = sum(1 for v in snap.instances if v.state == "ready" and v.info.role in DECODE_ROLES)
+        leader = self._leader()
+        body: dict[str, Any] = {"ready_decode": decode}
+        if leader is not None:
+            body["leader"] = leader
+        if decode or leader:
+            return _json({"status": "ok", **body})
+        reason = "no ready decode-capable instance" + (" and no leader" if leader is not None else "")
+        return _json({"status": "unavailable", "reason": reason, **body}, status=503)
+
+    async def add_event(self, request: web.Request) -> web.Response:
+        """``POST /admin/v1/events``: a supervisor's note in the event log (``up``: it restarted a
+        process, or gave up on one): ``{"process": name, "action": "restarted"|"gave_up", "message":
+        text}``, plus optional ``exit_code`` and ``restarts``; 201 with the event."""
+        body = await _read_json(request)
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        fields: dict[str, Any] = {}
+        for name in ("process", "action", "message"):
+            value = body.get(name)
+            if not isinstance(value, str) or not value or len(value) > _MAX_NOTE_CHARS:
+                raise BadRequest(f"{name!r} must be a non-empty string of at most {_MAX_NOTE_CHARS} chars")
+            fields[name] = value
+        if fields["action"] not in SUPERVISOR_ACTIONS:
+            raise BadRequest(f"'action' must be one of {list(SUPERVISOR_ACTIONS)}")
+        for name in ("exit_code", "restarts"):
+            value = body.get(name)
+            if value is not None:
+                if not isinstance(value, int) or isinstance(value, bool):
+                    raise BadRequest(f"{name!r} must be an integer")
+                fields[name] = value
+        unknown = sorted(set(body) - {"process", "action", "message", "exit_code", "restarts"})
+        if unknown:
+            raise BadRequest(f"unknown field(s) {unknown}")
+        event = self._events.publish("supervisor", **fields)
+        return _json(event.to_json(), status=201)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text exposition (with gateway workers: theirs too, each under its ``worker``)."""
@@ -453,6 +503,8 @@ class Admin:
     def add_public_routes(self, app: web.Application) -> None:
         """Register ``/health`` and ``/metrics`` (open: load balancers and Prometheus read them)."""
         app.router.add_get("/health", self.health)
+        app.router.add_get("/health/live", self.live)
+        app.router.add_get("/health/ready", self.ready)
         app.router.add_get("/metrics", self.metrics)
 
     def admin_routes(self) -> list[AdminRoute]:
@@ -483,6 +535,7 @@ class Admin:
             AdminRoute("GET", "/admin/v1/requests", self.requests, limit),
             AdminRoute("GET", "/admin/v1/live-requests", self.live_requests),
             AdminRoute("GET", "/admin/v1/events", self.events, since),
+            AdminRoute("POST", "/admin/v1/events", self.add_event),
             AdminRoute("GET", "/admin/v1/requests/{request_id}", self.request_record),
         ]
 

@@ -28,6 +28,7 @@ EVENT_KINDS = (
     "resume",
     "kv_recomputed",
     "removed",
+    "supervisor",  # what started a process (``up``) restarted it or gave up on it
 )
 
 

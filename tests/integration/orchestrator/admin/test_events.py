@@ -75,6 +75,38 @@ async def test_the_event_stream_tells_joins_state_changes_and_deaths_as_they_hap
         await server.close()
 
 
+async def test_a_supervisor_notes_a_restart_in_the_event_log_and_bad_notes_are_refused(
+    http: aiohttp.ClientSession,
+) -> None:
+    server = await start_orchestrator(orch_config(), shutdown_timeout_s=1.0)
+    url = f"{server.url}/admin/v1/events"
+    note = {"process": "agent decode-0", "action": "restarted", "message": "exited (code -9)", "exit_code": -9}
+    try:
+        async with http.post(url, json=note) as resp:
+            assert resp.status == 401, "an unauthenticated peer writes nothing"
+        async with http.post(url, json={**note, "restarts": 2}, headers=ADMIN) as resp:
+            assert resp.status == 201
+            posted = await resp.json()
+        assert (posted["kind"], posted["process"], posted["restarts"]) == ("supervisor", "agent decode-0", 2)
+        async with http.get(f"{url}?follow=false", headers=ADMIN) as resp:
+            kept = [e async for e in sse(resp)]
+        assert [(e["kind"], e["message"], e["exit_code"]) for e in kept] == [
+            ("supervisor", "exited (code -9)", -9)
+        ]
+        bad = [
+            ({**note, "action": "rebooted"}, "'action' must be one of"),
+            ({**note, "message": ""}, "'message' must be a non-empty string"),
+            ({**note, "exit_code": "9"}, "'exit_code' must be an integer"),
+            ({**note, "colour": "red"}, "unknown field(s) ['colour']"),
+            ([note], "must be a JSON object"),
+        ]
+        for body, reason in bad:
+            async with http.post(url, json=body, headers=ADMIN) as resp:
+                assert resp.status == 400 and reason in (await resp.json())["error"]["message"], body
+    finally:
+        await server.close()
+
+
 async def test_live_requests_show_each_request_in_flight_with_its_stage_pair_and_age(
     http: aiohttp.ClientSession,
 ) -> None:
