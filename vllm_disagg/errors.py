@@ -28,6 +28,8 @@ Hierarchy::
         ├── UpstreamError       502 an engine failed or answered garbage (``cause`` says how)
         │   └── UpstreamTimeout 504 an engine did not answer in time
         ├── OrchestratorUnreachable 502 a gateway worker could not reach its orchestrator
+        ├── NotLeader           503 a replica that does not lead was asked for a leader's action, and
+        │                       no leader is known to forward it to (etcd unreachable, an election)
         ├── CommandError        502 an agent command was not delivered or not acknowledged
         │   ├── AgentUnknown        404 no instance with this agent id was ever registered
         │   ├── AgentUnreachable    502 no live session, or its socket is not connected
@@ -247,6 +249,14 @@ class OrchestratorUnreachable(RequestError):
 
     status = 502
     type = "UpstreamError"
+
+
+class NotLeader(RequestError):
+    """A replica was asked for what only the leader does (an agent command, an admin write) and cannot
+    hand it to one: it does not lead, and no leader is known now (an election, or etcd unreachable)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
 
 
 class CommandError(RequestError):

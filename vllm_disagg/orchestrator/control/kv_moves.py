@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from vllm_disagg.errors import AgentTooOld, CommandError, CommandTimeout, ConfigError
+from vllm_disagg.errors import AgentTooOld, CommandError, CommandTimeout, ConfigError, NotLeader
 from vllm_disagg.orchestrator.control.plane import ControlPlane
 from vllm_disagg.orchestrator.state.views import GatewayRegistry
 from vllm_disagg.protocol.commands import FetchResult, GrantResult, KvFetch, KvGrant, z85
@@ -114,7 +114,7 @@ class ControlKvMover:
         grant = KvGrant(token, blocks, z85(control.public_key_of(receiver)), settings.grant_ttl_s)
         try:
             ack = await control.send_command(holder, grant, timeout_s=settings.grant_timeout_s)
-        except CommandError as exc:
+        except (CommandError, NotLeader) as exc:
             return failed(_reason(exc, "grant_timeout"), str(exc), requested)
         if not ack.ok:
             return failed("grant_refused", f"{holder}: {ack.error}", requested)
@@ -128,7 +128,7 @@ class ControlKvMover:
             ack = await control.send_command(
                 receiver, fetch, timeout_s=settings.fetch_timeout_s + _ACK_MARGIN_S
             )
-        except CommandError as exc:
+        except (CommandError, NotLeader) as exc:
             return failed(_reason(exc, "fetch_timeout"), str(exc), requested)
         if not ack.ok:
             return failed("fetch_refused", f"{receiver}: {ack.error}", requested)
@@ -139,7 +139,9 @@ class ControlKvMover:
         return MoveResult(True, requested=requested, held=held, already_held=already, reserved=reserved)
 
 
-def _reason(exc: CommandError, timeout: str) -> str:
+def _reason(exc: CommandError | NotLeader, timeout: str) -> str:
+    if isinstance(exc, NotLeader):  # a replica that does not lead, and no leader to ask
+        return "unavailable"
     if isinstance(exc, CommandTimeout):
         return timeout
     if isinstance(exc, AgentTooOld):

@@ -41,6 +41,7 @@ from vllm_disagg.errors import (
 )
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.leadership import Leadership
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.commands import CommandPayload, from_detail
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
@@ -48,6 +49,7 @@ from vllm_disagg.protocol.messages import (
     COMMAND_SINCE_MINOR,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
+    STALE_EPOCH,
     Ack,
     Command,
     Goodbye,
@@ -115,8 +117,11 @@ class ControlPlane:
         metrics: OrchestratorMetrics,
         kv_index: KvIndex | None = None,
         on_hello: Callable[[InstanceInfo], None] | None = None,
+        leadership: Leadership | None = None,
     ) -> None:
         self._config = config
+        # Commands are the leader's alone, and carry its epoch: agents refuse an older one's.
+        self.leadership = leadership or Leadership.sole()
         self._hello_hook = on_hello  # e.g. the gateway loads the model's tokenizer before traffic comes
         self._registry = registry
         self.kv_index = kv_index if kv_index is not None else KvIndex()
@@ -500,10 +505,12 @@ class ControlPlane:
         """Send a command and wait for its ``Ack`` (``config.command_timeout_s`` by default).
 
         The agent gets it as its protocol minor reads it (before 1.5: as string args), and its Ack's
-        result comes back typed whichever minor it speaks. Raises ``AgentUnknown``,
-        ``AgentUnreachable``, ``AgentTooOld`` or ``CommandTimeout``.
+        result comes back typed whichever minor it speaks. It carries the leader's epoch. Raises
+        ``NotLeader`` (a replica that does not lead), ``AgentUnknown``, ``AgentUnreachable``,
+        ``AgentTooOld`` or ``CommandTimeout``.
         """
         kind = payload.KIND
+        epoch = self.leadership.require(f"{kind} to {agent_id!r}")
         if timeout_s is None:
             timeout_s = self._config.command_timeout_s
         if self._registry.get(agent_id) is None:
@@ -524,7 +531,7 @@ class ControlPlane:
         future: asyncio.Future[Ack] = asyncio.get_running_loop().create_future()
         self._pending[command_id] = _Pending(agent_id, future)
         try:
-            if not self._send(peer, Command.of(command_id, payload).for_minor(minor)):
+            if not self._send(peer, Command.of(command_id, payload, epoch).for_minor(minor)):
                 raise AgentUnreachable(f"instance {agent_id!r} is not connected")
             try:
                 ack = await asyncio.wait_for(future, timeout_s)
@@ -534,6 +541,8 @@ class ControlPlane:
                 ) from None
         finally:
             self._pending.pop(command_id, None)
+        if ack.code == STALE_EPOCH:  # a newer leader has commanded it: this one's term is over
+            log.warning("instance %r refused %s of epoch %d: %s", agent_id, kind, epoch, ack.error)
         if ack.result is None and ack.detail:  # an agent of 1.3 or 1.4: its counts as strings
             ack = replace(ack, result=from_detail(kind, ack.detail))
         return ack

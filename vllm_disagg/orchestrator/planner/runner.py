@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from vllm_disagg.clock import Clock
@@ -44,8 +45,12 @@ class PlannerRunner:
         metrics: OrchestratorMetrics,
         events: EventLog,
         clock: Clock,
+        *,
+        leads: Callable[[], bool] = lambda: True,
     ) -> None:
         self.config = config
+        # Only the leader of replicas plans (its shifts command agents); a follower's looks are skipped.
+        self._leads = leads
         self._registry = registry
         self._window = window
         self._roles = roles
@@ -62,6 +67,8 @@ class PlannerRunner:
         """Look every ``interval_s`` until cancelled."""
         while True:
             await self._clock.sleep(self.config.interval_s)
+            if not self._leads():
+                continue
             try:
                 self.look()
             except Exception:  # a bug in a look must not stop the next one

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from vllm_disagg.orchestrator.state import health
 from vllm_disagg.orchestrator.state.health import (
@@ -42,7 +42,10 @@ from vllm_disagg.orchestrator.state.views import (
     SnapshotSource,
     sum_counts,
 )
+from vllm_disagg.orchestrator.state.watchers import Unwatch, Watchers
 from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
+
+RemoteSource = Literal["workers", "peers"]  # where requests counted outside this process run
 
 # The views live in ``views``; these names are here too, so that what reads a registry imports it and
 # what it hands out from one place.
@@ -59,7 +62,6 @@ __all__ = [
     "Unwatch",
     "sum_counts",
 ]
-Unwatch = Callable[[], None]  # stops what ``Registry.watch`` started
 
 # Engine states in which requests already on the instance will not complete.
 _ENGINE_LOST: frozenset[EngineState] = frozenset(("unhealthy", "restarting", "stopped"))
@@ -139,8 +141,9 @@ class Registry(SnapshotSource):
         self._policy = breaker or BreakerPolicy()
         self._instances: dict[str, _Instance] = {}
         self._in_flight: dict[str, int] = {}
-        # The gateway workers' in-flight counts (``--gateway-workers``), summed, as last pushed.
-        self._remote_in_flight: dict[str, int] = {}
+        # In-flight counts elsewhere, summed, as last pushed: the gateway workers' (``--gateway-workers``),
+        # the other replicas' (``orchestrator/replicas``).
+        self._remote_in_flight: dict[RemoteSource, dict[str, int]] = {}
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
         # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
@@ -150,8 +153,7 @@ class Registry(SnapshotSource):
         # Called with (kind, fields) as instances join, change state, and breakers open or close.
         self.on_event: Callable[[str, dict[str, Any]], None] | None = None
         # ``watch``: called after every change a snapshot shows; the second also as in-flight counts move.
-        self._watchers: tuple[Callable[[], None], ...] = ()
-        self._flight_watchers: tuple[Callable[[], None], ...] = ()
+        self._watch = Watchers()
 
     @property
     def heartbeat_timeout_s(self) -> float:
@@ -172,33 +174,12 @@ class Registry(SnapshotSource):
         every so often. It runs inside the change, so it must be cheap, must not raise and must not
         change the registry: set a flag or an ``asyncio.Event``, and do the work after.
         """
-        if in_flight:
-            self._flight_watchers += (callback,)
-        else:
-            self._watchers += (callback,)
-
-        def unwatch() -> None:
-            if in_flight:
-                self._flight_watchers = _without(self._flight_watchers, callback)
-            else:
-                self._watchers = _without(self._watchers, callback)
-
-        return unwatch
+        return self._watch.add(callback, in_flight)
 
     @property
     def watchers(self) -> tuple[int, int]:
         """Callbacks watching now: (changes only, changes and in-flight counts)."""
-        return len(self._watchers), len(self._flight_watchers)
-
-    def _notify(self) -> None:
-        for callback in self._watchers:
-            callback()
-        for callback in self._flight_watchers:
-            callback()
-
-    def _notify_in_flight(self) -> None:
-        for callback in self._flight_watchers:
-            callback()
+        return len(self._watch.changes), len(self._watch.flight)
 
     def _changed(self, inst: _Instance, membership: bool) -> None:
         views = self._own_views()
@@ -211,8 +192,8 @@ class Registry(SnapshotSource):
         if membership:
             self._membership += 1
             self._groups = None
-        if self._watchers or self._flight_watchers:
-            self._notify()
+        if self._watch.changes or self._watch.flight:
+            self._watch.notify()
 
     def _update(self, inst: _Instance, lost_reason: str = "") -> None:
         """Re-derive a live instance's state after a signal changed; tell ``on_lost`` when it is lost."""
@@ -422,8 +403,8 @@ class Registry(SnapshotSource):
         self._groups = None
         if self.on_event is not None:
             self.on_event("removed", {"instance": agent_id})
-        if self._watchers or self._flight_watchers:
-            self._notify()
+        if self._watch.changes or self._watch.flight:
+            self._watch.notify()
         return view
 
     # --- the gateway's outcomes ---------------------------------------------------------------------
@@ -505,8 +486,8 @@ class Registry(SnapshotSource):
             self._version += 1
             self._cached = None
             self._membership += 1  # a pairing rule changed: memoized filters must see it
-            if self._watchers or self._flight_watchers:
-                self._notify()
+            if self._watch.changes or self._watch.flight:
+                self._watch.notify()
 
     def _drop_links(self, agent_id: str) -> None:
         if not self._links:
@@ -533,8 +514,8 @@ class Registry(SnapshotSource):
         self._cached_in_flight = None
         self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + 1
         self.probe_sent(agent_id)
-        if self._flight_watchers:
-            self._notify_in_flight()
+        if self._watch.flight:
+            self._watch.notify_in_flight()
 
     def probe_sent(self, agent_id: str) -> None:
         """A request went to ``agent_id``: if its breaker is half-open, this one is the probe (nobody
@@ -555,8 +536,8 @@ class Registry(SnapshotSource):
             self._in_flight[agent_id] = count - 1
         self._cached_in_flight = None
         self.probe_ended(agent_id)
-        if self._flight_watchers:
-            self._notify_in_flight()
+        if self._watch.flight:
+            self._watch.notify_in_flight()
 
     def probe_ended(self, agent_id: str) -> None:
         """A request to ``agent_id`` is over: a probe that ended without a verdict (the client left)
@@ -571,13 +552,22 @@ class Registry(SnapshotSource):
         """This process's gateway requests outstanding per instance (a copy)."""
         return dict(self._in_flight)
 
-    def set_remote_in_flight(self, counts: dict[str, int]) -> None:
-        """The gateway workers' outstanding requests per instance, summed: snapshots add them."""
-        if counts != self._remote_in_flight:
-            self._remote_in_flight = counts
+    def set_remote_in_flight(self, counts: dict[str, int], source: RemoteSource = "workers") -> None:
+        """Outstanding requests per instance elsewhere, summed: this replica's gateway workers', or
+        the other replicas' (``orchestrator/replicas``). Snapshots add them to this process's own."""
+        if counts != self._remote_in_flight.get(source, {}):
+            self._remote_in_flight[source] = counts
             self._cached_in_flight = None
-            if self._flight_watchers:
-                self._notify_in_flight()
+            if self._watch.flight:
+                self._watch.notify_in_flight()
+
+    def remote_in_flight(self, source: RemoteSource) -> dict[str, int]:
+        """What ``set_remote_in_flight`` last said for ``source`` (a copy)."""
+        return dict(self._remote_in_flight.get(source, {}))
+
+    def local_in_flight(self) -> dict[str, int]:
+        """This replica's outstanding requests per instance: its own and its gateway workers'."""
+        return sum_counts(self._in_flight, self._remote_in_flight.get("workers", {}))
 
     def count_sent(self, counts: Mapping[str, int]) -> None:
         """Requests the gateway workers sent per instance since they last said (``requests_total``)."""
@@ -585,14 +575,7 @@ class Registry(SnapshotSource):
             self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + n
 
     def _in_flight_counts(self) -> dict[str, int]:
-        return sum_counts(self._in_flight, self._remote_in_flight)
-
-
-def _without(
-    callbacks: tuple[Callable[[], None], ...], callback: Callable[[], None]
-) -> tuple[Callable[[], None], ...]:
-    """``callbacks`` less one registration of ``callback`` (a watcher may watch twice, and stop once)."""
-    for i, c in enumerate(callbacks):
-        if c == callback:
-            return callbacks[:i] + callbacks[i + 1 :]
-    return callbacks
+        counts = dict(self._in_flight)  # a snapshot keeps it: never the live dict
+        for remote in self._remote_in_flight.values():
+            counts = sum_counts(counts, remote)
+        return counts

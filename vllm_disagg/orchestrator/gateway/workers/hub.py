@@ -292,7 +292,7 @@ class WorkerHub:
             sent = self._sent_views
             changed = {i: v for i, v in views.items() if sent.get(i) is not v}
             removed = tuple(i for i in sent if i not in views)
-        in_flight = {0: self._registry.own_in_flight()}
+        in_flight = {0: self._beside_workers()}
         in_flight.update({w.index: w.in_flight for w in self._workers.values()})
         weights = self._weights() if self._weights is not None else None
         new_weights = weights if (full or weights != self._sent_weights) else None
@@ -310,11 +310,15 @@ class WorkerHub:
             self._registry.audited(), in_flight, kv=kv, weights=new_weights,
         )  # fmt: skip
 
+    def _beside_workers(self) -> dict[str, int]:
+        """Requests in flight outside the workers: this process's and, as a replica, the others'."""
+        return sum_counts(self._registry.own_in_flight(), self._registry.remote_in_flight("peers"))
+
     def _flush(self) -> None:
         """Send what changed since the last flush to every serving worker (nothing when nothing did)."""
         key = (
             self._registry.snapshot().version,
-            tuple(sorted(self._registry.own_in_flight().items())),
+            tuple(sorted(self._beside_workers().items())),
             tuple((w.index, tuple(sorted(w.in_flight.items()))) for w in self._workers.values()),
         )
         if key == self._sent_key and not self._kv_index.journal:
