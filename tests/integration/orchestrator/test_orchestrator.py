@@ -293,6 +293,26 @@ async def test_admin_drain_stops_routing_at_once_and_undrain_resumes(
     assert seen == {"d0", "d1"}
 
 
+async def test_an_admin_drain_outlives_the_agents_session_and_a_new_agent_is_told_again(
+    orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory, sim_engine: EngineFactory
+) -> None:
+    url = (await sim_engine()).url
+    first = await fake_agent("d0", url, "decode")
+    await fake_agent("d1", (await sim_engine()).url, "decode")
+    await eventually(lambda: len(orch.registry.snapshot().ready_decode.get(MODEL, ())) == 2, what="2 ready")
+    status, body, _ = await post_json(http, f"{orch.url}/admin/v1/instances/d0/drain")
+    assert status == 200 and body["instance"]["state"] == "draining", body
+    await first.close()  # the agent process dies; another one starts for the same engine
+    second = await fake_agent("d0", url, "decode")
+    view = await eventually(
+        lambda: (v := registered(orch, "d0")).session == 2 and v.state != "joining" and v, what="d0 back"
+    )
+    assert view.state == "draining", "the operator's drain is not forgotten"
+    await eventually(lambda: [c.kind for c in second.commands] == ["drain"], what="the new agent told")
+    for n in range(6):
+        assert (await complete(http, orch, prompt=f"p{n}"))[2]["X-Disagg-Decode"] == "d1"
+
+
 @pytest.mark.parametrize(
     ("path", "status", "fragment"),
     [

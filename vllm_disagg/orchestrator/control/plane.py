@@ -37,13 +37,14 @@ from vllm_disagg.errors import (
     AgentUnreachable,
     CommandTimeout,
     FieldTypeError,
+    RequestError,
     VersionMismatch,
 )
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.orchestrator.state.leadership import Leadership
 from vllm_disagg.orchestrator.state.registry import Registry
-from vllm_disagg.protocol.commands import CommandPayload, from_detail
+from vllm_disagg.protocol.commands import CommandPayload, Drain, from_detail
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
 from vllm_disagg.protocol.messages import (
     COMMAND_SINCE_MINOR,
@@ -134,6 +135,7 @@ class ControlPlane:
         self._pending: dict[int, _Pending] = {}
         self._refused_peers: set[tuple[bytes, str]] = set()  # logged at INFO once, until a Hello
         self._next_command_id = 1
+        self._tasks: set[asyncio.Task[None]] = set()  # commands sent on the control plane's own behalf
         self._curve = load_server_curve(config)
         self._models: dict[str, ModelSettings] = {}  # fixed by each model's first instance
         # (model, revision) a rollout admits beside the model's settings; None until its first Hello.
@@ -179,6 +181,8 @@ class ControlPlane:
 
     def close(self) -> None:
         """Fail pending commands and close the socket; call after the tasks are cancelled."""
+        for task in self._tasks:
+            task.cancel()
         for pending in self._pending.values():
             if not pending.future.done():
                 pending.future.set_exception(AgentUnreachable("the orchestrator is stopping"))
@@ -348,6 +352,11 @@ class ControlPlane:
             log.info("agent %s speaks protocol v%s, this orchestrator v%s", msg.agent_id, theirs, _OURS)
         if self._hello_hook is not None:
             self._hello_hook(msg.instance)
+        if view.admin_draining and self.leadership.is_leader:
+            # An operator drained it, and the agent came back as a new process that does not know.
+            task = asyncio.get_running_loop().create_task(self._redrain(msg.agent_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         info = msg.instance
         log.info(
             "hello from %s (session %d): %s %s at %s",
@@ -366,6 +375,12 @@ class ControlPlane:
                 info.url,
                 ", ".join(missing),
             )
+
+    async def _redrain(self, agent_id: str) -> None:
+        try:
+            await self.send_command(agent_id, Drain())
+        except RequestError as exc:  # its heartbeats say it is not draining: routing already knows
+            log.warning("could not tell %s again that it is drained: %s", agent_id, exc)
 
     def _reconnected(self, msg: Hello) -> bool:
         """Whether this Hello is a live session's agent process back on a new connection."""

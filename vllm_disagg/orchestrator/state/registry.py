@@ -218,7 +218,10 @@ class Registry(SnapshotSource):
             session=(old.session + 1) if old else 1,
             joined_at=now,
             last_heartbeat=now,
-            admin_cordoned=old.admin_cordoned if old else False,  # the operator's word outlives sessions
+            # The operator's word outlives sessions: an agent that restarts comes back cordoned, drained
+            # and pinned as it was left (the control plane tells a drained one again).
+            admin_cordoned=old.admin_cordoned if old else False,
+            admin_draining=old.admin_draining if old else False,
             role_pinned=old.role_pinned if old else False,
             audit=DecodeAudit(agent_id, info.block_size),
             protocol=protocol,
