@@ -303,7 +303,9 @@ class AgentConfig:
 
     agent_id: str
     role: Role
+    # The orchestrator's ROUTER endpoint; replicas: a comma-separated list, one session with each.
     orchestrator: str = "tcp://127.0.0.1:5555"
+    command_log: str = ""  # a file to append one JSON line per command received to; "": none
     engine: str = "sim"  # "sim" or "vllm"
     model: str = "sim-model"
     engine_host: str = "127.0.0.1"
@@ -358,6 +360,12 @@ class AgentConfig:
             raise ConfigError(f"agent.role must be one of {list(ROLES)}, got {self.role!r}")
         if self.engine not in ("sim", "vllm"):
             raise ConfigError(f"agent.engine must be 'sim' or 'vllm', got {self.engine!r}")
+        endpoints = self.orchestrators
+        if not all("://" in e for e in endpoints) or len(set(endpoints)) != len(endpoints):
+            raise ConfigError(
+                "agent.orchestrator must be ZeroMQ endpoints (tcp://host:port), comma-separated, each "
+                f"once; got {self.orchestrator!r}"
+            )
         if bool(self.curve_secret_key_file) != bool(self.orchestrator_key_file):
             raise ConfigError(
                 "agent.curve_secret_key_file and orchestrator_key_file go together: give both to "
@@ -397,6 +405,11 @@ class AgentConfig:
             )
         if self.kv_lease_s < 0:
             raise ConfigError(f"agent.kv_lease_s must be >= 0 (0: the default), got {self.kv_lease_s}")
+
+    @property
+    def orchestrators(self) -> tuple[str, ...]:
+        """The orchestrator replicas' endpoints (one: a single orchestrator)."""
+        return tuple(e.strip() for e in self.orchestrator.split(","))
 
     @property
     def engine_url(self) -> str:

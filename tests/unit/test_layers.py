@@ -5,8 +5,9 @@ Every import counts: at top level, inside a function (lazy) and under ``TYPE_CHE
 First level (``vllm_disagg/<layer>``):
 
 - **base**: errors, http_errors, clock, jsonutil, config, procfs, runtime, keys; ``protocol`` (ours), ``wire``
-  (vLLM's formats) and ``model`` (test models, the simulated model's tokenizer) import only the
-  package root and the plain utilities (errors, clock, jsonutil);
+  (vLLM's formats), ``model`` (test models, the simulated model's tokenizer) and ``etcd`` (the etcd
+  client, leader election, membership) import only the package root and the plain utilities (errors,
+  clock, jsonutil);
 - **engines and services**: ``sim_engine`` (the simulated engine) sees the base; ``agent`` the base and
   ``sim_engine`` (it launches one); ``orchestrator`` the base only; ``cluster_sim`` (the discrete-event
   simulator) the base, ``sim_engine`` (its timing model) and ``orchestrator`` (whose code decides in it);
@@ -15,7 +16,8 @@ First level (``vllm_disagg/<layer>``):
 Second level (``vllm_disagg/orchestrator/<part>``), bottom up: ``state`` (what the orchestrator knows);
 ``scheduling`` and ``metrics`` read it; ``control`` (the agents' sessions and the commands to them);
 ``planner`` (decides role changes, carried out by control); ``gateway`` (requests, and its workers);
-``admin`` (the operators' HTTP surfaces); ``app`` and ``main`` wire it all.
+``admin`` (the operators' HTTP surfaces); ``replicas`` (the election and the replicas' link, on
+``control``); ``app`` and ``main`` wire it all.
 
 Without the first check a cycle crept in once: sim → agent (KV-event frames) → orchestrator (the prefix
 index) → sim (the simulated tokenizer). Without the last, two hid behind lazy and ``TYPE_CHECKING``
@@ -44,6 +46,7 @@ BASE = frozenset(
         "protocol",
         "wire",
         "model",
+        "etcd",
     }
 )
 CORE = frozenset({"__init__", "errors", "clock", "jsonutil"})  # the package root, and plain utilities
@@ -57,6 +60,7 @@ ALLOWED: dict[str, frozenset[str]] = {
     "protocol": CORE,
     "wire": CORE,
     "model": CORE,
+    "etcd": CORE,
     "config": CORE | {"protocol"},
     "keys": CORE | {"protocol"},
     "sim_engine": BASE | CORE,
@@ -80,8 +84,10 @@ ORCHESTRATOR: dict[str, frozenset[str]] = {
     "planner": _STATE | {"scheduling", "metrics", "control"},
     "gateway": _STATE | {"scheduling", "metrics", "control", "planner", "loop_lag"},
     "admin": _STATE | {"metrics", "control", "gateway"},
-    "app": _STATE | {"scheduling", "metrics", "control", "planner", "gateway", "admin", "loop_lag"},
-    "main": _STATE | {"scheduling", "control", "planner", "gateway", "admin", "app", "flags"},
+    "replicas": _STATE | {"metrics", "control"},
+    "app": _STATE
+    | {"scheduling", "metrics", "control", "planner", "gateway", "admin", "replicas", "loop_lag"},
+    "main": _STATE | {"scheduling", "control", "planner", "gateway", "admin", "replicas", "app", "flags"},
 }
 
 

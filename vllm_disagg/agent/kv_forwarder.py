@@ -3,16 +3,20 @@
 A SUB socket on the engine's KV-events PUB (vLLM's ``--kv-events-config``, the sim's
 ``--kv-events-port``). Each loop drains everything readable: every engine batch is decoded
 (``decode_frames``), turned into protocol ``KvEvent``s, applied to the agent's ``KvMirror`` of the
-engine's blocks and queued; then, while the session is registered, the queue goes out as ``KvEvents``
+engine's blocks and queued; then, while a session is registered, its queue goes out as ``KvEvents``
 messages of at most ``MAX_MESSAGE_EVENTS`` events and ``MAX_MESSAGE_ITEMS`` token ids plus hashes, far
 below the orchestrator's 1 MiB frame limit (an event too big for one message is split into chained
 pieces first).
 
+Each session (one per orchestrator replica) has a *lane* of its own: its queue, its resync, its
+``missed`` count and its messages' ``seq``. A batch is queued once and shared by every lane's queue.
+
 Every ``Welcome`` starts a session whose index of this instance is empty (the orchestrator drops it at
-each Hello, and a restarted one never had it): the queue is discarded and a *resync* goes first, the
-mirror's ``snapshot()`` (a ``cleared``, then every block the engine holds), so the index is rebuilt
-whatever was lost before. The same resync replaces the queue when it outgrows its bound (the
-orchestrator unreachable for long), so no engine batch is ever dropped for want of room.
+each Hello, and a restarted one never had it): that session's queue is discarded and a *resync* goes
+first to it alone, the mirror's ``snapshot()`` (a ``cleared``, then every block the engine holds), so
+its index is rebuilt whatever was lost before; the other sessions go on with their queues. The same
+resync replaces a lane's queue when it outgrows its bound (that orchestrator unreachable for long), so
+no engine batch is ever dropped for want of room.
 
 Nothing here is fatal. A batch that does not decode is logged and counted (``bad_batches``); a gap in
 the engine's sequence numbers adds to the next message's ``missed``. An engine restart (the
@@ -25,15 +29,15 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import zmq
 import zmq.asyncio
 
 from vllm_disagg.agent.engine_command import kv_events_port
 from vllm_disagg.agent.kv_mirror import KvMirror
-from vllm_disagg.agent.session import AgentSession
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
 from vllm_disagg.protocol.messages import KvEvent, KvEvents
@@ -94,13 +98,45 @@ class _Batch:
     counted: bool = True
 
 
+class KvSink(Protocol):
+    """Where a lane's messages go: one of the agent's sessions (``AgentSession``)."""
+
+    registered: bool
+
+    def send_kv_events(self, message: KvEvents) -> bool:
+        """Send ``message``; False when not registered or not connected (nothing was sent)."""
+        ...
+
+
+class _Lane:
+    """What one session's orchestrator has yet to receive."""
+
+    def __init__(self, sink: KvSink) -> None:
+        self.sink = sink
+        self.queue: deque[_Batch] = deque()
+        self.offset = 0  # events of the front batch already sent
+        self.queued_items = 0  # of counted batches
+        self.resync = False  # its orchestrator's index needs the whole mirror before anything else
+        self.missed = 0  # not yet reported
+        self.seq = 0  # of the last KvEvents sent on it; grows for the agent's whole life
+
+    @property
+    def queued_events(self) -> int:
+        return sum(len(b.events) for b in self.queue) - self.offset
+
+    def discard(self) -> None:
+        self.queue.clear()
+        self.offset = 0
+        self.queued_items = 0
+
+
 class KvEventForwarder:
-    """Subscribes to the engine's KV events and sends them through the agent's session."""
+    """Subscribes to the engine's KV events and sends them through each of the agent's sessions."""
 
     def __init__(
         self,
         endpoint: str,
-        session: AgentSession,
+        sessions: KvSink | Sequence[KvSink],
         *,
         max_message_items: int = MAX_MESSAGE_ITEMS,
         max_message_events: int = MAX_MESSAGE_EVENTS,
@@ -110,26 +146,21 @@ class KvEventForwarder:
     ) -> None:
         self.endpoint = endpoint
         self._flush_interval_s = flush_interval_s
-        self._session = session
+        sinks = list(sessions) if isinstance(sessions, Sequence) else [sessions]
+        self._lanes = [_Lane(sink) for sink in sinks]
         self._max_items = max_message_items
         self._max_events = max_message_events
         self._max_queued = max_queued_items
-        self._queue: deque[_Batch] = deque()
-        self._offset = 0  # events of the front batch already sent
-        self._queued_items = 0  # of counted batches
-        self._resync = False  # the orchestrator's index needs the whole mirror before anything else
-        self._missed = 0  # not yet reported
         self._last_seq: int | None = None  # the engine's, of the last batch read
         self._sub: zmq.Socket[bytes] | None = None  # a blocking view of the SUB socket, for draining
         self.mirror = mirror if mirror is not None else KvMirror()
         # Other sources' whole state, appended to each resync (the KV pool's ``pool_snapshot``).
         self.snapshots: list[Callable[[], list[KvEvent]]] = []
-        self.seq = 0  # of the last KvEvents sent; grows for the agent's whole life
         self.batches = 0  # engine batches decoded
         self.bad_batches = 0  # engine batches that did not decode
         self.missed_total = 0  # engine batches lost, over the agent's life
-        self.events_sent = 0
-        self.resyncs = 0  # resyncs started, over the agent's life
+        self.events_sent = 0  # over every session
+        self.resyncs = 0  # resyncs started, over the agent's life and every session
 
     @property
     def engine_seq(self) -> int | None:
@@ -137,14 +168,19 @@ class KvEventForwarder:
         return self._last_seq
 
     @property
+    def seq(self) -> int:
+        """KvEvents messages sent, over every session (each session's messages count on their own)."""
+        return sum(lane.seq for lane in self._lanes)
+
+    @property
     def queued_events(self) -> int:
-        """Events waiting to be sent."""
-        return sum(len(b.events) for b in self._queue) - self._offset
+        """Events waiting to be sent, to the session furthest behind."""
+        return max((lane.queued_events for lane in self._lanes), default=0)
 
     @property
     def resync_pending(self) -> bool:
-        """True while a resync is due but could not start (not registered)."""
-        return self._resync
+        """True while a resync is due to some session but could not start (not registered)."""
+        return any(lane.resync for lane in self._lanes)
 
     async def run(self) -> None:
         """Subscribe, then drain and forward until cancelled."""
@@ -212,14 +248,20 @@ class KvEventForwarder:
         self._last_seq = None  # the new engine counts from 0
         self._record([_CLEARED])
 
-    def session_started(self) -> None:
-        """A ``Welcome``: the orchestrator knows nothing of this instance's blocks; resync it first."""
-        self._discard()
-        self._resync = True
-        self.flush()
+    def session_started(self, session: KvSink | None = None) -> None:
+        """A ``Welcome`` on ``session`` (None: on every one): its orchestrator knows nothing of this
+        instance's blocks; resync it first. The other sessions' queues go on untouched."""
+        lanes = [lane for lane in self._lanes if session is None or lane.sink is session]
+        if not lanes:
+            raise ValueError("a Welcome on a session this forwarder does not send to")
+        for lane in lanes:
+            lane.discard()
+            lane.resync = True
+            self._flush(lane)
 
     def _lost(self, batches: int) -> None:
-        self._missed += batches
+        for lane in self._lanes:
+            lane.missed += batches
         self.missed_total += batches
 
     def forward(self, events: list[KvEvent]) -> None:
@@ -232,66 +274,68 @@ class KvEventForwarder:
         self._enqueue(events)
 
     def _enqueue(self, events: list[KvEvent]) -> None:
-        if self._resync:
-            return  # the resync is built from the mirror when it starts: it will hold these
-        self._queue.append(_Batch(events))
-        self._queued_items += sum(map(_items, events))
-        if self._queued_items > self._max_queued:
-            # The orchestrator has been unreachable for long: the mirror holds the state in less
-            # room than the history of how it came about.
-            log.warning(
-                "%d KV event items could not be sent; a resync of the index will replace them",
-                self._queued_items,
-            )
-            self._discard()
-            self._resync = True
+        batch = _Batch(events)  # one for every lane: they only read it
+        items = sum(map(_items, events))
+        for lane in self._lanes:
+            if lane.resync:
+                continue  # the resync is built from the mirror when it starts: it will hold these
+            lane.queue.append(batch)
+            lane.queued_items += items
+            if lane.queued_items > self._max_queued:
+                # That orchestrator has been unreachable for long: the mirror holds the state in
+                # less room than the history of how it came about.
+                log.warning(
+                    "%d KV event items could not be sent; a resync of the index will replace them",
+                    lane.queued_items,
+                )
+                lane.discard()
+                lane.resync = True
 
-    def _discard(self) -> None:
-        self._queue.clear()
-        self._offset = 0
-        self._queued_items = 0
-
-    def _start_resync(self) -> None:
+    def _start_resync(self, lane: _Lane) -> None:
         events = self.mirror.snapshot(self._max_items)
         for snapshot in self.snapshots:
             events += snapshot()
-        self._discard()
-        self._queue.append(_Batch(events, counted=False))
-        self._resync = False
+        lane.discard()
+        lane.queue.append(_Batch(events, counted=False))
+        lane.resync = False
         self.resyncs += 1
         log.info(
             "resyncing the orchestrator's KV index: %d blocks in %d events", len(self.mirror), len(events)
         )
 
     def flush(self) -> int:
-        """Send what is queued, while the session is registered and connected; messages sent."""
-        if not self._session.registered:
+        """Send what is queued to every session that is registered and connected; messages sent."""
+        return sum(self._flush(lane) for lane in self._lanes)
+
+    def _flush(self, lane: _Lane) -> int:
+        if not lane.sink.registered:
             return 0
-        if self._resync:
-            self._start_resync()
+        if lane.resync:
+            self._start_resync(lane)
         sent = 0
-        while self._queue or self._missed:
-            events, counted, batches, offset = self._next_message()
-            message = KvEvents(seq=self.seq + 1, events=events, missed=self._missed)
-            if not self._session.send_kv_events(message):
+        while lane.queue or lane.missed:
+            events, counted, batches, offset = self._next_message(lane)
+            message = KvEvents(seq=lane.seq + 1, events=events, missed=lane.missed)
+            if not lane.sink.send_kv_events(message):
                 break  # not connected, or its queue is full: keep everything for the next try
-            self.seq += 1
+            lane.seq += 1
             self.events_sent += len(events)
-            self._missed = 0
+            lane.missed = 0
             for _ in range(batches):
-                self._queue.popleft()
-            self._offset = offset
-            self._queued_items -= counted
+                lane.queue.popleft()
+            lane.offset = offset
+            lane.queued_items -= counted
             sent += 1
         return sent
 
-    def _next_message(self) -> tuple[list[KvEvent], int, int, int]:
-        """The next message's events, their counted items, the batches it finishes, the new front offset."""
+    def _next_message(self, lane: _Lane) -> tuple[list[KvEvent], int, int, int]:
+        """The lane's next message: its events, their counted items, the batches it finishes, the new
+        front offset."""
         events: list[KvEvent] = []
         items = counted = 0
-        offset = self._offset
+        offset = lane.offset
         batches = 0
-        for batch in self._queue:
+        for batch in lane.queue:
             while offset < len(batch.events):
                 event = batch.events[offset]
                 cost = _items(event)

@@ -1,5 +1,5 @@
 """``vllm-disagg agent``: one agent per engine: supervise it, scrape it, report it to the orchestrator
-(heartbeats, and the engine's KV-cache events).
+(heartbeats, and the engine's KV-cache events); to every replica of a replicated one (``Sessions``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import sys
 
 import aiohttp
 
+from vllm_disagg.agent.command_log import CommandLog
 from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch
 from vllm_disagg.agent.engine import EngineSupervisor
 from vllm_disagg.agent.engine_kinds import instance_info
@@ -20,13 +21,13 @@ from vllm_disagg.agent.kv.agent_pool import KvPool
 from vllm_disagg.agent.kv.arena import Capacity
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
 from vllm_disagg.agent.scraper import MetricsScraper
-from vllm_disagg.agent.session import EXIT_REFUSED, AgentSession, SessionEnd
+from vllm_disagg.agent.session import EXIT_REFUSED, SessionEnd
+from vllm_disagg.agent.sessions import Sessions
 from vllm_disagg.agent.vllm_command import uses_pool
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public
 from vllm_disagg.protocol.messages import ROLES, EngineState
-from vllm_disagg.protocol.transport import DealerTransport
 from vllm_disagg.runtime import become_subreaper, reap_children, run_service
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,18 @@ GOODBYE_LINGER_MS = 1000  # how long closing may wait to deliver the last Ack/Go
 _DEFAULT = AgentConfig(agent_id="-", role="both")
 # (flag, AgentConfig field, type, help)
 _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
-    ("--orchestrator", "orchestrator", str, "the orchestrator's ZeroMQ endpoint"),
+    (
+        "--orchestrator",
+        "orchestrator",
+        str,
+        "the orchestrator's ZeroMQ endpoint; replicas: a comma-separated list (a session with each)",
+    ),
+    (
+        "--command-log",
+        "command_log",
+        str,
+        "append one JSON line per command received to this file (docs/agent.md)",
+    ),
     ("--model", "model", str, "served model name"),
     ("--engine-host", "engine_host", str, "host the launched engine listens on"),
     ("--engine-port", "engine_port", int, "port the launched engine listens on"),
@@ -159,6 +171,8 @@ def run_config(cfg: AgentConfig, log_level: str = "INFO") -> int:
     instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
     client_curve(cfg)  # and key files that will not do
     Capacity.parse(cfg.kv_pool_capacity)  # and a pool size that means nothing
+    if cfg.command_log:
+        CommandLog.open(cfg.command_log).close()  # and a command log that cannot be written
     logging.basicConfig(
         level=log_level.upper(),
         stream=sys.stderr,
@@ -192,58 +206,64 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
         pool = await KvPool.start(cfg) if uses_pool(cfg) else None
         if pool is not None:
             info = dataclasses.replace(info, kv_pool_endpoint=pool.transfer.endpoint)
-        transport = DealerTransport(cfg.orchestrator, curve=client_curve(cfg))
-        session = AgentSession(
-            transport,
+        command_log = CommandLog.open(cfg.command_log) if cfg.command_log else None
+        sessions = Sessions(
+            Sessions.dealers(cfg.orchestrators, client_curve(cfg)),
             cfg.agent_id,
             info,
             engine_state=lambda: engine.state,
             metrics=scraper.latest,
             kv_plane=pool.transfer if pool else None,
+            command_log=command_log,
         )
 
-        forwarder = _wire(cfg, engine, session, attached, pool)
+        forwarder = _wire(cfg, engine, sessions, attached, pool)
         try:
-            return await _serve_until_done(cfg, engine, scraper, session, forwarder, stop)
+            return await _serve_until_done(cfg, engine, scraper, sessions, forwarder, stop)
         finally:
             if attached is not None:
                 await attached.close()
             await engine.stop()
             if pool is not None:
                 await pool.close()
-            transport.close(linger_ms=GOODBYE_LINGER_MS)
+            sessions.close(linger_ms=GOODBYE_LINGER_MS)
+            if command_log is not None:
+                command_log.close()
 
 
 def _wire(
     cfg: AgentConfig,
     engine: EngineSupervisor,
-    session: AgentSession,
+    sessions: Sessions,
     attached: AttachedEngine | None,
     pool: KvPool | None,
 ) -> KvEventForwarder | None:
-    """Connect the engine, the session, an attached engine's look and the KV pool to each other; the
+    """Connect the engine, the sessions, an attached engine's look and the KV pool to each other; the
     KV-event forwarder, when the engine publishes events."""
 
     def on_state(state: EngineState) -> None:
         # An engine that exits or turns unhealthy is reported at once: detection does not wait a beat.
-        session.report_now()
+        sessions.report_now()
         if attached is not None:
             attached.engine_state(state)
 
     engine.on_state = on_state
     # Asked of the engine's config now: a restart for a role change gives it the new role's.
-    session.role_switch = lambda role: role_switch(engine.config, role, attached.facts if attached else None)
-    if attached is None:
-        session.restart_as = engine.relaunch
+    sessions.set_roles(
+        lambda role: role_switch(engine.config, role, attached.facts if attached else None),
+        engine.relaunch if attached is None else None,
+    )
     if attached is not None:
-        attached.session = session
+        # Any session will do: a new instance it says goes to every orchestrator (shared.py).
+        attached.session = sessions.members[0]
     endpoint = forwarder_endpoint(cfg)
     if not endpoint and attached is not None and attached.facts is not None:
         endpoint = attached.facts.kv_events_endpoint  # the engine said where it publishes
-    forwarder = KvEventForwarder(endpoint, session) if endpoint else None
+    forwarder = KvEventForwarder(endpoint, sessions.members) if endpoint else None
     if forwarder is not None:
         engine.on_restart = forwarder.engine_restarted
-        session.on_welcome = forwarder.session_started  # rebuild the orchestrator's KV index
+        # Rebuild the KV index of the orchestrator that welcomed us, and of no other.
+        sessions.on_welcome(forwarder.session_started)
         if pool is not None:
             pool.report_to(forwarder)
     return forwarder
@@ -253,37 +273,37 @@ async def _serve_until_done(
     cfg: AgentConfig,
     engine: EngineSupervisor,
     scraper: MetricsScraper,
-    session: AgentSession,
+    sessions: Sessions,
     forwarder: KvEventForwarder | None,
     stop: asyncio.Event,
 ) -> int:
-    """Run until a signal, the engine or the session ends the agent; say goodbye as the end requires."""
-    end = await _until_done(engine, scraper, session, forwarder, stop)
-    if end is None:  # a signal: tell the orchestrator first so it stops routing to us
-        session.goodbye("agent stopping")
+    """Run until a signal, the engine or a session ends the agent; say goodbye as the end requires."""
+    end = await _until_done(engine, scraper, sessions, forwarder, stop)
+    if end is None:  # a signal: tell the orchestrators first so they stop routing to us
+        sessions.goodbye("agent stopping")
         await engine.stop()
         return 0
     await engine.stop()
     if end.exit_code != 0:
         print(f"vllm-disagg agent {cfg.agent_id}: refused: {end.reason}", file=sys.stderr, flush=True)
     else:
-        session.goodbye(end.reason)
+        sessions.goodbye(end.reason)
     return end.exit_code
 
 
 async def _until_done(
     engine: EngineSupervisor,
     scraper: MetricsScraper,
-    session: AgentSession,
+    sessions: Sessions,
     forwarder: KvEventForwarder | None,
     stop: asyncio.Event,
 ) -> SessionEnd | None:
-    """Run every loop until the session ends (its ``SessionEnd``) or ``stop`` is set (None)."""
+    """Run every loop until a session ends the agent (its ``SessionEnd``) or ``stop`` is set (None)."""
     async with asyncio.TaskGroup() as tg:
         loops = [tg.create_task(engine.run(), name="engine"), tg.create_task(scraper.run(), name="scraper")]
         if forwarder is not None:
             loops.append(tg.create_task(forwarder.run(), name="kv-events"))
-        talk = tg.create_task(session.run(), name="session")
+        talk = tg.create_task(sessions.run(), name="sessions")
         stopped = tg.create_task(stop.wait(), name="stop")
         await asyncio.wait({talk, stopped}, return_when=asyncio.FIRST_COMPLETED)
         for task in (*loops, talk, stopped):

@@ -4,6 +4,11 @@ One reader task owns the socket's receiving side; one talker task sends Hello (w
 heartbeats (at the interval the orchestrator chose). The session ends with a ``SessionEnd`` when the
 orchestrator says ``shutdown`` or refuses our protocol version; the caller stops the engine.
 
+An agent of replicated orchestrators holds one session per replica (``sessions.py``), all sharing the
+Hello's instance, the draining flag, the fence and the command log (``shared.py``). Every command
+passes the fence first (``fencing.py``): one older than the newest leadership term obeyed is answered
+``STALE_EPOCH`` and not carried out; and it is written to the command log before it is carried out.
+
 An agent that runs a KV pool (``kv_plane``) also obeys ``kv_grant`` (at once) and ``kv_fetch`` (in a
 task of its own, Acked once the transfer has started: the reader never waits on another agent).
 """
@@ -15,17 +20,18 @@ import contextlib
 import dataclasses
 import logging
 import random
-import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, assert_never
 
 from vllm_disagg.agent.kv.plane import FetchStarted, KvPlane
+from vllm_disagg.agent.shared import SharedState
 from vllm_disagg.errors import FieldTypeError, VersionMismatch
 from vllm_disagg.protocol.codec import for_minor
 from vllm_disagg.protocol.commands import (
     POOL_MINOR,
     AckResult,
+    CommandPayload,
     Drain,
     FetchResult,
     GrantResult,
@@ -42,6 +48,7 @@ from vllm_disagg.protocol.messages import (
     PROTOCOL_VERSION,
     RESTART_REQUIRED,
     ROLES,
+    STALE_EPOCH,
     Ack,
     Command,
     EngineState,
@@ -97,8 +104,16 @@ class SessionEnd:
     command_id: int | None = None  # the shutdown command, when one ended it
 
 
+@dataclass(frozen=True, slots=True)
+class _Admitted:
+    """A command that passed every check and is to be carried out (a role change: how)."""
+
+    payload: CommandPayload
+    switch: RoleSwitch | None = None
+
+
 class AgentSession:
-    """Registers with the orchestrator and keeps it informed until told to stop."""
+    """Registers with one orchestrator and keeps it informed until told to stop."""
 
     def __init__(
         self,
@@ -111,17 +126,18 @@ class AgentSession:
         rng: random.Random | None = None,
         heartbeat_interval_s: float = 0.25,
         kv_plane: KvPlane | None = None,
+        shared: SharedState | None = None,
+        endpoint: str = "",
     ) -> None:
         self._transport = transport
+        self.endpoint = endpoint  # the orchestrator's, as the command log and the logs name it
         self.kv_plane = kv_plane  # the node's KV pool and its agent-to-agent link; None: no pool
         self._kv_tasks: set[asyncio.Task[None]] = set()  # fetches waiting for their transfer to start
-        self._hello = Hello(
-            protocol_version=PROTOCOL_VERSION,
-            agent_id=agent_id,
-            instance=instance,
-            incarnation=secrets.token_hex(8),
-            protocol_minor=PROTOCOL_MINOR,
-        )
+        # What every session of this agent says alike; ``instance`` is ignored beside one given.
+        self._shared = shared if shared is not None else SharedState(instance)
+        self._shared.members.append(self)
+        self._agent_id = agent_id
+        self._minor = PROTOCOL_MINOR  # what our Hello says; 0 to an orchestrator of 1.0
         self._engine_state = engine_state
         self._metrics = metrics
         self._rng = rng or random.Random()
@@ -129,7 +145,9 @@ class AgentSession:
         self._end: asyncio.Future[SessionEnd] | None = None
         self.interval_s = heartbeat_interval_s
         self.registered = False
-        self.draining = False
+        # A new Hello must go out even if a Welcome to the previous one arrives first (it registers
+        # what that Hello said, not what changed since).
+        self._hello_due = False
         self.seq = 0  # of the last heartbeat sent; grows for the agent's whole life
         self.hellos_sent = 0
         self.welcomes = 0  # sessions started (a repeated Welcome counts: each may follow a new Hello)
@@ -145,7 +163,19 @@ class AgentSession:
     @property
     def agent_id(self) -> str:
         """This agent's id (what its Hello says)."""
-        return self._hello.agent_id
+        return self._agent_id
+
+    @property
+    def hello(self) -> Hello:
+        """The Hello this session says: the shared instance, in the protocol its orchestrator reads."""
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            agent_id=self._agent_id,
+            instance=self._shared.instance,
+            incarnation=self._shared.incarnation,
+            protocol_minor=self._minor,
+        )
+        return hello if self._minor else for_minor(hello, 0)
 
     async def run(self) -> SessionEnd:
         """Talk to the orchestrator until a shutdown command or a final refusal."""
@@ -163,15 +193,26 @@ class AgentSession:
     @property
     def instance(self) -> InstanceInfo:
         """What this agent's Hello says about its engine."""
-        return self._hello.instance
+        return self._shared.instance
 
     def set_instance(self, instance: InstanceInfo) -> None:
-        """Say Hello again with ``instance`` (the attached engine turned out, or became, different);
-        the orchestrator starts a new session for it."""
-        if instance == self._hello.instance:
-            return
-        self._hello = dataclasses.replace(self._hello, instance=instance)
+        """Say Hello again with ``instance`` (the attached engine turned out, or became, different), in
+        every session of this agent; each orchestrator starts a new session for it."""
+        self._shared.set_instance(instance)
+
+    @property
+    def draining(self) -> bool:
+        """True between a ``drain`` and an ``undrain`` obeyed by any session of this agent."""
+        return self._shared.draining
+
+    @draining.setter
+    def draining(self, draining: bool) -> None:
+        self._shared.draining = draining
+
+    def rehello(self) -> None:
+        """Say Hello again at once (the instance changed, or the orchestrator forgot us)."""
         self.registered = False
+        self._hello_due = True
         self._poke()
 
     def send_kv_events(self, message: KvEvents) -> bool:
@@ -207,93 +248,128 @@ class AgentSession:
         while True:
             incoming = await self._transport.recv()
             if incoming.error is not None:
-                log.warning("ignoring a bad frame from the orchestrator: %s", incoming.error)
+                log.warning("ignoring a bad frame from the orchestrator%s: %s", self._at(), incoming.error)
                 continue
             if incoming.message is not None:
                 self.handle(incoming.message)
+
+    def _at(self) -> str:
+        return f" at {self.endpoint}" if self.endpoint else ""
 
     def handle(self, message: Message) -> None:
         """React to one message from the orchestrator."""
         match message:
             case Welcome():
-                if not self.registered:
-                    log.info(
-                        "registered (the orchestrator speaks protocol v%d.%d); heartbeat every %.3g s",
-                        message.protocol_version,
-                        message.protocol_minor,
-                        message.heartbeat_interval_s,
-                    )
-                self.registered = True
-                self.welcomes += 1
-                self.peer_minor = message.protocol_minor
-                if message.heartbeat_interval_s > 0:
-                    self.interval_s = message.heartbeat_interval_s
-                self._poke()
-                if self.on_welcome is not None:
-                    try:
-                        self.on_welcome()
-                    except Exception:  # a bug in a hook must not end the session
-                        log.exception("the Welcome hook failed")
+                self._welcomed(message)
             case Refuse(code=VersionMismatch.code):
-                log.error("refused by the orchestrator (%s): %s", message.code, message.reason)
+                log.error("refused by the orchestrator%s (%s): %s", self._at(), message.code, message.reason)
                 self._finish(SessionEnd(EXIT_REFUSED, f"{message.code}: {message.reason}"))
             case Refuse(code=FieldTypeError.code) if (
-                not self.registered and self._hello.protocol_minor and "'protocol_minor'" in message.reason
+                not self.registered and self._minor and "'protocol_minor'" in message.reason
             ):
                 # An orchestrator of protocol 1.0 refuses fields it does not know: speak 1.0 to it.
-                log.info("the orchestrator speaks protocol v1.0; saying Hello as v1.0")
-                self._hello = for_minor(dataclasses.replace(self._hello, protocol_minor=0), 0)
+                log.info("the orchestrator%s speaks protocol v1.0; saying Hello as v1.0", self._at())
+                self._minor = 0
                 self._poke()
             case Refuse() if message.code in REHELLO_CODES:
                 # Every heartbeat in flight is refused; the first refusal is enough to say Hello again.
                 if self.registered:
-                    log.info("orchestrator does not know us (%s); saying Hello again", message.code)
-                    self.registered = False
-                    self._poke()
+                    log.info(
+                        "orchestrator%s does not know us (%s); saying Hello again", self._at(), message.code
+                    )
+                    self.rehello()
             case Refuse():
-                log.warning("orchestrator refused (%s): %s", message.code, message.reason)
+                log.warning("orchestrator%s refused (%s): %s", self._at(), message.code, message.reason)
             case Command():
                 self._command(message)
             case Goodbye():
                 # The orchestrator is going away; it will not know us when it comes back.
-                log.info("orchestrator said goodbye (%s)", message.reason or "no reason")
-                self.registered = False
-                self._poke()
+                log.info("orchestrator%s said goodbye (%s)", self._at(), message.reason or "no reason")
+                self.rehello()
             case _:
-                log.warning("ignoring an unexpected %s from the orchestrator", message.TAG)
+                log.warning("ignoring an unexpected %s from the orchestrator%s", message.TAG, self._at())
+
+    def _welcomed(self, welcome: Welcome) -> None:
+        if not self.registered:
+            log.info(
+                "registered%s (the orchestrator speaks protocol v%d.%d); heartbeat every %.3g s",
+                self._at(),
+                welcome.protocol_version,
+                welcome.protocol_minor,
+                welcome.heartbeat_interval_s,
+            )
+        self.registered = True
+        self.welcomes += 1
+        self.peer_minor = welcome.protocol_minor
+        if welcome.heartbeat_interval_s > 0:
+            self.interval_s = welcome.heartbeat_interval_s
+        self._poke()
+        if self.on_welcome is not None:
+            try:
+                self.on_welcome()
+            except Exception:  # a bug in a hook must not end the session
+                log.exception("the Welcome hook failed")
 
     def _command(self, command: Command) -> None:
-        log.info("command %d: %s %s", command.id, command.kind, _loggable(command) or "")
-        if command.kind in ("kv_grant", "kv_fetch") and self.kv_plane is None:
-            self._transport.send(Ack(id=command.id, ok=False, error=NO_POOL))
+        epoch = f" (epoch {command.epoch})" if command.epoch else ""
+        log.info(
+            "command %d%s: %s %s%s", command.id, self._at(), command.kind, _loggable(command) or "", epoch
+        )
+        admitted = self._admit(command)
+        command_log = self._shared.command_log
+        if isinstance(admitted, Ack):
+            if command_log is not None:
+                command_log.record(
+                    command, self.endpoint, accepted=False, code=admitted.code, error=admitted.error
+                )
+            self._transport.send(admitted.for_minor(self.peer_minor))
             return
+        if command_log is not None:  # before it is carried out: the log orders what the agent did
+            command_log.record(command, self.endpoint, accepted=True)
+        self._obey(command.id, admitted)
+
+    def _admit(self, command: Command) -> _Admitted | Ack:
+        """The command to carry out, or the Ack that refuses it: a stale leader's first of all."""
+        stale = self._shared.fence.admit(command.epoch)
+        if stale:
+            log.warning(
+                "refused command %d (%s) from %s: %s", command.id, command.kind, self.endpoint or "?", stale
+            )
+            return Ack(id=command.id, ok=False, error=stale, code=STALE_EPOCH)
+        if command.kind in ("kv_grant", "kv_fetch") and self.kv_plane is None:
+            return Ack(id=command.id, ok=False, error=NO_POOL)
         try:
             payload = command.read()  # typed (1.5), or from the args of an orchestrator before it
         except ValueError as exc:
-            self._transport.send(Ack(id=command.id, ok=False, error=f"{command.kind}: {exc}"))
-            return
+            return Ack(id=command.id, ok=False, error=f"{command.kind}: {exc}")
+        if isinstance(payload, SetRole):
+            switch = self._role_switch(command.id, payload)
+            return switch if isinstance(switch, Ack) else _Admitted(payload, switch)
+        return _Admitted(payload)
+
+    def _obey(self, command_id: int, admitted: _Admitted) -> None:
+        payload = admitted.payload
         match payload:
             case Shutdown():
-                self._transport.send(Ack(id=command.id, ok=True))
-                self._finish(SessionEnd(EXIT_OK, "shutdown command", command.id))
+                self._transport.send(Ack(id=command_id, ok=True))
+                self._finish(SessionEnd(EXIT_OK, "shutdown command", command_id))
             case SetRole():
-                self._transport.send(self._set_role(command.id, payload))
+                assert admitted.switch is not None
+                self._transport.send(self._take_role(command_id, payload.role, admitted.switch))
             case KvGrant():
-                self._transport.send(self._kv_grant(command.id, payload))
+                self._transport.send(self._kv_grant(command_id, payload))
             case KvFetch():
-                self._kv_fetch(command.id, payload)
+                self._kv_fetch(command_id, payload)
             case Drain() | Undrain():
-                self.draining = isinstance(payload, Drain)
-                self._transport.send(Ack(id=command.id, ok=True))
-                self._poke()  # let the orchestrator see the new draining flag at once
+                self._transport.send(Ack(id=command_id, ok=True))
+                # Every session's next heartbeat goes out at once with the new flag.
+                self._shared.set_draining(isinstance(payload, Drain))
             case _:
                 assert_never(payload)  # a kind added to the protocol must be obeyed here
 
-    def _set_role(self, command_id: int, ask: SetRole) -> Ack:
-        """Take the role the orchestrator asks for, if the engine can serve it; the Ack says which.
+    def _role_switch(self, command_id: int, ask: SetRole) -> RoleSwitch | Ack:
+        """How the engine takes the role the orchestrator asks for, or the Ack that says it cannot.
 
-        No new Hello: the orchestrator applies the role when the Ack says yes (the session, and the
-        requests on it, go on), and the Hello says it from now on (a reconnect resumes the session).
         An engine that must restart for it answers ``RESTART_REQUIRED`` first; the orchestrator drains
         the instance and asks again with ``restart``, and the engine restarts after the Ack."""
         role = ask.role
@@ -304,11 +380,16 @@ class AgentSession:
             log.warning("refusing to become %s: %s", role, switch.why)
             return Ack(id=command_id, ok=False, error=switch.why)
         if switch.how == "restart" and not ask.restart:
-            # An orchestrator of 1.0 refuses fields it does not know; one of 1.1 reads a refusal.
-            code = RESTART_REQUIRED if self.peer_minor >= 2 else ""
-            return Ack(id=command_id, ok=False, error=switch.why, code=code)
-        instance = dataclasses.replace(self._hello.instance, role=role)
-        self._hello = dataclasses.replace(self._hello, instance=instance)
+            return Ack(id=command_id, ok=False, error=switch.why, code=RESTART_REQUIRED)
+        return switch
+
+    def _take_role(self, command_id: int, role: str, switch: RoleSwitch) -> Ack:
+        """Take ``role``. No new Hello here: the orchestrator applies the role when the Ack says yes
+        (the session, and the requests on it, go on), and the Hello says it from now on (a reconnect
+        resumes the session); the agent's other sessions say Hello again with it."""
+        assert role in ROLES  # ``_role_switch`` refused any other
+        instance = dataclasses.replace(self._shared.instance, role=role)
+        self._shared.take_role(instance, self)
         if switch.how == "restart":
             assert self.restart_as is not None
             self.restart_as(role)
@@ -363,7 +444,7 @@ class AgentSession:
     async def _talk_loop(self) -> None:
         attempt = 0
         while True:
-            if self.registered:
+            if self.registered and not self._hello_due:
                 attempt = 0
                 self.seq += 1
                 beat = Heartbeat(
@@ -375,7 +456,8 @@ class AgentSession:
                 self._transport.send(beat)
                 delay = self.interval_s
             else:
-                self._transport.send(self._hello)  # dropped while not connected; retried below
+                self._hello_due = False
+                self._transport.send(self.hello)  # dropped while not connected; retried below
                 self.hellos_sent += 1
                 delay = hello_delay(attempt, self._rng.random())
                 attempt += 1

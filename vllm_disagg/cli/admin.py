@@ -198,14 +198,43 @@ def _expect(status: int, body: Any, *ok: int) -> Any:
 
 
 def _status(base: str, token: str, args: argparse.Namespace) -> int:
-    """``status``: the instance table (``--json``: the API's document)."""
+    """``status``: the instance table, and the replicas when the orchestrator is one of many
+    (``--json``: the API's documents)."""
     body = _expect(*_call("GET", f"{base}/admin/v1/instances", token))
     items = body.get("instances", []) if isinstance(body, dict) else []
+    code, replicas = _call("GET", f"{base}/admin/v1/replicas", token)
+    replicated = code == 200 and isinstance(replicas, dict)  # 404: a single orchestrator
     if args.json:
-        print(jsonutil.dumps(body).decode())
-    else:
-        print(format_table(items) if items else "no instances registered")
+        print(jsonutil.dumps({**body, "replicas": replicas} if replicated else body).decode())
+        return 0
+    print(format_table(items) if items else "no instances registered")
+    if replicated:
+        print()
+        print(format_replicas(replicas))
     return 0
+
+
+def format_replicas(seen: dict[str, Any]) -> str:
+    """The replicas as one of them sees them: which leads, since when, in which epoch, and each one."""
+    since = seen.get("leader_since")
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(float(since))) if since else "unknown"
+    etcd = seen.get("etcd") or {}
+    head = (
+        f"cluster {seen.get('cluster')}: leader {seen.get('leader') or 'none'} since {when} "
+        f"(epoch {seen.get('epoch')}); etcd {'ok' if etcd.get('ok') else 'UNREACHABLE'}; "
+        f"leader actions: {seen.get('leader_actions')}"
+    )
+    rows = [
+        [
+            str(r.get("id", "")) + (" (this one)" if r.get("id") == seen.get("self") else ""),
+            "leader" if r.get("leader") else "follower",
+            str(r.get("http", "")),
+            "yes" if r.get("linked") else "no",
+            "" if r.get("in_flight") is None else str(r.get("in_flight")),
+        ]
+        for r in seen.get("replicas") or []
+    ]
+    return head + "\n" + _table(["REPLICA", "ROLE", "HTTP", "LINKED", "IN-FLIGHT"], rows)
 
 
 def _remove(base: str, token: str, args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.admin.api import Admin
 from vllm_disagg.orchestrator.admin.dashboard import add_dashboard_routes
 from vllm_disagg.orchestrator.control.kv_moves import ControlKvMover, KvMover, KvMoveSettings
-from vllm_disagg.orchestrator.control.plane import ControlPlane, cancel_and_wait
+from vllm_disagg.orchestrator.control.plane import ControlPlane, cancel_and_wait, load_server_curve
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.control.rollout import Rollouts
 from vllm_disagg.orchestrator.control.spawner import AgentSpawner
@@ -36,12 +36,22 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file
 from vllm_disagg.orchestrator.planner.runner import PlannerRunner
 from vllm_disagg.orchestrator.planner.signals import SloWindow
+from vllm_disagg.orchestrator.replicas.forward import LeaderForwarder
+from vllm_disagg.orchestrator.replicas.replica import (
+    Card,
+    ForwardingKvMover,
+    Replication,
+    advertised,
+    default_replica_id,
+    with_host,
+)
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.health import BreakerPolicy
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.leadership import Leadership, LeaderView
 from vllm_disagg.orchestrator.state.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -61,6 +71,8 @@ ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate
 WORKERS_KEY = web.AppKey("workers", WorkerHub)  # only with --gateway-workers above 1
 PLANNER_KEY = web.AppKey("planner", PlannerRunner)
 ROLLOUTS_KEY = web.AppKey("rollouts", Rollouts)
+REPLICATION_KEY = web.AppKey("replication", Replication)  # only with --etcd
+FORWARDER_KEY = web.AppKey("forwarder", LeaderForwarder)  # only with --etcd
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -156,11 +168,20 @@ def build_app(
     state = _State.build(config, clock)
     scheduler = scheduler or PluginScheduler(load_scheduler_config(config))
     hellos = _Listeners()
-    control = ControlPlane(config, state.registry, clock, state.metrics, state.kv_index, on_hello=hellos)
+    leadership = _leadership(config)
+    replication: Replication | None = None
+    control = ControlPlane(
+        config, state.registry, clock, state.metrics, state.kv_index, on_hello=hellos, leadership=leadership
+    )
     kv_moves = kv_moves or KvMoveSettings(
         config.kv_grant_ttl_s, config.kv_grant_timeout_s, config.kv_fetch_timeout_s
     )
-    kv_mover = ControlKvMover(control, state.registry, kv_moves)
+    kv_mover: KvMover = ControlKvMover(control, state.registry, kv_moves)
+    if config.replica is not None:
+        replication = _replication(config, state, leadership, clock, kv_mover, scheduler)
+        # A follower's gateway asks the leader to move KV: only the leader commands agents.
+        timeout_s = kv_moves.grant_timeout_s + kv_moves.fetch_timeout_s + 1.0
+        kv_mover = ForwardingKvMover(kv_mover, replication, timeout_s)
     hub = None
     if isinstance(state.kv_index, JournaledKvIndex):
         weights = getattr(scheduler, "weights", None)
@@ -179,9 +200,56 @@ def build_app(
         restart_timeout_s=config.role_restart_timeout_s,
     )
     planner = PlannerRunner(
-        planner_config, state.registry, slo_window, roles, state.metrics, state.events, clock
+        planner_config,
+        state.registry,
+        slo_window,
+        roles,
+        state.metrics,
+        state.events,
+        clock,
+        leads=lambda: leadership.is_leader,
     )
-    return _application(config, clock, state, control, gateway, hub, roles, planner)
+    app = _application(config, clock, state, control, gateway, hub, roles, planner, replication)
+    return app
+
+
+def _replication(
+    config: OrchestratorConfig,
+    state: _State,
+    leadership: Leadership,
+    clock: Clock,
+    kv_mover: KvMover,
+    scheduler: Scheduler,
+) -> Replication:
+    """This replica's election, membership, link to the others and operators' intent (``--etcd``)."""
+    assert config.replica is not None
+    return Replication(
+        config.replica,
+        leadership.replica_id,
+        leadership,
+        state.registry,
+        clock,
+        state.events,
+        state.metrics,
+        peer_endpoint=f"tcp://{_bind_host(config.host)}:{config.replica.peer_port}",
+        curve=load_server_curve(config),
+        kv_mover=kv_mover,  # the leader carries out the moves its followers ask for
+        weights=getattr(scheduler, "weights", None),
+        set_weights=getattr(scheduler, "update_weights", None),
+    )
+
+
+def _leadership(config: OrchestratorConfig) -> Leadership:
+    """A single orchestrator leads for good; a replica follows until its election says otherwise."""
+    if config.replica is None:
+        return Leadership.sole()
+    replica_id = config.replica.replica_id or default_replica_id(config.port)
+    waiting = LeaderView(False, 0, "", 0.0, etcd_ok=False, paused="starting: not yet heard from etcd")
+    return Leadership(replica_id, waiting)
+
+
+def _bind_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 def _gateway(
@@ -232,6 +300,7 @@ def _application(
     hub: WorkerHub | None,
     roles: RoleChanger,
     planner: PlannerRunner,
+    replication: Replication | None,
 ) -> web.Application:
     """The application: its parts under their keys, every route, and what starts and stops with it."""
     registry, events = state.registry, state.events
@@ -253,6 +322,10 @@ def _application(
         app[WORKERS_KEY] = hub
     app[PLANNER_KEY] = planner
     app[ROLLOUTS_KEY] = rollouts
+    forwarder = None
+    if replication is not None:
+        app[REPLICATION_KEY] = replication
+        app[FORWARDER_KEY] = forwarder = LeaderForwarder(replication)
     app[ROUTES_KEY] = routes = OpenAIRoutes(gateway)
     routes.add_to(app)
     admin = Admin(
@@ -270,6 +343,9 @@ def _application(
         roles=roles,
         planner=planner.describe,
         rollouts=rollouts,
+        replicas=replication.describe if replication is not None else None,
+        forward=forwarder,
+        intent=replication.intent if replication is not None else None,
     )
     _add_admin(app, admin, config)
     app.cleanup_ctx.append(_control_ctx)
@@ -328,6 +404,10 @@ class OrchestratorServer:
 
     async def close(self) -> None:
         """Stop serving, wait for in-flight requests (bounded), release every socket and task."""
+        replication = self.app.get(REPLICATION_KEY)
+        if replication is not None:  # first: another replica leads at once, not after the lease's TTL
+            await replication.close()
+            await self.app[FORWARDER_KEY].close()
         hub = self.app.get(WORKERS_KEY)
         if hub is not None:  # first: they finish their requests, proxying to this process meanwhile
             await hub.close()
@@ -373,6 +453,11 @@ async def start_orchestrator(
             runners.append(admin_runner)
             await admin_runner.setup()
             admin_url = await _serve(admin_runner, config.admin_host, config.admin_port or 0)
+        replication = app.get(REPLICATION_KEY)
+        if replication is not None:
+            await replication.start(
+                _card(config, replication, url, admin_url or url, app[CONTROL_KEY].endpoint)
+            )
     except BaseException:
         if listener is not None:
             await listener.close(0.0)
@@ -380,6 +465,22 @@ async def start_orchestrator(
             await r.cleanup()
         raise
     return OrchestratorServer(app, listener, runners, url, admin_url, shutdown_timeout_s)
+
+
+def _card(
+    config: OrchestratorConfig, replication: Replication, url: str, admin_url: str, agents: str
+) -> Card:
+    """Where the other replicas reach this one: its bound URLs, at its advertised host."""
+    assert config.replica is not None
+    host = advertised(config.replica.advertise_host, config.host)
+    admin_host = advertised(config.replica.advertise_host, config.admin_host) if admin_url != url else host
+    return Card(
+        replication.replica_id,
+        http=with_host(url, host),
+        admin=with_host(admin_url, admin_host),
+        peer=with_host(replication.link.endpoint, host),
+        agents=with_host(agents, host),
+    )
 
 
 async def _serve(runner: web.AppRunner, host: str, port: int) -> str:

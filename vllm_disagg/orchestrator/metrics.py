@@ -282,6 +282,13 @@ class OrchestratorMetrics:
             ["pool"],
             registry=r,
         )
+        self._replica = Gauge(
+            "vllm_disagg_replica",
+            "A replica of many (--etcd): leader (1: it leads), epoch (of the leader it knows), etcd_up "
+            "(1: its last etcd call succeeded), leader_actions_paused (1: no leader can act now), peers",
+            ["what"],
+            registry=r,
+        )
         self._planner_shifts = Counter(
             "vllm_disagg_planner_shifts",
             "Role shifts the planner decided, by pools and outcome (done, failed, dry_run)",
@@ -407,6 +414,12 @@ class OrchestratorMetrics:
         self._planner_suggested.labels("decode").set(ratio[1])
         for pool, value in zip(("prefill", "decode"), pressures, strict=True):
             self._planner_pressure.labels(pool).set(math.nan if value is None else value)
+
+    def replica(self, *, leader: bool, epoch: int, etcd_up: bool, paused: bool, peers: int) -> None:
+        """This replica's view of the election and its links (only replicas set it)."""
+        figures = {"leader": leader, "epoch": epoch, "etcd_up": etcd_up, "leader_actions_paused": paused}
+        for what, value in {**figures, "peers": peers}.items():
+            self._replica.labels(what).set(float(value))
 
     def planner_shift(self, from_role: str, to_role: str, outcome: str) -> None:
         """Count a shift the planner decided, and what became of it."""

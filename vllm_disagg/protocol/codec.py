@@ -286,33 +286,50 @@ def _encoder(tp: Any) -> Callable[[Any], Any] | None:
     return None
 
 
-_BY_TAG: dict[str, _StructCodec] = {cls.TAG: _StructCodec(cls) for cls in MESSAGE_TYPES}
+class Codec:
+    """The codec of one link's messages: frozen dataclasses, each with a ``TAG`` (the agents' link
+    below; the replicas' link, ``protocol/replicas.py``)."""
+
+    def __init__(self, types: typing.Iterable[type[Any]]) -> None:
+        self._by_tag = {cls.TAG: _StructCodec(cls) for cls in types}
+
+    def encode(self, message: Any) -> bytes:
+        """One message as a frame."""
+        codec = self._by_tag.get(getattr(message, "TAG", ""))
+        if codec is None or codec.cls is not type(message):
+            raise UnknownMessageType(f"not a message of this link: {type(message).__name__}")
+        frame: bytes = msgpack.packb([message.TAG, codec.encode_fields(message)], use_bin_type=True)
+        return frame
+
+    def decode(self, frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Any:
+        """One frame (bytes, or a view of a received buffer) as a message, or a ``CodecError`` saying
+        why not."""
+        size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
+        if size > max_bytes:
+            raise FrameTooLarge(f"frame of {size} bytes is over the limit of {max_bytes}")
+        try:
+            envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+        except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
+            # Some msgpack errors carry no message; the class name alone is still a reason.
+            detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise MalformedFrame(f"not a msgpack frame ({_clip(detail)})") from None
+        if not (isinstance(envelope, list) and len(envelope) == 2 and isinstance(envelope[0], str)):
+            raise MalformedFrame("a frame must be [tag, fields]")
+        tag, raw = envelope
+        codec = self._by_tag.get(tag)
+        if codec is None:
+            raise UnknownMessageType(f"unknown message type {_quote(tag)}")
+        return codec.decode_fields(raw)
+
+
+_AGENTS = Codec(MESSAGE_TYPES)
 
 
 def encode(message: Message) -> bytes:
-    """One message as a frame."""
-    codec = _BY_TAG.get(getattr(message, "TAG", ""))
-    if codec is None or codec.cls is not type(message):
-        raise UnknownMessageType(f"not a protocol message: {type(message).__name__}")
-    frame: bytes = msgpack.packb([message.TAG, codec.encode_fields(message)], use_bin_type=True)
-    return frame
+    """One message of the agents' link as a frame."""
+    return _AGENTS.encode(message)
 
 
 def decode(frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
-    """One frame (bytes, or a view of a received buffer) as a message, or a ``CodecError`` saying why not."""
-    size = frame.nbytes if isinstance(frame, memoryview) else len(frame)
-    if size > max_bytes:
-        raise FrameTooLarge(f"frame of {size} bytes is over the limit of {max_bytes}")
-    try:
-        envelope = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as exc:
-        # Some msgpack errors carry no message; the class name alone is still a reason.
-        detail = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        raise MalformedFrame(f"not a msgpack frame ({_clip(detail)})") from None
-    if not (isinstance(envelope, list) and len(envelope) == 2 and isinstance(envelope[0], str)):
-        raise MalformedFrame("a frame must be [tag, fields]")
-    tag, raw = envelope
-    codec = _BY_TAG.get(tag)
-    if codec is None:
-        raise UnknownMessageType(f"unknown message type {_quote(tag)}")
-    return typing.cast(Message, codec.decode_fields(raw))
+    """One frame of the agents' link as a message, or a ``CodecError`` saying why not."""
+    return typing.cast(Message, _AGENTS.decode(frame, max_bytes=max_bytes))

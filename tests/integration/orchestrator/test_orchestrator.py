@@ -22,6 +22,7 @@ from vllm_disagg import jsonutil
 from vllm_disagg.cli.commands import main as cli_main
 from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import PROTOCOL_MINOR, PROTOCOL_VERSION, Goodbye, Heartbeat, Welcome
 from vllm_disagg.sim_engine.textgen import expected_text
 
@@ -304,9 +305,12 @@ async def test_an_admin_drain_outlives_the_agents_session_and_a_new_agent_is_tol
     assert status == 200 and body["instance"]["state"] == "draining", body
     await first.close()  # the agent process dies; another one starts for the same engine
     second = await fake_agent("d0", url, "decode")
-    view = await eventually(
-        lambda: (v := registered(orch, "d0")).session == 2 and v.state != "joining" and v, what="d0 back"
-    )
+
+    def back() -> InstanceView | None:
+        view = registered(orch, "d0")
+        return view if view.session == 2 and view.state != "joining" else None
+
+    view = await eventually(back, what="d0 back")
     assert view.state == "draining", "the operator's drain is not forgotten"
     await eventually(lambda: [c.kind for c in second.commands] == ["drain"], what="the new agent told")
     for n in range(6):

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import random
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import pytest
 
@@ -38,6 +39,8 @@ from vllm_disagg.protocol.messages import (
     Welcome,
 )
 from vllm_disagg.protocol.transport import DealerTransport, RouterTransport
+
+M = TypeVar("M", bound=Message)
 
 
 @pytest.mark.parametrize(
@@ -282,3 +285,30 @@ async def test_an_orchestrator_of_1_1_gets_a_plain_refusal_and_an_agent_that_can
         Ack(2, False, "launched as a producer")
     ]
     assert session.instance.role == "both"
+
+
+async def test_a_new_hello_goes_out_even_when_a_welcome_to_the_previous_one_arrives_first(
+    pair: tuple[RouterTransport, DealerTransport],
+) -> None:
+    """The Welcome registers what the earlier Hello said: the change must still be said."""
+    router, dealer = pair
+    session = new_session(dealer)
+    run = asyncio.create_task(session.run())
+    try:
+        first = await asyncio.wait_for(router.recv(), 30)
+        assert router.send(first.peer, WELCOME)
+        await asyncio.wait_for(_until(router, Heartbeat), 30)
+        changed = InstanceInfo(url="http://e", role="both", model="m", block_size=32)
+        session.set_instance(changed)
+        session.handle(WELCOME)  # in flight before the change: read before the talk loop runs again
+        hello = await asyncio.wait_for(_until(router, Hello), 30)
+        assert hello.instance == changed
+    finally:
+        run.cancel()
+
+
+async def _until(router: RouterTransport, kind: type[M]) -> M:
+    while True:
+        incoming = await router.recv()
+        if isinstance(incoming.message, kind):
+            return incoming.message

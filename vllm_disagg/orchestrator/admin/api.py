@@ -12,128 +12,60 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.clock import Clock
-from vllm_disagg.errors import BadRequest, Conflict, MethodNotAllowed, NotFound, Unprocessable
+from vllm_disagg.errors import BadRequest, Conflict, MethodNotAllowed, NotFound, NotLeader, Unprocessable
 from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.admin import openapi
 from vllm_disagg.orchestrator.admin.auth import guarded
 from vllm_disagg.orchestrator.admin.openapi import AdminRoute
+from vllm_disagg.orchestrator.admin.shapes import (
+    add_request,
+    instance_json,
+    json_response,
+    read_json,
+    record_json,
+)
 from vllm_disagg.orchestrator.control.plane import ControlPlane
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.control.rollout import Rollouts
 from vllm_disagg.orchestrator.control.spawner import AgentSpawner
-from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.gateway.workers.hub import WorkerHub
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.intent import IntentRecorder
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.commands import SIMPLE
-from vllm_disagg.protocol.messages import AGENT_ID, ROLES, CommandKind, Role, default_agent_id
+from vllm_disagg.protocol.messages import ROLES, CommandKind
 
 _DEFAULT_REQUESTS_LIMIT = 100
 _MAX_NOTE_CHARS = 2000  # a supervisor's note: a line of a log, not a document
 SUPERVISOR_ACTIONS = ("restarted", "gave_up")
+# Reads of what only the leader of replicas holds: a follower hands them to it, as it does writes.
+LEADER_READS = frozenset({"/admin/v1/planner", "/admin/v1/rollouts"})
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# The leader's answer to a request, or None where this orchestrator handles it (it leads).
+Forward = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
+
+
+def _forwarded(handler: Handler, forward: Forward) -> Handler:
+    """``handler``, run only where the request is not handed to the leader."""
+
+    async def leader_or_here(request: web.Request) -> web.StreamResponse:
+        answer = await forward(request)
+        return answer if answer is not None else await handler(request)
+
+    return leader_or_here
+
+
 _KEEPALIVE_S = 15.0
-
-
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=jsonutil.dumps(body), content_type="application/json")
-
-
-async def _read_json(request: web.Request) -> Any:
-    """The request's JSON body; ``BadRequest`` when it is not JSON."""
-    try:
-        return jsonutil.loads(await request.read())
-    except ValueError as exc:
-        raise BadRequest(f"the body is not JSON: {exc}") from None
-
-
-def _add_request(body: Any) -> tuple[str, Role | None, str, str]:
-    """``POST /admin/v1/instances``'s body -> (url, role, agent id, model); ``BadRequest`` saying why."""
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object with at least 'url'")
-    unknown = sorted(set(body) - {"url", "role", "agent_id", "model"})
-    if unknown:
-        raise BadRequest(f"unknown fields {unknown}; known: url, role, agent_id, model")
-    url, role, model = body.get("url"), body.get("role"), body.get("model", "")
-    if not isinstance(url, str) or not re.fullmatch(r"https?://[^/\s]+(/\S*)?", url):
-        raise BadRequest("'url' must be the engine's base URL, e.g. http://10.0.0.5:8000")
-    if role is not None and role not in ROLES:
-        raise BadRequest(f"'role' must be one of {list(ROLES)}, got {role!r}")
-    if not isinstance(model, str):
-        raise BadRequest("'model' must be a string")
-    agent_id = body.get("agent_id") or default_agent_id(role or "instance", url)
-    if not isinstance(agent_id, str) or not AGENT_ID.fullmatch(agent_id):
-        raise BadRequest("'agent_id' must be 1-128 of A-Z a-z 0-9 _ . -")
-    return url, role, agent_id, model
-
-
-def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: float) -> dict[str, Any]:
-    """One instance as the admin API shows it."""
-    info = view.info
-    return {
-        "agent_id": view.agent_id,
-        "state": view.state,
-        "role": info.role,
-        "url": info.url,
-        "model": info.model,
-        "engine": info.engine,
-        "revision": info.revision,
-        "block_size": info.block_size,
-        "kv_connector": info.kv_connector,
-        "max_model_len": info.max_model_len,
-        "tensor_parallel_size": info.tensor_parallel_size,
-        "kv_pool_endpoint": info.kv_pool_endpoint,
-        "capabilities": dataclasses.asdict(info.capabilities),  # what its streams say (docs/engines.md)
-        "session": view.session,
-        "protocol": view.protocol,
-        "role_pinned": view.role_pinned,
-        "engine_state": view.engine_state,
-        "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
-        "cordoned": view.admin_cordoned,
-        "suspect_reason": view.suspect_reason,
-        "breaker": {"state": view.breaker.state, "failures": view.breaker.failures},
-        "in_flight": in_flight,
-        "requests_total": requests_total,
-        "heartbeats": view.heartbeats,
-        "seconds_since_heartbeat": round(max(0.0, now - view.last_heartbeat), 3),
-        "dead_reason": view.dead_reason,
-        "metrics": dataclasses.asdict(view.metrics),
-    }
-
-
-def record_json(record: RequestRecord) -> dict[str, Any]:
-    """One request record as JSON."""
-    out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
-    out["explanation"] = record.explanation.to_json() if record.explanation is not None else None
-    out["attempts"] = [a.to_json() for a in record.attempts]
-    timeline = {stage: round(record.timeline[stage], 6) for stage in STAGES if stage in record.timeline}
-    out["timeline"] = timeline
-    out["stages"] = _stage_durations(timeline)
-    return out
-
-
-def _stage_durations(t: dict[str, float]) -> dict[str, float]:
-    """Queue, prefill, handoff, first and last token as durations, from the timeline's offsets."""
-    out: dict[str, float] = {}
-    if "scheduled" in t:
-        out["queue_s"] = t["scheduled"]
-    if "prefill_start" in t and "prefill_end" in t:
-        out["prefill_s"] = round(t["prefill_end"] - t["prefill_start"], 6)
-    if "prefill_end" in t and "decode_start" in t:
-        out["handoff_s"] = round(t["decode_start"] - t["prefill_end"], 6)
-    if "first_token" in t:
-        out["first_token_s"] = t["first_token"]
-    if "last_token" in t:
-        out["last_token_s"] = t["last_token"]
-    return out
 
 
 class Admin:
@@ -156,11 +88,15 @@ class Admin:
         roles: RoleChanger | None = None,
         planner: Callable[[], dict[str, Any]] | None = None,
         rollouts: Rollouts | None = None,
-        leader: Callable[[], str | None] | None = None,
+        replicas: Callable[[], dict[str, Any]] | None = None,
+        forward: Forward | None = None,
+        intent: IntentRecorder | None = None,
     ) -> None:
+        self._intent = intent  # replicas: operators' word goes to etcd before it is acted on
         self._rollouts = rollouts
-        # A replica: the id of the leader it knows ("" while there is none); None: a single process.
-        self._leader = leader or (lambda: None)
+        # A replica of many (orchestrator/replicas): how it sees them, and who does its writes.
+        self._replicas = replicas
+        self._forward = forward
         self._roles = roles or RoleChanger(registry, control, metrics, clock)
         self._planner = planner
         self._workers = workers  # gateway workers: their metrics and live requests are asked for
@@ -187,34 +123,45 @@ class Admin:
             "ready": {"decode": decode, "prefill": prefill},
             "instances": len(snap.instances),
         }
+        if self._replicas is not None:
+            replicas = self._replicas()
+            body["replica"] = {
+                k: replicas[k] for k in ("self", "role", "leader", "epoch", "etcd", "leader_actions")
+            }
         if decode:
-            return _json({"status": "ok", **body})
+            return json_response({"status": "ok", **body})
         reason = f"no ready decode-capable instance ({len(snap.instances)} registered, {len(ready)} ready)"
-        return _json({"status": "unavailable", "reason": reason, **body}, status=503)
+        return json_response({"status": "unavailable", "reason": reason, **body}, status=503)
 
     async def live(self, request: web.Request) -> web.Response:
         """``GET /health/live``: 200 while this process serves (a liveness probe: its loop answers)."""
-        return _json({"status": "ok"})
+        return json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
         """``GET /health/ready``: 200 when this orchestrator can route (a readiness probe): it knows a
         ready decode-capable instance, or, as a replica, a leader exists. 503 with the reason otherwise."""
         snap = self._registry.snapshot()
         decode = sum(1 for v in snap.instances if v.state == "ready" and v.info.role in DECODE_ROLES)
-        leader = self._leader()
+        leader = None if self._replicas is None else (self._replicas()["leader"] or "")
         body: dict[str, Any] = {"ready_decode": decode}
         if leader is not None:
             body["leader"] = leader
         if decode or leader:
-            return _json({"status": "ok", **body})
+            return json_response({"status": "ok", **body})
         reason = "no ready decode-capable instance" + (" and no leader" if leader is not None else "")
-        return _json({"status": "unavailable", "reason": reason, **body}, status=503)
+        return json_response({"status": "unavailable", "reason": reason, **body}, status=503)
+
+    async def replicas(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/replicas``: the replicas as this one sees them, which leads and since when."""
+        if self._replicas is None:
+            raise NotFound("this orchestrator is a single process, not a replica (run it with --etcd)")
+        return json_response(self._replicas())
 
     async def add_event(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/events``: a supervisor's note in the event log (``up``: it restarted a
         process, or gave up on one): ``{"process": name, "action": "restarted"|"gave_up", "message":
         text}``, plus optional ``exit_code`` and ``restarts``; 201 with the event."""
-        body = await _read_json(request)
+        body = await read_json(request)
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
         fields: dict[str, Any] = {}
@@ -235,7 +182,7 @@ class Admin:
         if unknown:
             raise BadRequest(f"unknown field(s) {unknown}")
         event = self._events.publish("supervisor", **fields)
-        return _json(event.to_json(), status=201)
+        return json_response(event.to_json(), status=201)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text exposition (with gateway workers: theirs too, each under its ``worker``)."""
@@ -253,18 +200,19 @@ class Admin:
         snap = self._registry.snapshot()
         now = self._clock.monotonic()
         items = [self._instance(v, snap, now) for v in sorted(snap.instances, key=lambda v: v.agent_id)]
-        return _json({"instances": items})
+        return json_response({"instances": items})
 
     async def _command(self, request: web.Request, kind: CommandKind) -> web.Response:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
             raise NotFound(f"no instance {agent_id!r}")
         if kind in ("drain", "undrain"):
+            await self._record(agent_id, drained=kind == "drain")
             self._registry.set_admin_drain(agent_id, kind == "drain")
         ack = await self._control.send_command(agent_id, SIMPLE[kind])
         snap = self._registry.snapshot()
         view = snap.by_id.get(agent_id)
-        return _json(
+        return json_response(
             {
                 "agent_id": agent_id,
                 "command": kind,
@@ -272,6 +220,12 @@ class Admin:
                 "instance": self._instance(view, snap, self._clock.monotonic()) if view else None,
             }
         )
+
+    async def _record(self, agent_id: str, **said: bool) -> None:
+        """Record what an operator now says of ``agent_id`` (replicas: in etcd), before it is acted on."""
+        if self._intent is not None:
+            intent = dataclasses.replace(self._registry.intent_of(agent_id), **said)
+            await self._intent.save_instance(agent_id, intent)
 
     async def set_role(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances/{agent_id}/role``: ``{"role": "prefill|decode|both"}``; its agent
@@ -282,30 +236,35 @@ class Admin:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
             raise NotFound(f"no instance {agent_id!r}")
-        body = await _read_json(request)
+        body = await read_json(request)
         role = body.get("role") if isinstance(body, dict) else None
         how, timeline = "none", dict[str, float]()
         if role == "auto":
+            await self._record(agent_id, pinned=False)
             view = self._registry.set_role_pin(agent_id, False)
             old = view.info.role
         elif role in ROLES:
             change = await self._roles.change(agent_id, role)
             old, how, timeline = change.old, change.how, change.timeline
+            await self._record(agent_id, pinned=True)
             view = self._registry.set_role_pin(agent_id, True)
         else:
             raise BadRequest(f"'role' must be one of {[*ROLES, 'auto']}, got {role!r}")
         snap = self._registry.snapshot()
         body = {"agent_id": agent_id, "from": old, "role": view.info.role, "pinned": view.role_pinned}
         body |= {"how": how, "timeline": timeline}
-        return _json({**body, "instance": self._instance(view, snap, self._clock.monotonic())})
+        return json_response({**body, "instance": self._instance(view, snap, self._clock.monotonic())})
 
     async def _cordon(self, request: web.Request, cordoned: bool) -> web.Response:
         agent_id = request.match_info["agent_id"]
         if self._registry.get(agent_id) is None:
             raise NotFound(f"no instance {agent_id!r}")
+        await self._record(agent_id, cordoned=cordoned)
         view = self._registry.set_cordon(agent_id, cordoned)
         snap = self._registry.snapshot()
-        return _json({"agent_id": agent_id, "instance": self._instance(view, snap, self._clock.monotonic())})
+        return json_response(
+            {"agent_id": agent_id, "instance": self._instance(view, snap, self._clock.monotonic())}
+        )
 
     async def add_instance(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances``: attach a running engine by URL (``{"url", "role", "agent_id",
@@ -313,8 +272,8 @@ class Admin:
         201 once its agent registered, 202 while it is still starting, 422 with connect's reason."""
         if self._spawner is None:
             raise NotFound("this orchestrator does not start agents")
-        body = await _read_json(request)
-        url, role, agent_id, model = _add_request(body)
+        body = await read_json(request)
+        url, role, agent_id, model = add_request(body)
         if self._registry.is_live(agent_id):
             raise Conflict(f"instance {agent_id!r} is live; remove it or pick another agent_id")
         spawned = await self._spawner.add(url, role, agent_id, model)
@@ -324,18 +283,21 @@ class Admin:
         view = self._registry.get(agent_id)
         if view is not None and spawned.outcome == "registered":
             answer["instance"] = self._instance(view, self._registry.snapshot(), self._clock.monotonic())
-        return _json(answer, 201 if spawned.outcome == "registered" else 202)
+        return json_response(answer, 201 if spawned.outcome == "registered" else 202)
 
     async def remove(self, request: web.Request) -> web.Response:
         """``DELETE /admin/v1/instances/{agent_id}``: forget a dead instance (409 while it is live)."""
         agent_id = request.match_info["agent_id"]
+        view = self._registry.get(agent_id)
+        if view is not None and view.state == "dead" and self._intent is not None:
+            await self._intent.save_removed(agent_id)
         try:
             self._registry.remove(agent_id)
         except KeyError:
             raise NotFound(f"no instance {agent_id!r}") from None
         except ValueError as exc:
             raise Conflict(str(exc)) from None
-        return _json({"agent_id": agent_id, "removed": True})
+        return json_response({"agent_id": agent_id, "removed": True})
 
     async def cordon(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/instances/{agent_id}/cordon``: no new requests; the agent is not told."""
@@ -374,33 +336,33 @@ class Admin:
                 records += answer.payload
             records.sort(key=lambda r: -r.started_wall)
             del records[limit:]
-        return _json({"requests": [record_json(r) for r in records]})
+        return json_response({"requests": [record_json(r) for r in records]})
 
     async def planner(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/planner``: its config, last look (reason, figures, the P:D split it would
         choose), the shifts it decided, and the instances operators pinned (docs/planner.md)."""
         if self._planner is None:
             raise NotFound("this orchestrator has no planner")
-        return _json(self._planner())
+        return json_response(self._planner())
 
     async def rollout_list(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/rollouts``: every model's rollout, its phase and both revisions' instances."""
         if self._rollouts is None:
             raise NotFound("this orchestrator runs no rollouts")
-        return _json(self._rollouts.describe())
+        return json_response(self._rollouts.describe())
 
     async def rollout_start(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/rollouts``: ``{"to": REVISION, "model": NAME}`` (model optional when one is
         served): new-revision instances may join, and the old revision drains out as they are ready."""
         if self._rollouts is None:
             raise NotFound("this orchestrator runs no rollouts")
-        body = await _read_json(request)
+        body = await read_json(request)
         to = body.get("to") if isinstance(body, dict) else None
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(to, str) or (model is not None and not isinstance(model, str)):
             raise BadRequest('give {"to": REVISION} and optionally {"model": NAME}')
         rollout = self._rollouts.start(model, to)
-        return _json(rollout.to_json(self._registry.snapshot()), status=201)
+        return json_response(rollout.to_json(self._registry.snapshot()), status=201)
 
     async def rollout_action(self, request: web.Request) -> web.Response:
         """``POST /admin/v1/rollouts/{model}/pause|resume|rollback``."""
@@ -415,14 +377,14 @@ class Admin:
         if action not in act:
             raise NotFound(f"no rollout action {action!r} (pause, resume, rollback)")
         rollout = act[action](model)
-        return _json(rollout.to_json(self._registry.snapshot()))
+        return json_response(rollout.to_json(self._registry.snapshot()))
 
     async def weights(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler/weights``: each profile's scorer weights."""
         get = getattr(self._scheduler, "weights", None)
         if get is None:
             raise NotFound("this scheduler has no weights")
-        return _json({"weights": get()})
+        return json_response({"weights": get()})
 
     async def update_weights(self, request: web.Request) -> web.Response:
         """``PUT /admin/v1/scheduler/weights``: ``{"weights": {profile: {scorer: weight}}}``, validated and
@@ -430,9 +392,19 @@ class Admin:
         update = getattr(self._scheduler, "update_weights", None)
         if update is None:
             raise NotFound("this scheduler has no weights")
-        body = await _read_json(request)
+        body = await read_json(request)
         weights = body.get("weights") if isinstance(body, dict) else None
-        return _json({"weights": update(weights)})
+        weights_now = getattr(self._scheduler, "weights", None)
+        before = weights_now() if weights_now is not None else None
+        after = update(weights)
+        if self._intent is not None:
+            try:
+                await self._intent.save_weights(after)
+            except NotLeader:
+                if before is not None:
+                    update(before)  # not recorded, so not applied: every replica keeps the same weights
+                raise
+        return json_response({"weights": after})
 
     async def live_requests(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/live-requests``: requests in flight now (stage, pair, age), oldest first."""
@@ -441,7 +413,7 @@ class Admin:
             for answer in await self._workers.ask("live"):
                 live += [{**r, "worker": answer.index} for r in answer.payload]
             live.sort(key=lambda r: -float(r.get("age_s", 0.0)))
-        return _json({"requests": live})
+        return json_response({"requests": live})
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """``GET /admin/v1/events``: the event log as server-sent events, then live ones as they happen."""
@@ -492,13 +464,13 @@ class Admin:
             record = found[0] if found else None
         if record is None:
             raise NotFound("no record of this request (unknown, or older than the log keeps)")
-        return _json(record_json(record))
+        return json_response(record_json(record))
 
     async def scheduler(self, request: web.Request) -> web.Response:
         """``GET /admin/v1/scheduler``: config in use, tokenizer per model, KV index size per instance."""
         if self._describe_scheduler is None:
             raise NotFound("no scheduler is attached")
-        return _json(self._describe_scheduler())
+        return json_response(self._describe_scheduler())
 
     def add_public_routes(self, app: web.Application) -> None:
         """Register ``/health`` and ``/metrics`` (open: load balancers and Prometheus read them)."""
@@ -516,6 +488,7 @@ class Admin:
         )
         return [
             AdminRoute("GET", "/admin/v1/openapi.json", self.openapi),
+            AdminRoute("GET", "/admin/v1/replicas", self.replicas),
             AdminRoute("GET", "/admin/v1/instances", self.instances),
             AdminRoute("POST", "/admin/v1/instances", self.add_instance),
             AdminRoute("DELETE", "/admin/v1/instances/{agent_id}", self.remove),
@@ -544,7 +517,10 @@ class Admin:
         routes = self.admin_routes()
         self._openapi = jsonutil.dumps(openapi.document(routes))
         for route in routes:
-            app.router.add_route(route.method, route.path, answering(guarded(route.handler, token)))
+            handler = route.handler
+            if self._forward is not None and (route.method != "GET" or route.path in LEADER_READS):
+                handler = _forwarded(handler, self._forward)
+            app.router.add_route(route.method, route.path, answering(guarded(handler, token)))
         # Last: anything else under /admin/ gets the one JSON error shape too (after the token check).
         self._patterns = [(re.compile(openapi.path_regex(r.path)), r.method) for r in routes]
         app.router.add_route("*", "/admin/{tail:.*}", answering(guarded(self.unknown, token)))

@@ -295,6 +295,9 @@ class ControlPlane:
             # were, so its session goes on (a new one would abandon its requests as lost).
             view = self._registry.get(msg.agent_id)
             log.info("agent %s reconnected (session %d goes on)", msg.agent_id, view.session if view else 0)
+            if view is not None and view.info.role != msg.instance.role:
+                # Another replica's leader changed its role: this replica takes it from the Hello.
+                self._registry.set_role(msg.agent_id, msg.instance.role)
         else:
             self._new_session(msg)
         self._send(
@@ -390,7 +393,7 @@ class ControlPlane:
             and self._incarnations.get(msg.agent_id) == msg.incarnation
             and view is not None
             and view.state != "dead"
-            and view.info == msg.instance
+            and view.info == replace(msg.instance, role=view.info.role)  # a role it took goes on too
         )
 
     def _hello_refusal(self, peer: bytes, msg: Hello, user: str) -> tuple[str, str] | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_disagg import jsonutil
+from vllm_disagg.orchestrator.state.views import InstanceView
 
 EVENT_KINDS = (
     "joined",
@@ -29,6 +30,7 @@ EVENT_KINDS = (
     "kv_recomputed",
     "removed",
     "supervisor",  # what started a process (``up``) restarted it or gave up on it
+    "leader",  # this replica began or stopped leading (orchestrator/replicas)
 )
 
 
@@ -116,3 +118,25 @@ class EventLog:
     @property
     def last_seq(self) -> int:
         return self._seq
+
+
+def instance_events(old: InstanceView | None, new: InstanceView) -> list[tuple[str, dict[str, Any]]]:
+    """The events a change of one instance's view makes (kind, fields): a new session joined (and, once
+    per session, an engine that cannot resume streams), a state changed, a breaker moved."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    agent_id = new.agent_id
+    if old is None or old.session != new.session:
+        info = new.info
+        joined = {"instance": agent_id, "session": new.session, "role": info.role, "model": info.model}
+        events.append(("joined", {**joined, "url": info.url}))
+        missing = info.capabilities.missing()
+        if missing:  # said once per session, not per request (docs/operations.md, "Engines")
+            events.append(("not_resumable", {"instance": agent_id, "url": info.url, "missing": missing}))
+    if old is None or old.state != new.state:
+        reason = new.dead_reason if new.state == "dead" else new.suspect_reason
+        state = {"instance": agent_id, "from": old.state if old else None, "to": new.state, "reason": reason}
+        events.append(("state", state))
+    if old is not None and old.breaker.state != new.breaker.state:
+        breaker = {"instance": agent_id, "from": old.breaker.state, "to": new.breaker.state}
+        events.append(("breaker", {**breaker, "failures": new.breaker.failures}))
+    return events

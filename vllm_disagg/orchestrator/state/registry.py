@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vllm_disagg.orchestrator.state import health
+from vllm_disagg.orchestrator.state.event_log import instance_events
 from vllm_disagg.orchestrator.state.health import (
     CLOSED,
     INSTANCE_STATES,
@@ -32,6 +33,7 @@ from vllm_disagg.orchestrator.state.health import (
     BreakerPolicy,
     InstanceState,
 )
+from vllm_disagg.orchestrator.state.intent import NO_INTENT, InstanceIntent
 from vllm_disagg.orchestrator.state.kv_audit import DecodeAudit, Outcome
 from vllm_disagg.orchestrator.state.views import (
     DECODE_ROLES,
@@ -145,6 +147,7 @@ class Registry(SnapshotSource):
         # the other replicas' (``orchestrator/replicas``).
         self._remote_in_flight: dict[RemoteSource, dict[str, int]] = {}
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
+        self._intent: dict[str, InstanceIntent] = {}  # operators' word by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
         # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
         self.on_lost: Callable[[str, str], None] | None = None
@@ -212,6 +215,7 @@ class Registry(SnapshotSource):
         old = self._instances.get(agent_id)
         if old is not None and old.state != "dead" and self.on_lost is not None:
             self.on_lost(agent_id, "its agent started a new session")  # a new engine may be behind it
+        intent = self._intent.get(agent_id, NO_INTENT)
         inst = _Instance(
             agent_id=agent_id,
             info=info,
@@ -220,9 +224,9 @@ class Registry(SnapshotSource):
             last_heartbeat=now,
             # The operator's word outlives sessions: an agent that restarts comes back cordoned, drained
             # and pinned as it was left (the control plane tells a drained one again).
-            admin_cordoned=old.admin_cordoned if old else False,
-            admin_draining=old.admin_draining if old else False,
-            role_pinned=old.role_pinned if old else False,
+            admin_cordoned=intent.cordoned,
+            admin_draining=intent.drained,
+            role_pinned=intent.pinned,
             audit=DecodeAudit(agent_id, info.block_size),
             protocol=protocol,
         )
@@ -343,9 +347,30 @@ class Registry(SnapshotSource):
         if was_live and self.on_lost is not None:
             self.on_lost(inst.agent_id, reason)
 
+    def intent_of(self, agent_id: str) -> InstanceIntent:
+        """What operators said of ``agent_id`` (kept across its sessions)."""
+        return self._intent.get(agent_id, NO_INTENT)
+
+    def apply_intent(self, agent_id: str, intent: InstanceIntent) -> None:
+        """Operators' word on ``agent_id`` as the cluster keeps it (a replica: from etcd), applied to its
+        session now, or at its Hello when it has none yet."""
+        self._intent[agent_id] = intent
+        if agent_id in self._instances:
+            self.set_admin_drain(agent_id, intent.drained)
+            self.set_cordon(agent_id, intent.cordoned)
+            self.set_role_pin(agent_id, intent.pinned)
+
+    def _remember(self, agent_id: str, **said: bool) -> None:
+        intent = dataclasses.replace(self._intent.get(agent_id, NO_INTENT), **said)
+        if intent.empty:
+            self._intent.pop(agent_id, None)
+        else:
+            self._intent[agent_id] = intent
+
     def set_admin_drain(self, agent_id: str, draining: bool) -> InstanceView:
         """An operator drains (or undrains) an instance; takes effect for the very next request."""
         inst = self._instances[agent_id]
+        self._remember(agent_id, drained=draining)
         inst.admin_draining = draining
         if inst.state != "dead":
             self._update(inst)
@@ -377,6 +402,7 @@ class Registry(SnapshotSource):
     def set_role_pin(self, agent_id: str, pinned: bool) -> InstanceView:
         """An operator pins the instance's role (the planner leaves it), or lifts the pin."""
         inst = self._instances[agent_id]
+        self._remember(agent_id, pinned=pinned)
         if inst.role_pinned != pinned:
             inst.role_pinned = pinned
             self._changed(inst, membership=False)
@@ -385,6 +411,7 @@ class Registry(SnapshotSource):
     def set_cordon(self, agent_id: str, cordoned: bool) -> InstanceView:
         """An operator cordons (or uncordons) an instance: no new requests; those on it finish."""
         inst = self._instances[agent_id]
+        self._remember(agent_id, cordoned=cordoned)
         inst.admin_cordoned = cordoned
         if inst.state != "dead":
             self._update(inst)
@@ -398,6 +425,7 @@ class Registry(SnapshotSource):
         if inst.state != "dead":
             raise ValueError(f"instance {agent_id!r} is {inst.state}: shut it down (or let it die) first")
         del self._instances[agent_id]
+        self._intent.pop(agent_id, None)  # forgotten: an agent that comes back starts afresh
         view = self._own_views().pop(agent_id)
         self._requests_total.pop(agent_id, None)
         self._version += 1
@@ -446,40 +474,13 @@ class Registry(SnapshotSource):
     def _tell(self, old: InstanceView | None, new: InstanceView) -> None:
         """Publish what changed between two views of one instance."""
         assert self.on_event is not None
-        agent_id = new.agent_id
-        if old is None or old.session != new.session:
-            info = new.info
-            self.on_event(
-                "joined",
-                {
-                    "instance": agent_id,
-                    "session": new.session,
-                    "role": info.role,
-                    "model": info.model,
-                    "url": info.url,
-                },
-            )
-            missing = info.capabilities.missing()
-            if missing:  # said once per session, not per request (docs/operations.md, "Engines")
-                self.on_event("not_resumable", {"instance": agent_id, "url": info.url, "missing": missing})
-        if old is None or old.state != new.state:
-            reason = new.dead_reason if new.state == "dead" else new.suspect_reason
-            state = {
-                "instance": agent_id,
-                "from": old.state if old else None,
-                "to": new.state,
-                "reason": reason,
-            }
-            self.on_event("state", state)
-        if old is not None and old.breaker.state != new.breaker.state:
-            breaker = {"instance": agent_id, "from": old.breaker.state, "to": new.breaker.state}
-            self.on_event("breaker", {**breaker, "failures": new.breaker.failures})
+        for kind, fields in instance_events(old, new):
+            self.on_event(kind, fields)
 
     def _set_link(self, key: tuple[str, str], b: Breaker) -> None:
         old = self._links.get(key, CLOSED)
         if self.on_event is not None and old.state != b.state:
             self.on_event("link", {"prefill": key[0], "decode": key[1], "from": old.state, "to": b.state})
-        old = self._links.get(key, CLOSED)
         if b == CLOSED:
             self._links.pop(key, None)
         else:

@@ -80,7 +80,12 @@ async def test_a_supervisor_notes_a_restart_in_the_event_log_and_bad_notes_are_r
 ) -> None:
     server = await start_orchestrator(orch_config(), shutdown_timeout_s=1.0)
     url = f"{server.url}/admin/v1/events"
-    note = {"process": "agent decode-0", "action": "restarted", "message": "exited (code -9)", "exit_code": -9}
+    note = {
+        "process": "agent decode-0",
+        "action": "restarted",
+        "message": "exited (code -9)",
+        "exit_code": -9,
+    }
     try:
         async with http.post(url, json=note) as resp:
             assert resp.status == 401, "an unauthenticated peer writes nothing"

@@ -116,7 +116,9 @@ UNCORDON: Step = lambda r, now: r.set_cordon("a", False)  # noqa: E731
         pytest.param([HELLO, READY, GOODBYE, HELLO], "joining", id="hello-after-death-is-a-new-session"),
         pytest.param([HELLO, READY, GOODBYE, HELLO, READY], "ready", id="the-dead-come-back-through-hello"),
         pytest.param(
-            [HELLO, READY, ADMIN_DRAIN, HELLO, READY], "ready", id="a-new-session-clears-admin-drain"
+            [HELLO, READY, ADMIN_DRAIN, HELLO, READY],
+            "draining",
+            id="a-new-session-keeps-the-operators-drain",
         ),
         pytest.param(
             [HELLO, READY, GOODBYE, ADMIN_DRAIN], "dead", id="draining-a-dead-instance-keeps-it-dead"

@@ -1,0 +1,85 @@
+"""Replicas of one orchestrator on a real etcd, for these tests: the fixtures, and what waits on them.
+
+Every replica runs in the test's process on real sockets; a scripted agent holds a session with each
+replica, as a real agent does (docs/agent.md), so every replica knows the same instances.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.etcd_support import EtcdMissing, EtcdServer
+from tests.helpers import eventually
+from tests.integration.orchestrator_support import FakeAgent, orch_config
+from vllm_disagg.config import ReplicaConfig
+from vllm_disagg.orchestrator.app import CONTROL_KEY, REPLICATION_KEY, OrchestratorServer, start_orchestrator
+
+Replicas = Callable[..., Awaitable[list[OrchestratorServer]]]
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real etcd server of one member (fails, not skips, when the binary is missing)."""
+    try:
+        server = EtcdServer(tmp_path / "etcd")
+    except EtcdMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+async def replicas(etcd: EtcdServer) -> AsyncIterator[Replicas]:
+    started: list[OrchestratorServer] = []
+
+    async def start(n: int = 3, **overrides: Any) -> list[OrchestratorServer]:
+        """``n`` replicas of cluster "test"; the list is the fixture's own: a test that closes one
+        removes it, and the rest are closed at the end."""
+        for i in range(n):
+            replica = ReplicaConfig(etcd=(etcd.url,), cluster="test", replica_id=f"r{i}", lease_ttl_s=2)
+            started.append(
+                await start_orchestrator(orch_config(replica=replica, **overrides), shutdown_timeout_s=1.0)
+            )
+        return started
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            await server.close()
+
+
+def leaders(servers: list[OrchestratorServer]) -> list[OrchestratorServer]:
+    return [s for s in servers if s.app[CONTROL_KEY].leadership.is_leader]
+
+
+async def one_leader(servers: list[OrchestratorServer]) -> OrchestratorServer:
+    """The one replica that leads, once every replica agrees on it and sees every other."""
+
+    def agreed() -> OrchestratorServer | None:
+        leading = leaders(servers)
+        if len(leading) != 1:
+            return None
+        leader_id = leading[0].app[REPLICATION_KEY].replica_id
+        views = [s.app[CONTROL_KEY].leadership.view.leader_id for s in servers]
+        members = [len(s.app[REPLICATION_KEY].cards()) for s in servers]
+        agreed = views == [leader_id] * len(servers) and members == [len(servers)] * len(servers)
+        return leading[0] if agreed else None
+
+    return await eventually(agreed, timeout=30, what="one leader every replica knows")
+
+
+async def join_everywhere(servers: list[OrchestratorServer], agent_id: str, url: str) -> list[FakeAgent]:
+    agents = [FakeAgent(s.zmq_endpoint, agent_id, url, "decode") for s in servers]
+    for agent in agents:
+        await agent.join()
+    for server in servers:
+        await eventually(lambda s=server: s.registry.snapshot().ready_decode, what="the instance ready")  # type: ignore[misc]
+    return agents

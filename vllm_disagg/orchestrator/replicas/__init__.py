@@ -1,0 +1,1 @@
+"""The replicated control plane: its election, the replicas' link, and forwarding to the leader."""
