@@ -19,7 +19,7 @@ a watch whose stream breaks raises ``EtcdUnavailable`` too, and ``WatchCanceled`
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Mapping, Sequence
 from typing import Any
 
 import aiohttp
@@ -141,12 +141,19 @@ class EtcdClient:
     async def put_fenced(self, key: str, value: bytes | None, *, fence_key: str, fence_revision: int) -> bool:
         """Set the key (``value`` None: delete it) only while ``fence_key`` exists with this
         ``create_revision`` (a leader's term: its epoch), in one transaction; whether it was done."""
-        raw = b64(key_bytes(key))
-        op = (
-            {"request_delete_range": {"key": raw}}
-            if value is None
-            else {"request_put": {"key": raw, "value": b64(value)}}
-        )
+        return await self.put_many_fenced({key: value}, fence_key=fence_key, fence_revision=fence_revision)
+
+    async def put_many_fenced(
+        self, values: Mapping[str, bytes | None], *, fence_key: str, fence_revision: int
+    ) -> bool:
+        """``put_fenced`` of several keys at once: all of them or none (one transaction)."""
+        ops: list[dict[str, Any]] = []
+        for key, value in values.items():
+            raw = b64(key_bytes(key))
+            if value is None:
+                ops.append({"request_delete_range": {"key": raw}})
+            else:
+                ops.append({"request_put": {"key": raw, "value": b64(value)}})
         fence = b64(key_bytes(fence_key))
         compare = {
             "key": fence,
@@ -154,7 +161,7 @@ class EtcdClient:
             "result": "EQUAL",
             "create_revision": str(fence_revision),
         }
-        body = {"compare": [compare], "success": [op]}
+        body = {"compare": [compare], "success": ops}
         return bool((await self._call("/v3/kv/txn", body)).get("succeeded"))
 
     # -- leases ----------------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.workers.hub import JournaledKvIndex, WorkerHub
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
-from vllm_disagg.orchestrator.planner.config import load_planner_config_file
+from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
 from vllm_disagg.orchestrator.planner.runner import PlannerRunner
 from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.replicas.forward import LeaderForwarder
@@ -199,18 +199,34 @@ def build_app(
         drain_timeout_s=config.role_drain_timeout_s,
         restart_timeout_s=config.role_restart_timeout_s,
     )
+    planner = _planner(planner_config, state, slo_window, roles, clock, leadership, replication)
+    return _application(config, clock, state, control, gateway, hub, roles, planner, replication)
+
+
+def _planner(
+    config: PlannerConfig,
+    state: _State,
+    window: SloWindow,
+    roles: RoleChanger,
+    clock: Clock,
+    leadership: Leadership,
+    replication: Replication | None,
+) -> PlannerRunner:
+    """The planner: it looks while this orchestrator leads; a replica's memory is kept in etcd."""
     planner = PlannerRunner(
-        planner_config,
+        config,
         state.registry,
-        slo_window,
+        window,
         roles,
         state.metrics,
         state.events,
         clock,
         leads=lambda: leadership.is_leader,
+        record=replication.intent.save_planner if replication is not None else None,
     )
-    app = _application(config, clock, state, control, gateway, hub, roles, planner, replication)
-    return app
+    if replication is not None:
+        replication.intent.on_planner = planner.adopt
+    return planner
 
 
 def _replication(
@@ -305,9 +321,7 @@ def _application(
     """The application: its parts under their keys, every route, and what starts and stops with it."""
     registry, events = state.registry, state.events
     spawner = AgentSpawner(control, registry)
-    rollouts = Rollouts(
-        registry, control.admit_revisions, control.settle_revision, control.send_command, events, clock
-    )
+    rollouts = _rollouts(registry, control, events, clock, replication)
     app = web.Application(client_max_size=config.max_body_bytes)
     app[CONFIG_KEY] = config
     app[CLOCK_KEY] = clock
@@ -351,6 +365,26 @@ def _application(
     app.cleanup_ctx.append(_control_ctx)
     app.cleanup_ctx.append(_session_ctx)
     return app
+
+
+def _rollouts(
+    registry: Registry, control: ControlPlane, events: EventLog, clock: Clock, replication: Replication | None
+) -> Rollouts:
+    """Model rollouts; a replica's are recorded in etcd, stepped by the leader and adopted by all."""
+    rollouts = Rollouts(
+        registry,
+        control.admit_revisions,
+        control.settle_revision,
+        control.send_command,
+        events,
+        clock,
+        record=replication.intent if replication is not None else None,
+        leads=lambda: control.leadership.is_leader,
+    )
+    if replication is not None:
+        replication.intent.on_rollout = rollouts.adopt
+        control.leadership.watch(rollouts.wake)  # a new leader goes on with a rollout at once
+    return rollouts
 
 
 def _add_admin(app: web.Application, admin: Admin, config: OrchestratorConfig) -> None:

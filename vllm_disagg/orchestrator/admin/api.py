@@ -361,7 +361,7 @@ class Admin:
         model = body.get("model") if isinstance(body, dict) else None
         if not isinstance(to, str) or (model is not None and not isinstance(model, str)):
             raise BadRequest('give {"to": REVISION} and optionally {"model": NAME}')
-        rollout = self._rollouts.start(model, to)
+        rollout = await self._rollouts.start(model, to)
         return json_response(rollout.to_json(self._registry.snapshot()), status=201)
 
     async def rollout_action(self, request: web.Request) -> web.Response:
@@ -376,7 +376,7 @@ class Admin:
         }
         if action not in act:
             raise NotFound(f"no rollout action {action!r} (pause, resume, rollback)")
-        rollout = act[action](model)
+        rollout = await act[action](model)
         return json_response(rollout.to_json(self._registry.snapshot()))
 
     async def weights(self, request: web.Request) -> web.Response:

@@ -33,6 +33,7 @@ from vllm_disagg.errors import RolloutConflict, RolloutInvalid, RolloutNotFound
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
 Phase = Literal["rolling", "paused", "complete", "rolling_back", "rolled_back"]
+_PHASES = ("rolling", "paused", "complete", "rolling_back", "rolled_back")
 UNDER_WAY: frozenset[Phase] = frozenset(("rolling", "paused", "rolling_back"))  # one per model at a time
 MOVING: frozenset[Phase] = frozenset(("rolling", "rolling_back"))  # what ``step`` moves on
 
@@ -48,6 +49,38 @@ class RolloutState:
     phase: Phase = "rolling"
     drained: tuple[str, ...] = ()  # old instances this rollout drained, in order
     held: tuple[str, ...] = ()  # new instances it drained rolling back
+
+    def record(self) -> dict[str, Any]:
+        """What etcd keeps of it (replicas: ``orchestrator/replicas/intent.py``)."""
+        return {
+            "model": self.model,
+            "from": self.from_revision,
+            "to": self.to_revision,
+            "started_at": self.started_at,
+            "phase": self.phase,
+            "drained": list(self.drained),
+            "held": list(self.held),
+        }
+
+    @classmethod
+    def from_record(cls, data: Any) -> RolloutState:
+        """``record``'s shape back; ``RolloutInvalid`` naming what is wrong (a hand-edited key)."""
+        try:
+            phase = data["phase"]
+            if phase not in _PHASES:
+                raise ValueError(f"phase {phase!r}")
+            state = cls(
+                str(data["model"]),
+                str(data["from"]),
+                str(data["to"]),
+                float(data["started_at"]),
+                phase,
+                tuple(str(a) for a in data["drained"]),
+                tuple(str(a) for a in data["held"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RolloutInvalid(f"a recorded rollout that cannot be read ({exc}): {data!r:.200}") from None
+        return state
 
     def to_json(self, snap: RegistrySnapshot) -> dict[str, Any]:
         """The admin API's view, with both revisions' live instances as ``snap`` has them."""

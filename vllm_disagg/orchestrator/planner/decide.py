@@ -19,7 +19,7 @@ moves one instance, then waits to see its effect.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
 
@@ -47,6 +47,33 @@ class Memory:
     streak: int = 0  # looks in a row it was
     last_shift_at: float | None = None  # the planner's or an operator's last role change
     pressures: tuple[float | None, float | None] = (None, None)  # (prefill, decode) at the last look
+
+
+def memory_record(memory: Memory, monotonic: float, wall: float) -> dict[str, Any]:
+    """``memory`` as etcd keeps it: its last shift in wall time (another host's monotonic clock reads
+    this one's differently)."""
+    last = None if memory.last_shift_at is None else wall - (monotonic - memory.last_shift_at)
+    return {
+        "short": memory.short,
+        "streak": memory.streak,
+        "last_shift_wall": last,
+        "pressures": list(memory.pressures),
+    }
+
+
+def memory_from_record(data: Any, monotonic: float, wall: float) -> Memory:
+    """``memory_record``'s shape back, on this host's clocks; ``ValueError`` naming what is wrong."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a planner memory is a map, got {data!r:.100}")
+    short, streak, last = data.get("short"), data.get("streak"), data.get("last_shift_wall")
+    pressures = data.get("pressures")
+    if short not in (None, "prefill", "decode") or not isinstance(streak, int) or streak < 0:
+        raise ValueError(f"short {short!r}, streak {streak!r}")
+    if not (isinstance(pressures, list) and len(pressures) == 2):
+        raise ValueError(f"pressures {pressures!r}")
+    p = tuple(None if x is None else float(x) for x in pressures)
+    at = None if last is None else monotonic - (wall - float(last))
+    return Memory(short, streak, at, (p[0], p[1]))
 
 
 @dataclass(frozen=True, slots=True)

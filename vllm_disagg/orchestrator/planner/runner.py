@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vllm_disagg.clock import Clock
@@ -23,7 +23,14 @@ from vllm_disagg.errors import RequestError
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
-from vllm_disagg.orchestrator.planner.decide import Memory, Plan, pressure, remember_change
+from vllm_disagg.orchestrator.planner.decide import (
+    Memory,
+    Plan,
+    memory_from_record,
+    memory_record,
+    pressure,
+    remember_change,
+)
 from vllm_disagg.orchestrator.planner.decide import plan as decide
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
 from vllm_disagg.orchestrator.state.event_log import EventLog
@@ -47,8 +54,14 @@ class PlannerRunner:
         clock: Clock,
         *,
         leads: Callable[[], bool] = lambda: True,
+        record: Callable[[dict[str, Any]], Awaitable[None]] | None = None,
     ) -> None:
         self.config = config
+        # Replicas: where the leader keeps its memory and config (etcd), so the next leader goes on
+        # with its cooldown and streaks instead of starting over.
+        self._record = record
+        self._recorded: dict[str, Any] | None = None
+        self._saving: asyncio.Task[None] | None = None
         # Only the leader of replicas plans (its shifts command agents); a follower's looks are skipped.
         self._leads = leads
         self._registry = registry
@@ -89,9 +102,43 @@ class PlannerRunner:
             pressure(decode, config.tpot_target_s, config.min_samples),
         )
         self._metrics.planner_looked(result.ratio, pressures)
+        self._save()
         if result.shift is not None:
             self._start(result)
         return result
+
+    def _save(self) -> None:
+        """Record the memory and config (replicas), in the background; a failure waits for the next look."""
+        if self._record is None or (self._saving is not None and not self._saving.done()):
+            return
+        record = {
+            "memory": memory_record(self.memory, self._clock.monotonic(), self._clock.wall()),
+            "config": self.config.to_json(),
+        }
+        if record == self._recorded:
+            return
+
+        async def save() -> None:
+            assert self._record is not None
+            try:
+                await self._record(record)
+                self._recorded = record
+            except RequestError as exc:
+                log.warning("planner: its memory was not recorded: %s", exc.message)
+
+        self._saving = asyncio.ensure_future(save())
+
+    def adopt(self, record: Any) -> None:
+        """The planner's memory as the leader recorded it: a follower keeps it, to go on from it if it
+        comes to lead (its config stays its own flags', the same on every replica as a rule)."""
+        if self._leads() or not isinstance(record, dict):
+            return
+        try:
+            self.memory = memory_from_record(record["memory"], self._clock.monotonic(), self._clock.wall())
+        except (KeyError, TypeError, ValueError) as exc:
+            log.error("ignoring a recorded planner memory that cannot be read: %s", exc)
+            return
+        self._recorded = record
 
     def _start(self, result: Plan) -> None:
         shift = result.shift
@@ -156,7 +203,10 @@ class PlannerRunner:
         }
 
     async def close(self) -> None:
-        """Stop a shift under way (a restart's drain is undone as it stops)."""
+        """Stop a shift under way (a restart's drain is undone as it stops) and a recording."""
+        if self._saving is not None:
+            self._saving.cancel()
+            await asyncio.gather(self._saving, return_exceptions=True)
         if self._shifting is not None:
             self._shifting.cancel()
             await asyncio.gather(self._shifting, return_exceptions=True)

@@ -4,7 +4,11 @@ Keys under ``/vllm-disagg/<cluster>/intent/``:
 
 - ``instances/<agent id>``: ``{"drained", "cordoned", "pinned"}`` (``state/intent.py``), or
   ``{"removed": true}`` for a dead instance an operator removed; deleted when nothing is said any more;
-- ``scheduler/weights``: every profile's scorer weights, ``{profile: {scorer: weight}}``.
+- ``scheduler/weights``: every profile's scorer weights, ``{profile: {scorer: weight}}``;
+- ``planner``: the leader's planner memory (its streak and the time of its last shift, in wall time)
+  and the config it plans with;
+- ``rollouts/<model>``: a rollout's state (``RolloutState.record``), written in one transaction with
+  the drains of the step that made it, so a new leader goes on from exactly where the old one was.
 
 A write is one etcd transaction that succeeds only while the leader key is still this replica's term
 (its ``create_revision`` is the epoch): a leader that has lost etcd, or been replaced, cannot write, and
@@ -60,6 +64,9 @@ class DurableIntent:
         self._clock = clock
         self._weights = weights
         self._set_weights = set_weights
+        # A rollout as etcd holds it (model, its record or None): the replica's ``Rollouts.adopt``.
+        self.on_rollout: Callable[[str, Any], None] | None = None
+        self.on_planner: Callable[[Any], None] | None = None  # the planner's recorded memory: ``adopt``
         self.loaded = asyncio.Event()  # the first full read was applied
         self.applied = 0  # keys applied (tests and the admin API read it)
 
@@ -79,11 +86,29 @@ class DurableIntent:
         """Record every profile's scorer weights."""
         await self._write("scheduler/weights", jsonutil.dumps(weights), "the scheduler's weights")
 
+    async def save_planner(self, record: dict[str, Any]) -> None:
+        """Record the planner's memory and config (the leader's, after a look that changed them)."""
+        await self._write("planner", jsonutil.dumps(record), "the planner's memory")
+
+    async def save_rollout(
+        self, model: str, record: Mapping[str, Any], intents: Mapping[str, InstanceIntent]
+    ) -> None:
+        """Record a rollout's new state and the instance intents of its step, in one transaction."""
+        values: dict[str, bytes | None] = {f"rollouts/{model}": jsonutil.dumps(record)}
+        for agent_id, intent in intents.items():
+            values[f"instances/{agent_id}"] = None if intent.empty else jsonutil.dumps(intent.to_json())
+        await self._write_many(values, f"the rollout of {model!r}")
+
     async def _write(self, key: str, value: bytes | None, what: str) -> None:
+        await self._write_many({key: value}, what)
+
+    async def _write_many(self, values: Mapping[str, bytes | None], what: str) -> None:
         epoch = self._leadership.require(f"recording {what}")
         try:
-            done = await self._client.put_fenced(
-                self._prefix + key, value, fence_key=self._leader_key, fence_revision=epoch
+            done = await self._client.put_many_fenced(
+                {self._prefix + k: v for k, v in values.items()},
+                fence_key=self._leader_key,
+                fence_revision=epoch,
             )
         except EtcdError as exc:
             raise NotLeader(
@@ -115,6 +140,12 @@ class DurableIntent:
             data = jsonutil.loads(kv.value) if kv is not None else None
             if name.startswith("instances/"):
                 self._apply_instance(name[len("instances/") :], data)
+            elif name == "planner":
+                if self.on_planner is not None and data is not None:
+                    self.on_planner(data)
+            elif name.startswith("rollouts/"):
+                if self.on_rollout is not None:
+                    self.on_rollout(name[len("rollouts/") :], data)
             elif name == "scheduler/weights" and data is not None and self._set_weights is not None:
                 if self._weights is None or self._weights() != data:
                     self._set_weights(data)

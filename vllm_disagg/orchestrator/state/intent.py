@@ -55,3 +55,9 @@ class IntentRecorder(Protocol):
     async def save_weights(self, weights: Mapping[str, Mapping[str, float]]) -> None:
         """Every profile's scorer weights."""
         ...
+
+    async def save_rollout(
+        self, model: str, record: Mapping[str, Any], intents: Mapping[str, InstanceIntent]
+    ) -> None:
+        """A rollout's new state and what it says of instances with it (drains), all at once."""
+        ...

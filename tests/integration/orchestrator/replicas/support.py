@@ -14,9 +14,10 @@ import pytest
 
 from tests.etcd_support import EtcdMissing, EtcdServer
 from tests.helpers import eventually
-from tests.integration.orchestrator_support import FakeAgent, orch_config
+from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg.config import ReplicaConfig
 from vllm_disagg.orchestrator.app import CONTROL_KEY, REPLICATION_KEY, OrchestratorServer, start_orchestrator
+from vllm_disagg.protocol.messages import InstanceInfo
 
 Replicas = Callable[..., Awaitable[list[OrchestratorServer]]]
 
@@ -76,10 +77,37 @@ async def one_leader(servers: list[OrchestratorServer]) -> OrchestratorServer:
     return await eventually(agreed, timeout=30, what="one leader every replica knows")
 
 
-async def join_everywhere(servers: list[OrchestratorServer], agent_id: str, url: str) -> list[FakeAgent]:
-    agents = [FakeAgent(s.zmq_endpoint, agent_id, url, "decode") for s in servers]
+class Session(FakeAgent):
+    """One of an agent's sessions (one per replica): the drain flag is the agent's, shared by all of
+    them, as in a real agent (``agent/shared.py``)."""
+
+    def __init__(self, *args: Any, shared: dict[str, bool], **kwargs: Any) -> None:
+        self._shared = shared
+        super().__init__(*args, **kwargs)
+
+    @property
+    def draining(self) -> bool:
+        return self._shared["draining"]
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._shared["draining"] = value
+
+
+async def join_everywhere(
+    servers: list[OrchestratorServer], agent_id: str, url: str, revision: str = ""
+) -> list[FakeAgent]:
+    """A decode instance's agent sessions, one per replica (as a real agent holds them), each ready."""
+    info = InstanceInfo(url=url, role="decode", model=MODEL, engine="sim", revision=revision)
+    shared = {"draining": False}
+    agents: list[FakeAgent] = [
+        Session(s.zmq_endpoint, agent_id, url, "decode", info=info, shared=shared) for s in servers
+    ]
     for agent in agents:
         await agent.join()
-    for server in servers:
-        await eventually(lambda s=server: s.registry.snapshot().ready_decode, what="the instance ready")  # type: ignore[misc]
+
+    def ready() -> bool:
+        return all((v := s.registry.get(agent_id)) is not None and v.state == "ready" for s in servers)
+
+    await eventually(ready, what=f"{agent_id} ready on every replica")
     return agents

@@ -3,6 +3,8 @@ leader cannot write it, and nothing is acted on that etcd did not record."""
 
 from __future__ import annotations
 
+import time
+
 import aiohttp
 import pytest
 
@@ -11,7 +13,8 @@ from tests.helpers import ADMIN, eventually
 from tests.integration.orchestrator.replicas.support import Replicas, join_everywhere, one_leader
 from tests.integration.orchestrator_support import FakeAgent, registered
 from vllm_disagg.errors import NotLeader
-from vllm_disagg.orchestrator.app import CONTROL_KEY, REPLICATION_KEY, OrchestratorServer
+from vllm_disagg.orchestrator.app import CONTROL_KEY, PLANNER_KEY, REPLICATION_KEY, OrchestratorServer
+from vllm_disagg.orchestrator.planner.decide import Memory
 from vllm_disagg.orchestrator.state.intent import InstanceIntent
 from vllm_disagg.orchestrator.state.leadership import Leadership, LeaderView
 from vllm_disagg.orchestrator.state.views import InstanceView
@@ -114,3 +117,25 @@ async def test_a_stale_leader_cannot_record_and_nothing_is_done_while_etcd_is_do
     await eventually(cordoned, what="leader actions back with etcd")
     assert registered(leader, "d0").state == "cordoned"
     await agent.close()
+
+
+async def test_the_planners_memory_is_kept_in_etcd_and_the_next_leader_goes_on_with_it(
+    replicas: Replicas,
+) -> None:
+    servers = await replicas(2)
+    leader = await one_leader(servers)
+    follower = next(s for s in servers if s is not leader)
+    planner = leader.app[PLANNER_KEY]
+    shifted_at = time.monotonic() - 42.0  # a shift 42 s ago: its cooldown must not start over
+    planner.memory = Memory("decode", 2, shifted_at, (None, None))
+    planner.look()
+    kept = planner.memory
+    assert kept.last_shift_at == shifted_at
+
+    def adopted() -> Memory | None:
+        memory = follower.app[PLANNER_KEY].memory
+        return memory if memory.last_shift_at is not None else None
+
+    memory = await eventually(adopted, what="the follower has the leader's memory")
+    assert (memory.short, memory.streak) == (kept.short, kept.streak)
+    assert memory.last_shift_at == pytest.approx(shifted_at, abs=0.05), "the same instant, on its clock"

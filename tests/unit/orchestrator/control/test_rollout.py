@@ -76,7 +76,7 @@ async def h() -> AsyncIterator[Harness]:
 
 async def test_the_old_revision_drains_as_the_new_one_is_ready_and_completes_once_idle(h: Harness) -> None:
     h.registry.acquire("d-r1")  # a request under way on the old decode instance
-    h.rollouts.start(None, "r2")
+    await h.rollouts.start(None, "r2")
     assert h.admitted == [("m", "r1", "r2")]
     add(h.registry, replace(NEW_D, engine="starting"))
     await FakeClock.settle()
@@ -100,12 +100,12 @@ async def test_the_old_revision_drains_as_the_new_one_is_ready_and_completes_onc
 
 
 async def test_a_paused_rollout_ignores_changes_and_a_resume_steps_at_once(h: Harness) -> None:
-    h.rollouts.start("m", "r2")
-    h.rollouts.pause("m")
+    await h.rollouts.start("m", "r2")
+    await h.rollouts.pause("m")
     add(h.registry, NEW_D)
     await FakeClock.settle()
     assert not h.draining("d-r1")
-    h.rollouts.resume("m")  # no registry change follows: the resume itself is a reason to step
+    await h.rollouts.resume("m")  # no registry change follows: the resume itself is a reason to step
     await FakeClock.settle()
     assert h.draining("d-r1")
 
@@ -113,13 +113,13 @@ async def test_a_paused_rollout_ignores_changes_and_a_resume_steps_at_once(h: Ha
 async def test_a_rollback_of_a_complete_rollout_undrains_at_once_and_drains_the_new_revision_out(
     h: Harness,
 ) -> None:
-    h.rollouts.start("m", "r2")
+    await h.rollouts.start("m", "r2")
     add(h.registry, NEW_D)
     add(h.registry, NEW_P)
     await FakeClock.settle()
     assert h.draining("d-r1") and h.draining("p-r1")
     assert h.phase() == "complete" and h.settled == [("m", "r2")]
-    h.rollouts.rollback("m")
+    await h.rollouts.rollback("m")
     assert not h.draining("d-r1") and not h.draining("p-r1"), "undrained by the action itself"
     await FakeClock.settle()
     assert h.phase() == "rolled_back"
@@ -130,15 +130,15 @@ async def test_a_rollback_of_a_complete_rollout_undrains_at_once_and_drains_the_
 
 async def test_a_finished_rollout_stops_watching_the_registry(h: Harness) -> None:
     assert h.registry.watchers == (0, 0)
-    h.rollouts.start("m", "r2")
+    await h.rollouts.start("m", "r2")
     assert h.registry.watchers == (0, 1), "a moving rollout watches every request sent and ended"
-    h.rollouts.pause("m")
+    await h.rollouts.pause("m")
     assert h.registry.watchers == (0, 0), "a paused one nothing: the gateway's requests pay nothing then"
 
 
 async def test_an_agent_that_cannot_be_told_is_drained_by_the_registry_alone(h: Harness) -> None:
     h.unreachable = True
-    h.rollouts.start("m", "r2")
+    await h.rollouts.start("m", "r2")
     add(h.registry, NEW_D)
     await FakeClock.settle()
     assert h.draining("d-r1")
