@@ -427,6 +427,11 @@ class OrchestratorServer:
         return self.app[CONTROL_KEY].endpoint
 
     @property
+    def replica_id(self) -> str:
+        """This replica's id ("" for a single orchestrator)."""
+        return self.app[CONTROL_KEY].leadership.replica_id
+
+    @property
     def registry(self) -> Registry:
         """The live registry (tests read it)."""
         return self.app[REGISTRY_KEY]

@@ -206,7 +206,12 @@ def run(args: argparse.Namespace) -> int:
         gc.freeze()
         try:
             admin = f"  admin {server.admin_url}" if server.admin_url != server.url else ""
-            print(f"orchestrator: http {server.url}  agents {server.zmq_endpoint}{admin}", flush=True)
+            replica = ""
+            if config.replica is not None:
+                replica = f"  replica {server.replica_id} of cluster {config.replica.cluster} (etcd)"
+            print(
+                f"orchestrator: http {server.url}  agents {server.zmq_endpoint}{admin}{replica}", flush=True
+            )
             if not config.admin_token:
                 logging.getLogger(__name__).warning(
                     "no admin token (--admin-token-file or %s): the admin API refuses every call",
