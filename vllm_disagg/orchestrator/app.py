@@ -71,6 +71,7 @@ ADMIN_APP_KEY = web.AppKey("admin_app", web.Application)  # only with a separate
 WORKERS_KEY = web.AppKey("workers", WorkerHub)  # only with --gateway-workers above 1
 PLANNER_KEY = web.AppKey("planner", PlannerRunner)
 ROLLOUTS_KEY = web.AppKey("rollouts", Rollouts)
+ROLES_KEY = web.AppKey("roles", RoleChanger)
 REPLICATION_KEY = web.AppKey("replication", Replication)  # only with --etcd
 FORWARDER_KEY = web.AppKey("forwarder", LeaderForwarder)  # only with --etcd
 
@@ -102,6 +103,7 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
             await cancel_and_wait(task)
         await planner.close()
         await app[ROLLOUTS_KEY].close()
+        await app[ROLES_KEY].close()
         control.close()
 
 
@@ -198,7 +200,12 @@ def build_app(
         state.events,
         drain_timeout_s=config.role_drain_timeout_s,
         restart_timeout_s=config.role_restart_timeout_s,
+        record=replication.intent if replication is not None else None,
     )
+    if replication is not None:
+        replication.intent.on_role = roles.adopt
+        # A new leader goes on with the role changes the last one left under way.
+        leadership.watch(lambda: roles.take_over() if leadership.is_leader else None)
     planner = _planner(planner_config, state, slo_window, roles, clock, leadership, replication)
     return _application(config, clock, state, control, gateway, hub, roles, planner, replication)
 
@@ -336,6 +343,7 @@ def _application(
         app[WORKERS_KEY] = hub
     app[PLANNER_KEY] = planner
     app[ROLLOUTS_KEY] = rollouts
+    app[ROLES_KEY] = roles
     forwarder = None
     if replication is not None:
         app[REPLICATION_KEY] = replication

@@ -123,8 +123,6 @@ class ControlPlane:
         self._config = config
         # Commands are the leader's alone, and carry its epoch: agents refuse an older one's.
         self.leadership = leadership or Leadership.sole()
-        self._leading = self.leadership.is_leader
-        self.leadership.watch(self._leadership_changed)
         self._hello_hook = on_hello  # e.g. the gateway loads the model's tokenizer before traffic comes
         self._registry = registry
         self.kv_index = kv_index if kv_index is not None else KvIndex()
@@ -378,26 +376,6 @@ class ControlPlane:
                 info.url,
                 ", ".join(missing),
             )
-
-    def _leadership_changed(self) -> None:
-        """A replica that has just begun to lead tells every agent that an operator drained (etcd
-        has it), and whose heartbeats say it does not know (the last leader fell before it told it)."""
-        was, self._leading = self._leading, self.leadership.is_leader
-        if was or not self._leading or self._transport is None:
-            return
-        task = asyncio.get_running_loop().create_task(self._reconcile())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _reconcile(self) -> None:
-        # After two heartbeats, each agent has said whether it knows (the last leader may have told it
-        # just before it fell): only those that do not are told again.
-        await self._clock.sleep(2 * self._config.heartbeat_interval_s)
-        if not self.leadership.is_leader:
-            return
-        for view in self._registry.snapshot().instances:
-            if view.admin_draining and not view.agent_draining and view.state != "dead":
-                self._tell_drained(view.agent_id)
 
     def _tell_drained(self, agent_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self._redrain(agent_id))

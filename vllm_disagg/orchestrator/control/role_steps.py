@@ -28,15 +28,16 @@ and the deadlines; the cluster simulator does the same on virtual time (``cluste
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
-from vllm_disagg.protocol.messages import RESTART_REQUIRED, Role
+from vllm_disagg.protocol.messages import RESTART_REQUIRED, ROLES, Role
 
 Phase = Literal["asking", "draining", "asking_restart", "restarting", "done", "failed"]
 How = Literal["none", "routing", "restart"]
 Failure = Literal["refused", "gone", "timed_out", "agent"]
 ENDED: frozenset[Phase] = frozenset(("done", "failed"))
+_PHASES = ("asking", "draining", "asking_restart", "restarting", "done", "failed")
 _DRAINED_BY_IT: frozenset[Phase] = frozenset(("draining", "asking_restart", "restarting"))
 
 
@@ -64,6 +65,54 @@ class RoleState:
     deadline: float | None = None  # monotonic: the drain's or the restart's end; None: no timer runs
     timeline: tuple[tuple[str, float], ...] = ()  # (step, seconds since ``started``)
     left_in_flight: int = 0  # requests still on it when the drain timed out (they failed over)
+
+    def record(self, monotonic: float, wall: float) -> dict[str, Any]:
+        """What etcd keeps of it (replicas): its times on the wall clock, which every host shares."""
+
+        def on_wall(t: float | None) -> float | None:
+            return None if t is None else wall - (monotonic - t)
+
+        return {
+            "agent_id": self.agent_id,
+            "old": self.old,
+            "new": self.new,
+            "started": on_wall(self.started),
+            "was_draining": self.was_draining,
+            "limits": [self.limits.drain_timeout_s, self.limits.restart_timeout_s],
+            "phase": self.phase,
+            "how": self.how,
+            "deadline": on_wall(self.deadline),
+            "timeline": [list(t) for t in self.timeline],
+            "left_in_flight": self.left_in_flight,
+        }
+
+    @classmethod
+    def from_record(cls, data: Any, session: int, monotonic: float, wall: float) -> RoleState:
+        """``record``'s shape back, on this host's clock, in ``session`` (the instance's here);
+        ``ValueError`` naming what is wrong."""
+        try:
+            deadline = data["deadline"]
+            state = cls(
+                str(data["agent_id"]),
+                data["old"],
+                data["new"],
+                monotonic - (wall - float(data["started"])),
+                session,
+                bool(data["was_draining"]),
+                Limits(float(data["limits"][0]), float(data["limits"][1])),
+                data["phase"],
+                data["how"],
+                None if deadline is None else monotonic - (wall - float(deadline)),
+                tuple((str(step), float(at)) for step, at in data["timeline"]),
+                int(data["left_in_flight"]),
+            )
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise ValueError(f"a recorded role change that cannot be read ({exc}): {data!r:.200}") from None
+        if state.phase not in _PHASES or state.old not in ROLES or state.new not in ROLES:
+            raise ValueError(
+                f"a recorded role change with phase {state.phase!r}, {state.old!r} -> {state.new!r}"
+            )
+        return state
 
     def mark(self, step: str, now: float) -> RoleState:
         """The state with ``step`` reached at ``now`` on its timeline."""
@@ -209,6 +258,17 @@ def _restart_answer(state: RoleState, answer: Answer, now: float) -> Step:
             Publish("restarting", restarting.timeline, restarting.left_in_flight),
         ),
     )
+
+
+def resume(state: RoleState) -> Step:
+    """Go on with a change another orchestrator (the last leader) left at ``state``: ask again what it
+    may have asked (``set_role`` is the same answer twice: an engine that has restarted in the new
+    role serves it as it runs), or look again."""
+    if state.phase == "asking":
+        return Step(state, (Ask(state.agent_id, state.new),))
+    if state.phase == "asking_restart":
+        return Step(state, (Ask(state.agent_id, state.new, True),))
+    return Step(state)
 
 
 def step(state: RoleState, snap: RegistrySnapshot, now: float) -> Step:

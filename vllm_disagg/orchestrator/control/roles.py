@@ -6,11 +6,18 @@ ready heartbeat) or a deadline passes on the injected clock. Nothing polls.
 
 Every change feeds ``vllm_disagg_role_change_seconds{how}``; the planner's cooldown counts from the
 last one (``last_change_at``).
+
+With replicas (``record``), each new state of a change is recorded in etcd with its drain before it
+is acted on, and every replica keeps what is recorded (``adopt``). A replica that begins to lead goes
+on with each change left under way (``take_over``): from its recorded state, asking the agent again
+what it may already have been asked, which it answers the same way twice.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -30,10 +37,13 @@ from vllm_disagg.orchestrator.control.role_steps import (
 )
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
+from vllm_disagg.orchestrator.state.intent import IntentRecorder
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.orchestrator.state.views import InstanceView
-from vllm_disagg.protocol.commands import CommandPayload, SetRole
+from vllm_disagg.protocol.commands import CommandPayload, SetRole, Undrain
 from vllm_disagg.protocol.messages import Ack, Role
+
+log = logging.getLogger(__name__)
 
 
 class Commands(Protocol):
@@ -69,7 +79,11 @@ class RoleChanger:
         *,
         drain_timeout_s: float = 30.0,
         restart_timeout_s: float = 600.0,
+        record: IntentRecorder | None = None,
     ) -> None:
+        self._record = record
+        self.recorded: dict[str, Any] = {}  # agent id -> a change under way, as etcd holds it
+        self._resumed: set[asyncio.Task[None]] = set()
         self._registry = registry
         self._control = control
         self._metrics = metrics
@@ -115,9 +129,13 @@ class RoleChanger:
         unwatch = self._registry.watch(changed.set, in_flight=True)
         state = step.state
         error: RequestError | None = None  # the last command's, raised as is on ``Fail("agent")``
+        saved: RoleState | None = None
         try:
             while True:
                 state = step.state
+                if self._record is not None and state != saved:
+                    await self._save(step)
+                    saved = state
                 self._carry_out(step, error)
                 if state.phase in steps.ENDED:
                     return state
@@ -139,6 +157,76 @@ class RoleChanger:
         finally:
             unwatch()
 
+    async def _save(self, step: steps.Step) -> None:
+        """Record the step's state (gone once the change ended) and its drain, before acting on it."""
+        assert self._record is not None
+        state = step.state
+        record = None
+        if state.phase not in steps.ENDED:
+            record = state.record(self._clock.monotonic(), self._clock.wall())
+        intents = {
+            e.agent_id: dataclasses.replace(self._registry.intent_of(e.agent_id), drained=e.draining)
+            for e in step.effects
+            if isinstance(e, SetDrain)
+        }
+        await self._record.save_role(state.agent_id, record, intents)
+
+    def adopt(self, agent_id: str, record: Any) -> None:
+        """A change under way as etcd holds it (None: it ended): kept, for this replica to go on with
+        if it comes to lead."""
+        if record is None:
+            self.recorded.pop(agent_id, None)
+        else:
+            self.recorded[agent_id] = record
+
+    def take_over(self) -> None:
+        """This replica now leads: go on with every change the last leader left under way."""
+        for agent_id, record in list(self.recorded.items()):
+            view = self._registry.get(agent_id)
+            if agent_id in self._changing or view is None:
+                continue
+            try:
+                state = steps.RoleState.from_record(
+                    record, view.session, self._clock.monotonic(), self._clock.wall()
+                )
+            except ValueError as exc:
+                log.error("a recorded role change of %s cannot go on: %s", agent_id, exc)
+                continue
+            task = asyncio.get_running_loop().create_task(self._resume(state))
+            self._resumed.add(task)
+            task.add_done_callback(self._resumed.discard)
+
+    async def _resume(self, state: RoleState) -> None:
+        self._changing.add(state.agent_id)
+        log.info("going on with the role change of %s to %s (%s)", state.agent_id, state.new, state.phase)
+        try:
+            ended = await self._drive(steps.resume(state))
+        except RequestError as exc:
+            log.warning("the role change of %s to %s failed: %s", state.agent_id, state.new, exc.message)
+            return
+        finally:
+            self._changing.discard(state.agent_id)
+        now = self._clock.monotonic()
+        self._metrics.role_changed(state.agent_id, state.old, state.new, ended.how, now - state.started)
+        self.last_change_at = now
+
+    async def close(self) -> None:
+        """Stop the changes this replica went on with (the next leader goes on with them in turn)."""
+        for task in list(self._resumed):
+            task.cancel()
+        await asyncio.gather(*self._resumed, return_exceptions=True)
+
+    def _undrain_agent(self, agent_id: str) -> None:
+        async def tell() -> None:
+            try:
+                await self._control.send_command(agent_id, Undrain())
+            except RequestError as exc:
+                log.warning("could not tell %s it is undrained: %s", agent_id, exc.message)
+
+        task = asyncio.get_running_loop().create_task(tell())
+        self._resumed.add(task)
+        task.add_done_callback(self._resumed.discard)
+
     async def _answer(self, ask: Ask) -> tuple[Answer, RequestError | None]:
         try:
             ack = await self._control.send_command(ask.agent_id, SetRole(ask.role, ask.restart))
@@ -150,8 +238,13 @@ class RoleChanger:
         state = step.state
         for effect in step.effects:
             if isinstance(effect, SetDrain):
-                if self._registry.get(effect.agent_id) is not None:
+                view = self._registry.get(effect.agent_id)
+                if view is not None:
                     self._registry.set_admin_drain(effect.agent_id, effect.draining)
+                    if not effect.draining and view.agent_draining:
+                        # Its agent was told it was drained meanwhile (a new agent process is told
+                        # an operator's drain again): the drain put back is the agent's too.
+                        self._undrain_agent(effect.agent_id)
             elif isinstance(effect, MoveRole):
                 self._registry.set_role(effect.agent_id, effect.role)
             elif isinstance(effect, EngineRestarting):

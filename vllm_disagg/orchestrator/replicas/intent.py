@@ -7,6 +7,8 @@ Keys under ``/vllm-disagg/<cluster>/intent/``:
 - ``scheduler/weights``: every profile's scorer weights, ``{profile: {scorer: weight}}``;
 - ``planner``: the leader's planner memory (its streak and the time of its last shift, in wall time)
   and the config it plans with;
+- ``roles/<agent id>``: a role change under way (``RoleState.record``), with its drain, so a new
+  leader finishes what the last one began (gone once it ended);
 - ``rollouts/<model>``: a rollout's state (``RolloutState.record``), written in one transaction with
   the drains of the step that made it, so a new leader goes on from exactly where the old one was.
 
@@ -66,7 +68,10 @@ class DurableIntent:
         self._set_weights = set_weights
         # A rollout as etcd holds it (model, its record or None): the replica's ``Rollouts.adopt``.
         self.on_rollout: Callable[[str, Any], None] | None = None
-        self.on_planner: Callable[[Any], None] | None = None  # the planner's recorded memory: ``adopt``
+        self.on_planner: Callable[[Any], None] | None = None
+        self.on_role: Callable[[str, Any], None] | None = (
+            None  # a role change under way: ``adopt``  # the planner's recorded memory: ``adopt``
+        )
         self.loaded = asyncio.Event()  # the first full read was applied
         self.applied = 0  # keys applied (tests and the admin API read it)
 
@@ -98,6 +103,17 @@ class DurableIntent:
         for agent_id, intent in intents.items():
             values[f"instances/{agent_id}"] = None if intent.empty else jsonutil.dumps(intent.to_json())
         await self._write_many(values, f"the rollout of {model!r}")
+
+    async def save_role(
+        self, agent_id: str, record: Mapping[str, Any] | None, intents: Mapping[str, InstanceIntent]
+    ) -> None:
+        """Record a role change's new state (None: it ended) and the drain of its step, at once."""
+        values: dict[str, bytes | None] = {
+            f"roles/{agent_id}": None if record is None else jsonutil.dumps(record)
+        }
+        for other, intent in intents.items():
+            values[f"instances/{other}"] = None if intent.empty else jsonutil.dumps(intent.to_json())
+        await self._write_many(values, f"the role change of {agent_id!r}")
 
     async def _write(self, key: str, value: bytes | None, what: str) -> None:
         await self._write_many({key: value}, what)
@@ -143,6 +159,9 @@ class DurableIntent:
             elif name == "planner":
                 if self.on_planner is not None and data is not None:
                     self.on_planner(data)
+            elif name.startswith("roles/"):
+                if self.on_role is not None:
+                    self.on_role(name[len("roles/") :], data)
             elif name.startswith("rollouts/"):
                 if self.on_rollout is not None:
                     self.on_rollout(name[len("rollouts/") :], data)

@@ -61,3 +61,9 @@ class IntentRecorder(Protocol):
     ) -> None:
         """A rollout's new state and what it says of instances with it (drains), all at once."""
         ...
+
+    async def save_role(
+        self, agent_id: str, record: Mapping[str, Any] | None, intents: Mapping[str, InstanceIntent]
+    ) -> None:
+        """A role change's new state (None: it ended) and its drain, all at once."""
+        ...
