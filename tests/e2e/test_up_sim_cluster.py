@@ -146,7 +146,9 @@ async def test_missing_messages_on_chat_is_400(cluster: Cluster) -> None:
 
 
 async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp_path: Path) -> None:
-    running = start_up(tmp_path, prefill=1, decode=2)
+    # --max-crashes 1: up gives up at the first crash instead of restarting the agent
+    # (tests/e2e/test_up_supervision.py has the restarts).
+    running = start_up(tmp_path, 1, 2, "--max-crashes", "1")
     try:
         victim = next(i for i in running.instances() if i["agent_id"] == "decode-0")
         agent_pid = next(pid for pid in engine_pids([int(victim["url"].rsplit(":", 1)[1])]) if _is_agent(pid))
@@ -157,6 +159,10 @@ async def test_a_sigkilled_agent_leaves_routing_and_requests_keep_succeeding(tmp
 
         # Heartbeat timeout is 1 s; allow a wide margin for a loaded 2-core machine.
         await eventually(victim_dead, timeout=15, what="decode-0 marked dead")
+        gave_up = (
+            "up: agent decode-0 crashed once in 60 s (last: code -9); giving up: its instance leaves routing"
+        )
+        await eventually(lambda: gave_up in running.log.read_text().splitlines(), timeout=15, what=gave_up)
         async with aiohttp.ClientSession() as session:
             for i in range(10):
                 prompt = f"after the kill {i}"
@@ -216,7 +222,9 @@ def test_up_stops_everything_on_sigterm(cluster: Cluster) -> None:
     assert len(engine_pids(ports)) >= 2 * len(ports)  # an agent and an engine per instance
     assert stop(cluster) == 0
     eventually_sync(lambda: not engine_pids(ports), timeout=15, what="no orphan processes")
-    assert "stopped" in cluster.log.read_text()
+    said = cluster.log.read_text()
+    assert "stopped" in said
+    assert "restarting" not in said and "giving up" not in said, "a stop is not a crash"
 
 
 def test_without_a_token_up_makes_one_only_its_owner_can_read_and_says_where(tmp_path: Path) -> None:

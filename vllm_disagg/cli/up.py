@@ -1,40 +1,54 @@
 """``vllm-disagg up``: a whole local cluster in one command.
 
-Starts the orchestrator, then one agent per instance (each agent launches its engine), prints the
-endpoints and each instance as it becomes ready, and on Ctrl-C/SIGTERM stops everything. Every child
-runs in its own process group and is told by the kernel to die with its parent, so neither a clean
-stop nor a SIGKILL of ``up`` leaves an orphan behind. ``LocalCluster`` is the same machinery for the
-benchmarks and end-to-end tests.
+Starts the orchestrator (or, with ``--replicas N``, N replicas of it on one etcd, which ``up`` may
+start too: ``up_replicas.py``, ``local_etcd.py``), then one agent per instance (each agent launches
+its engine), prints the endpoints and each instance as it becomes ready, restarts a child that crashes
+(``supervise.py``: with backoff, giving up after repeated crashes), and on Ctrl-C/SIGTERM stops
+everything. Every child runs in its own process group and is told by the kernel to die with its
+parent, so neither a clean stop nor a SIGKILL of ``up`` leaves an orphan behind. The cluster's shape
+and each process's command line are ``ClusterSpec``'s (``up_spec.py``). ``LocalCluster`` is the same
+start and stop, unsupervised, for the benchmarks and end-to-end tests (the chaos harness plays the
+supervisor there itself).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
-import secrets
-import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import IO
 
-import aiohttp
-
-from vllm_disagg import jsonutil
+from vllm_disagg.cli import up_replicas
+from vllm_disagg.cli.supervise import (
+    ChildSpec,
+    EventLog,
+    RestartPolicy,
+    StartFailed,
+    Supervisor,
+    end_groups,
+    session_leaders_with,
+)
+from vllm_disagg.cli.supervise import spawn as spawn  # where the benchmarks and chaos find them
+from vllm_disagg.cli.supervise import stop_processes as stop_processes
+from vllm_disagg.cli.up_replicas import LeaderWatch, replica_set_from_args
+from vllm_disagg.cli.up_replicas import fetch_instances as fetch_instances
+from vllm_disagg.cli.up_spec import ClusterSpec as ClusterSpec  # where the benchmarks and chaos find it
+from vllm_disagg.cli.up_spec import InstancePlan as InstancePlan
 from vllm_disagg.config import add_sim_timing_arguments, sim_timing_flags
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.admin.auth import (
     ENV_ADMIN_TOKEN,
-    admin_headers,
     load_admin_token,
     write_admin_token,
 )
 from vllm_disagg.orchestrator.flags import add_shared_arguments, shared_argv
 from vllm_disagg.protocol.curve import make_keypair
-from vllm_disagg.runtime import SELF_ARGV, child_env, die_with_parent, run_service, signal_group
+from vllm_disagg.runtime import run_service
 
 DEFAULT_MODELS = {"vllm": "tiny", "sim": "sim-model"}
 # Real vLLM on a small CPU machine: a cold start of two instances side by side took 92 s here.
@@ -47,156 +61,12 @@ def tiny_model_dir() -> Path:
     return Path(root) / "models" / "tiny-seed0"
 
 
-@dataclass(frozen=True)
-class InstancePlan:
-    """One instance to start: its agent id, role and engine port."""
-
-    agent_id: str
-    role: str
-    engine_port: int
-    index: int  # position in the cluster; picks the CPU core a vLLM instance is bound to
-
-
-@dataclass(frozen=True)
-class ClusterSpec:
-    """The shape of a local cluster and the ports it uses."""
-
-    engine: str = "vllm"
-    prefill: int = 1
-    decode: int = 1
-    model: str = "tiny"  # the served name clients ask for
-    model_path: str = ""  # vLLM weights directory
-    engine_args: str = ""  # more vLLM flags for every instance
-    kv_load_failure_policy: str = ""  # a decode engine's failed KV pull: "fail", "recompute"; "": default
-    kv_lease_s: int = 0  # how long P keeps KV that no decode pulls (vLLM's kv_lease_duration); 0: default
-    # The engines' KV connector: NIXL (vLLM's), or "vllm-disagg", the project's over each agent's
-    # prefix pool (docs/kv-pool.md), with the pool's capacity.
-    kv_connector: str = "NixlConnector"
-    kv_pool_capacity: str = ""  # "": the agent's default
-    engine_startup_timeout_s: float = 900.0
-    host: str = "127.0.0.1"
-    port: int = 8000
-    zmq_port: int = 5555
-    engine_base_port: int = 8100
-    heartbeat_interval_s: float = 0.25
-    heartbeat_timeout_s: float = 1.0
-    connect_timeout_s: float = 2.0  # the gateway's, to an engine
-    health_timeout_s: float = 5.0  # each agent's /health check of its engine
-    stop_grace_s: float = 10.0
-    role_switch: str = "auto"  # how agents' engines take a new role: "auto" or "restart" (--role-switch)
-    sim_timing: tuple[tuple[str, str], ...] = ()  # (flag name, value) passed to every sim agent
-    extra_orchestrator_args: tuple[str, ...] = field(default=())
-    # The admin API's bearer token; a fresh one unless given. The orchestrator reads it from
-    # ``admin_token_file`` when set, else from its environment: never from its command line.
-    admin_token: str = field(default_factory=lambda: secrets.token_urlsafe(32), repr=False)
-    admin_token_file: str = ""
-    # CurveZMQ keys (``with_keys``): the orchestrator admits only these agents. "": no agent auth.
-    keys_dir: str = ""
-
-    def orchestrator_env(self) -> dict[str, str]:
-        """The orchestrator child's environment: ours, with the admin token unless a file holds it."""
-        env = dict(os.environ)
-        if not self.admin_token_file:
-            env[ENV_ADMIN_TOKEN] = self.admin_token
-        return env
-
-    @property
-    def base_url(self) -> str:
-        """The gateway's base URL."""
-        return f"http://{self.host}:{self.port}"
-
-    def plans(self) -> list[InstancePlan]:
-        """Agent ids and engine ports (prefill first, then decode)."""
-        if self.prefill < 0 or self.decode < 1:
-            raise ConfigError(f"need --decode >= 1 and --prefill >= 0, got {self.prefill}P{self.decode}D")
-        base = self.engine_base_port
-        plans = [InstancePlan(f"prefill-{i}", "prefill", base + i, i) for i in range(self.prefill)]
-        plans += [
-            InstancePlan(f"decode-{i}", "decode", base + self.prefill + i, self.prefill + i)
-            for i in range(self.decode)
-        ]
-        if plans[-1].engine_port > 65535:
-            raise ConfigError(f"--engine-base-port {base} leaves no room for {len(plans)} engines")
-        return plans
-
-    def orchestrator_argv(self) -> list[str]:
-        """The orchestrator child's command line."""
-        return [
-            *SELF_ARGV,
-            "orchestrator",
-            "--host", self.host,
-            "--port", str(self.port),
-            "--zmq-endpoint", f"tcp://127.0.0.1:{self.zmq_port}",
-            "--heartbeat-interval-s", str(self.heartbeat_interval_s),
-            "--heartbeat-timeout-s", str(self.heartbeat_timeout_s),
-            "--connect-timeout-s", str(self.connect_timeout_s),
-            # Simulated engines tokenize as bytes: the orchestrator needs no transformers.
-            *(("--no-preload-tokenizer-libs",) if self.engine == "sim" else ()),
-            *(("--admin-token-file", self.admin_token_file) if self.admin_token_file else ()),
-            *self._orchestrator_keys(),
-            *self.extra_orchestrator_args,
-        ]  # fmt: skip
-
-    def _orchestrator_keys(self) -> tuple[str, ...]:
-        if not self.keys_dir:
-            return ()
-        keys = Path(self.keys_dir)
-        return (
-            "--curve-secret-key",
-            str(keys / "orchestrator.key_secret"),
-            "--agent-keys",
-            str(keys / "agents"),
-        )
-
-    def agent_argv(self, plan: InstancePlan) -> list[str]:
-        """One agent child's command line."""
-        argv = [
-            *SELF_ARGV,
-            "agent",
-            "--engine", self.engine,
-            "--role", plan.role,
-            "--agent-id", plan.agent_id,
-            "--orchestrator", f"tcp://127.0.0.1:{self.zmq_port}",
-            "--model", self.model,
-            "--engine-port", str(plan.engine_port),
-            "--health-timeout-s", str(self.health_timeout_s),
-        ]  # fmt: skip
-        if self.kv_load_failure_policy:
-            argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]
-        if self.kv_lease_s:
-            argv += ["--kv-lease-s", str(self.kv_lease_s)]
-        if self.engine == "vllm" and self.kv_connector != ClusterSpec.kv_connector:
-            argv += ["--kv-connector", self.kv_connector]
-        if self.kv_pool_capacity:
-            argv += ["--kv-pool-capacity", self.kv_pool_capacity]
-        if self.role_switch != "auto":
-            argv += ["--role-switch", self.role_switch]
-        if self.keys_dir:
-            keys = Path(self.keys_dir)
-            argv += [
-                "--curve-secret-key", str(keys / "agents" / f"{plan.agent_id}.key_secret"),
-                "--orchestrator-key", str(keys / "orchestrator.key"),
-            ]  # fmt: skip
-        if self.engine == "vllm":
-            cores = os.cpu_count() or 1
-            argv += [
-                "--model-path", self.model_path,
-                "--omp-threads-bind", str(plan.index % cores),  # one core each while cores last
-                "--startup-timeout-s", str(self.engine_startup_timeout_s),
-                # The engines can saturate every core; the agents' heartbeats must still get through.
-                "--engine-nice", "10",
-            ]  # fmt: skip
-            if self.engine_args:
-                argv += ["--engine-args", self.engine_args]
-        for name, value in self.sim_timing:
-            argv += ["--" + name.replace("_", "-"), value]
-        return argv
-
-
 class LocalCluster:
     """Orchestrator and agents as child processes; ``stop()`` leaves nothing running."""
 
     def __init__(self, spec: ClusterSpec) -> None:
+        if spec.replicas is not None:
+            raise ConfigError("LocalCluster runs one orchestrator; replicas (and their etcd) are up's")
         self.spec = spec
         self.plans = spec.plans()
         self.orchestrator: asyncio.subprocess.Process | None = None
@@ -216,32 +86,14 @@ class LocalCluster:
     async def wait_ready(
         self, timeout_s: float, on_ready: Callable[[dict[str, object]], None] | None = None
     ) -> bool:
-        """Poll the admin API until every instance is ready (True) or ``timeout_s`` passes (False)."""
-        deadline = time.monotonic() + timeout_s
-        waiting = {p.agent_id for p in self.plans}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
-            while waiting:
-                for item in await fetch_instances(session, self.spec.base_url, self.spec.admin_token) or []:
-                    agent_id = str(item.get("agent_id", ""))
-                    if agent_id in waiting and item.get("state") == "ready":
-                        waiting.discard(agent_id)
-                        if on_ready:
-                            on_ready(item)
-                if not waiting:
-                    break
-                if time.monotonic() > deadline or any(c.returncode is not None for c in self.children):
-                    return False
-                await asyncio.sleep(0.05)
-        return True
-
-    async def report_agent_exits(self) -> None:
-        """Say when an agent dies; its instance leaves routing and the rest keep serving."""
-
-        async def watch(agent_id: str, proc: asyncio.subprocess.Process) -> None:
-            code = await proc.wait()
-            print(f"up: agent {agent_id} exited (code {code}); its instance leaves routing", flush=True)
-
-        await asyncio.gather(*(watch(a, p) for a, p in self.agents.items()))
+        """Poll the admin API until every instance is ready (True) or ``timeout_s`` passes or a child
+        exits (False)."""
+        return await wait_ready(
+            self.spec,
+            timeout_s,
+            on_ready,
+            failed=lambda: any(c.returncode is not None for c in self.children),
+        )
 
     async def stop(self) -> None:
         """Agents first, so they say Goodbye and stop their engines; then the orchestrator."""
@@ -250,49 +102,57 @@ class LocalCluster:
             await stop_processes([self.orchestrator], self.spec.stop_grace_s)
 
 
-async def spawn(
-    argv: list[str], env: dict[str, str] | None = None, output: IO[bytes] | None = None
-) -> asyncio.subprocess.Process:
-    """A child in its own process group that dies with this process; without ``env``, ours minus the
-    orchestrator's secrets (``child_env``). ``output``: where its stdout and stderr go (else ours)."""
-    return await asyncio.create_subprocess_exec(
-        *argv,
-        env=child_env() if env is None else env,
-        start_new_session=True,
-        preexec_fn=die_with_parent,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=output,
-        stderr=asyncio.subprocess.STDOUT if output is not None else None,
+async def wait_ready(
+    spec: ClusterSpec,
+    timeout_s: float,
+    on_ready: Callable[[dict[str, object]], None] | None,
+    failed: Callable[[], bool],
+) -> bool:
+    """Poll the admin API until every instance is ready (True), or ``timeout_s`` passes or ``failed()``
+    (False); with replicas, ready on every replica. An orchestrator not answering is "not yet"."""
+    ids = [p.agent_id for p in spec.plans()]
+    return await up_replicas.wait_ready(spec.base_urls(), spec.admin_token, ids, timeout_s, on_ready, failed)
+
+
+def supervised_children(spec: ClusterSpec) -> list[ChildSpec]:
+    """What ``up`` supervises: the orchestrator (essential: without it nothing is served), or its
+    replicas after the etcd ``up`` starts for them, then one agent per instance, each restarted with
+    its own command line (same ports, same agent id)."""
+    children = _control_plane(spec)
+    for plan in spec.plans():
+        # A SIGKILLed agent's engine got SIGTERM from the kernel (PR_SET_PDEATHSIG) but may still be
+        # stopping, on the port the restarted agent's engine needs, and answering /health there.
+        cleanup = functools.partial(_end_engine, plan.engine_port, spec.stop_grace_s)
+        children.append(
+            ChildSpec(
+                f"agent {plan.agent_id}",
+                tuple(spec.agent_argv(plan)),
+                stage=1,
+                consequence="its instance leaves routing",
+                cleanup=cleanup,
+            )
+        )
+    return children
+
+
+def _control_plane(spec: ClusterSpec) -> list[ChildSpec]:
+    """The orchestrator; or the embedded etcd and each replica, the cluster ending with the last."""
+    env = spec.orchestrator_env()
+    if spec.replicas:
+        return spec.replicas.children(spec.orchestrator_argv, env)
+    only = ChildSpec(
+        "orchestrator",
+        tuple(spec.orchestrator_argv()),
+        env=env,
+        essential=True,
+        consequence="stopping the cluster",
     )
+    return [only]
 
 
-async def stop_processes(children: list[asyncio.subprocess.Process], grace_s: float) -> None:
-    """SIGTERM each child's process group, then SIGKILL whatever is left after ``grace_s``."""
-    for proc in children:
-        signal_group(proc.pid, signal.SIGTERM)
-    waits = [asyncio.ensure_future(p.wait()) for p in children]
-    if waits:
-        await asyncio.wait(waits, timeout=grace_s)
-    for proc in children:
-        # Even a child that exited may have left grandchildren in its group.
-        signal_group(proc.pid, signal.SIGKILL)
-    if waits:
-        await asyncio.wait(waits, timeout=grace_s)
-
-
-async def fetch_instances(
-    session: aiohttp.ClientSession, base: str, token: str
-) -> list[dict[str, object]] | None:
-    """The admin API's instance list, or None while the orchestrator is not answering."""
-    try:
-        async with session.get(f"{base}/admin/v1/instances", headers=admin_headers(token)) as resp:
-            if resp.status != 200:
-                return None
-            body = jsonutil.loads(await resp.read())
-    except (aiohttp.ClientError, TimeoutError, ValueError):  # a busy orchestrator may answer late
-        return None
-    items = body.get("instances") if isinstance(body, dict) else body
-    return [i for i in items if isinstance(i, dict)] if isinstance(items, list) else None
+async def _end_engine(port: int, grace_s: float) -> None:
+    """End the engine a dead agent left on ``port``: it leads its own process group."""
+    await end_groups(session_leaders_with(("--port", str(port))), grace_s)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -342,8 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "share of memory (10%%); default 2GiB",
     )
     parser.add_argument("--host", default=d.host, help="gateway host")
-    parser.add_argument("--port", type=int, default=d.port, help="gateway port")
-    parser.add_argument("--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents")
+    parser.add_argument("--port", type=int, default=d.port, help="gateway port (replica i: + i)")
+    parser.add_argument(
+        "--zmq-port", type=int, default=d.zmq_port, help="orchestrator's port for agents (replica i: + i)"
+    )
     parser.add_argument("--engine-base-port", type=int, default=d.engine_base_port, help="first engine port")
     parser.add_argument("--heartbeat-interval-s", type=float, default=d.heartbeat_interval_s)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=d.heartbeat_timeout_s)
@@ -380,6 +242,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=d.role_switch,
         help="how an engine takes a new role: auto (by routing where it serves both, else a restart), "
         "restart (always; e.g. to see restarts with simulated engines)",
+    )
+    p = RestartPolicy()
+    supervision = parser.add_argument_group("supervision: crashed children are restarted with backoff")
+    supervision.add_argument(
+        "--max-crashes",
+        type=int,
+        default=p.max_crashes,
+        help="give up on a child (the orchestrator: stop the cluster; an agent: its instance leaves "
+        "routing) at its N-th crash within --crash-window-s; 1: never restart",
+    )
+    supervision.add_argument(
+        "--crash-window-s", type=float, default=p.window_s, help="the window --max-crashes counts in"
+    )
+    supervision.add_argument(
+        "--restart-backoff-s",
+        type=float,
+        default=p.backoff_s,
+        help=f"the first restart's delay, doubled for a child that keeps crashing, to at least "
+        f"{p.backoff_max_s:g} s",
+    )
+    up_replicas.add_arguments(
+        parser.add_argument_group("replicas: a replicated control plane on etcd (docs/operations.md)")
     )
     add_shared_arguments(
         parser.add_argument_group("the orchestrator's recovery and tuning (as vllm-disagg orchestrator's)"),
@@ -423,6 +307,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             for _, name, _ in sim_timing_flags()
             if getattr(args, name) is not None
         ),
+        replicas=replica_set_from_args(args, admin_token_path(args.port).parent),
     )
     spec = _with_admin_token(spec, args.admin_token_file)
     spec.plans()
@@ -435,6 +320,17 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
         load_planner_config_file(args.planner_config)
     return spec
+
+
+def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
+    """The restart policy the flags describe (``ConfigError`` for values that cannot work)."""
+    backoff_s = args.restart_backoff_s
+    return RestartPolicy(
+        max_crashes=args.max_crashes,
+        window_s=args.crash_window_s,
+        backoff_s=backoff_s,
+        backoff_max_s=max(RestartPolicy().backoff_max_s, backoff_s),
+    )
 
 
 def with_keys(spec: ClusterSpec, directory: Path) -> ClusterSpec:
@@ -475,7 +371,71 @@ def with_model(spec: ClusterSpec) -> ClusterSpec:
     return replace(spec, model_path=str(built.path))
 
 
-async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) -> int:
+def _prepared(spec: ClusterSpec) -> ClusterSpec:
+    """Under ``up``'s state directory: the admin token written (unless given), the agents' keys made,
+    the embedded etcd's data directory emptied."""
+    if not spec.admin_token_file and not os.environ.get(ENV_ADMIN_TOKEN):
+        path = admin_token_path(spec.port)
+        spec = replace(spec, admin_token=write_admin_token(path), admin_token_file=str(path))
+    if spec.replicas and spec.replicas.embedded:
+        spec.replicas.embedded.reset()
+    return with_keys(spec, admin_token_path(spec.port).parent / "keys")
+
+
+def _say_endpoints(spec: ClusterSpec) -> None:
+    shape = f"vllm-disagg up: {spec.prefill}P{spec.decode}D, engine '{spec.engine}', model '{spec.model}'"
+    token = f"  admin token: {spec.admin_token_file or '$' + ENV_ADMIN_TOKEN}"
+    token += "  (vllm-disagg status --admin-token-file FILE)"
+    if spec.replicas is None:
+        base = spec.base_url
+        print(shape)
+        print(f"  gateway: {base}/v1/completions  {base}/v1/chat/completions")
+        print(f"  admin:   {base}/admin/v1/instances   metrics: {base}/metrics")
+        print(token)
+        print(f"  agents:  tcp://127.0.0.1:{spec.zmq_port}", flush=True)
+        return
+    print(f"{shape}, {spec.replicas.count} orchestrator replicas (cluster '{spec.replicas.cluster}')")
+    print("\n".join(spec.replicas.lines(spec.base_urls(), spec.zmq_endpoints())))
+    print(token, flush=True)
+
+
+def _say(line: str) -> None:
+    print(f"vllm-disagg up: {line}", flush=True)
+
+
+async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event, policy: RestartPolicy) -> int:
+    spec = _prepared(spec)
+    events = EventLog(spec.base_urls(), spec.admin_token)  # any replica: it hands notes to the leader
+    supervisor = Supervisor(
+        supervised_children(spec), policy, note=events.note, stop_grace_s=spec.stop_grace_s
+    )
+    leaders: asyncio.Future[None] | None = None
+    try:
+        try:
+            await supervisor.start()
+        except StartFailed as exc:
+            print(f"up: {exc}; stopping", file=sys.stderr, flush=True)
+            return 1
+        _say_endpoints(spec)
+        if spec.replicas:
+            leaders = asyncio.ensure_future(LeaderWatch(spec.base_urls(), spec.admin_token, _say).run())
+        return await _serve(spec, supervisor, ready_timeout_s, stop)
+    finally:
+        if leaders is not None:
+            leaders.cancel()
+            await asyncio.gather(leaders, return_exceptions=True)
+        await supervisor.stop()
+        await events.close()
+        print("vllm-disagg up: stopped", flush=True)
+
+
+async def _serve(
+    spec: ClusterSpec, supervisor: Supervisor, ready_timeout_s: float, stop: asyncio.Event
+) -> int:
+    """Say each instance as it becomes ready, then serve until ``stop`` or the supervisor's end; the
+    exit code. Crashed children come back (supervise.py); one given up on during start-up fails it, and
+    giving up on the orchestrator (on the last replica), or its leaving, ends ``up``. A dead agent
+    after start-up does not."""
     started = time.monotonic()
 
     def announce(item: dict[str, object]) -> None:
@@ -485,44 +445,26 @@ async def _up(spec: ClusterSpec, ready_timeout_s: float, stop: asyncio.Event) ->
             flush=True,
         )
 
-    if not spec.admin_token_file and not os.environ.get(ENV_ADMIN_TOKEN):
-        path = admin_token_path(spec.port)
-        spec = replace(spec, admin_token=write_admin_token(path), admin_token_file=str(path))
-    spec = with_keys(spec, admin_token_path(spec.port).parent / "keys")
-    cluster = LocalCluster(spec)
+    ended = asyncio.ensure_future(supervisor.ended.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    ready = asyncio.ensure_future(
+        wait_ready(spec, ready_timeout_s, announce, failed=lambda: bool(supervisor.left))
+    )
     try:
-        await cluster.start()
-        base = spec.base_url
-        print(f"vllm-disagg up: {spec.prefill}P{spec.decode}D, engine '{spec.engine}', model '{spec.model}'")
-        print(f"  gateway: {base}/v1/completions  {base}/v1/chat/completions")
-        print(f"  admin:   {base}/admin/v1/instances   metrics: {base}/metrics")
-        where = spec.admin_token_file or f"${ENV_ADMIN_TOKEN}"
-        print(f"  admin token: {where}  (vllm-disagg status --admin-token-file FILE)")
-        print(f"  agents:  tcp://127.0.0.1:{spec.zmq_port}", flush=True)
-        assert cluster.orchestrator is not None
-        # Without the orchestrator nothing is served: its exit ends ``up``. A dead agent does not.
-        exited = asyncio.ensure_future(cluster.orchestrator.wait())
-        stopped = asyncio.ensure_future(stop.wait())
-        ready = asyncio.ensure_future(cluster.wait_ready(ready_timeout_s, announce))
-        watch = asyncio.ensure_future(cluster.report_agent_exits())
-        try:
-            await asyncio.wait([ready, exited, stopped], return_when=asyncio.FIRST_COMPLETED)
-            if ready.done() and not ready.result() and not stop.is_set():
-                print("up: not all instances became ready; stopping", file=sys.stderr, flush=True)
-                return 1
-            if ready.done():
-                print(f"vllm-disagg up: all {len(cluster.plans)} instances ready; Ctrl-C stops", flush=True)
-                await asyncio.wait([exited, stopped], return_when=asyncio.FIRST_COMPLETED)
-            if exited.done() and not stop.is_set():
-                print(f"up: the orchestrator exited (code {exited.result()}); stopping", file=sys.stderr)
-                return 1
-            return 0
-        finally:
-            for task in (ready, exited, stopped, watch):
-                task.cancel()
+        await asyncio.wait([ready, ended, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if ready.done() and not ready.result() and not stop.is_set():
+            print("up: not all instances became ready; stopping", file=sys.stderr, flush=True)
+            return 1
+        if ready.done():
+            _say(f"all {len(spec.plans())} instances ready; Ctrl-C stops")
+            await asyncio.wait([ended, stopped], return_when=asyncio.FIRST_COMPLETED)
+        if supervisor.ended.is_set() and not stop.is_set():
+            print("up: stopping", file=sys.stderr, flush=True)  # the supervisor said why
+            return supervisor.end_code
+        return 0
     finally:
-        await cluster.stop()
-        print("vllm-disagg up: stopped", flush=True)
+        for task in (ready, ended, stopped):
+            task.cancel()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -533,5 +475,6 @@ def run(args: argparse.Namespace) -> int:
     except ModuleNotFoundError as exc:
         print(f"up: {exc.name} is not installed: run `make setup` (scripts/setup_engine.sh)", file=sys.stderr)
         return 1
+    policy = policy_from_args(args)
     ready_timeout_s = args.ready_timeout_s or READY_TIMEOUTS_S[spec.engine]
-    return run_service(lambda stop: _up(spec, ready_timeout_s, stop))
+    return run_service(lambda stop: _up(spec, ready_timeout_s, stop, policy))

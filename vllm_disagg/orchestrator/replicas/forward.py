@@ -15,7 +15,7 @@ from __future__ import annotations
 import aiohttp
 from aiohttp import web
 
-from vllm_disagg.errors import NotLeader, OrchestratorUnreachable
+from vllm_disagg.errors import NotLeader
 from vllm_disagg.orchestrator.replicas.replica import Replication
 
 FORWARDED_BY = "X-Vllm-Disagg-Forwarded-By"  # set on a forwarded request: the replica that forwarded it
@@ -64,8 +64,10 @@ class LeaderForwarder:
                     status=answer.status, body=body, headers={**kept, LEADER: card.replica_id}
                 )
         except (aiohttp.ClientError, OSError) as exc:
-            raise OrchestratorUnreachable(
-                f"{what}: the leader {card.replica_id!r} at {card.admin} did not answer: {exc}"
+            # A leader that died holds its lease until it expires; the caller tries again after that.
+            raise NotLeader(
+                f"{what}: the leader {card.replica_id!r} at {card.admin} did not answer ({exc}); "
+                "another replica leads once its lease expires: try again"
             ) from None
 
     async def close(self) -> None:
