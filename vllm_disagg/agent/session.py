@@ -43,6 +43,7 @@ from vllm_disagg.protocol.commands import (
     peer_public_key,
 )
 from vllm_disagg.protocol.messages import (
+    HELLO_BACKOFF_MAX_S,
     MEDIUM_GPU,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
@@ -68,7 +69,6 @@ from vllm_disagg.protocol.transport import DealerTransport
 log = logging.getLogger(__name__)
 
 HELLO_BACKOFF_START_S = 0.1
-HELLO_BACKOFF_MAX_S = 2.0
 # Refusals that mean "I do not know you": the orchestrator restarted or dropped us. Say Hello again.
 REHELLO_CODES = frozenset({"unknown_agent", "not_registered"})
 EXIT_OK = 0

@@ -205,6 +205,7 @@ class LeaseHolder:
         self._name = name
         self._stopped = False
         self._term: asyncio.Task[None] | None = None
+        self._unrevoked: list[int] = []  # lost leases etcd could not be told of yet (``_forget``)
         self.lease: KeptLease | None = None  # the lease of the current term, None before the first grant
 
     @property
@@ -256,17 +257,31 @@ class LeaseHolder:
         self._report(True)
         self.lease = lease
         backoff.reset()
+        await self._revoke_unrevoked()
         reason = await lease.hold(self._work(lease.lease_id), self._on_lost)
         log.warning("%s: lost etcd lease %x: %s", self._name, lease.lease_id, reason)
         await self._forget(lease.lease_id)
 
     async def _forget(self, lease_id: int) -> None:
-        """Revoke a lease we stopped trusting: whatever still hangs on it goes now, not at its expiry."""
+        """Revoke a lease we stopped trusting: whatever still hangs on it goes now, not at its expiry.
+        One that cannot be revoked now (etcd away) is revoked once etcd answers again: a restarted etcd
+        gives every lease a fresh TTL, and a leader key on it would name a leader that does not lead."""
         try:
             await self._client.revoke(lease_id)
         except EtcdError as exc:
             self._report(False)
-            log.info("%s: could not revoke lost lease %x (it will expire): %s", self._name, lease_id, exc)
+            self._unrevoked.append(lease_id)
+            log.info("%s: could not revoke lost lease %x yet: %s", self._name, lease_id, exc)
+
+    async def _revoke_unrevoked(self) -> None:
+        """Revoke the lost leases etcd could not be told of before (see ``_forget``)."""
+        left = []
+        for lease_id in self._unrevoked:
+            try:
+                await self._client.revoke(lease_id)
+            except EtcdError:
+                left.append(lease_id)
+        self._unrevoked = left
 
 
 Unwatch = Callable[[], None]

@@ -53,6 +53,7 @@ from vllm_disagg.orchestrator.state.health import BreakerPolicy
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.orchestrator.state.leadership import Leadership, LeaderView
 from vllm_disagg.orchestrator.state.registry import Registry
+from vllm_disagg.protocol.messages import HELLO_BACKOFF_MAX_S
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +369,7 @@ def _application(
         replicas=replication.describe if replication is not None else None,
         forward=forwarder,
         intent=replication.intent if replication is not None else None,
+        start_grace_s=config.heartbeat_timeout_s + HELLO_BACKOFF_MAX_S if replication is not None else 0.0,
     )
     _add_admin(app, admin, config)
     app.cleanup_ctx.append(_control_ctx)

@@ -63,6 +63,9 @@ ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 ENGINE_STATES: tuple[EngineState, ...] = ("starting", "ready", "unhealthy", "restarting", "stopped")
 # Command kinds an agent knows from this minor on: never sent to an agent of an older one.
 COMMAND_SINCE_MINOR: Mapping[CommandKind, int] = MappingProxyType({"kv_grant": 3, "kv_fetch": 3})
+# An agent says Hello again after 0.1 s doubling to this (jittered): what an orchestrator that has just
+# started waits, at most, to hear from every agent (a replica's readiness, /health/ready).
+HELLO_BACKOFF_MAX_S = 2.0
 AGENT_ID = re.compile(r"[A-Za-z0-9_.-]{1,128}")  # what the tools choose and the admin API accepts
 
 

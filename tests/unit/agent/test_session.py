@@ -15,7 +15,6 @@ import pytest
 
 from vllm_disagg.agent.session import (
     EXIT_REFUSED,
-    HELLO_BACKOFF_MAX_S,
     AgentSession,
     RoleSwitch,
     SessionEnd,
@@ -23,6 +22,7 @@ from vllm_disagg.agent.session import (
 )
 from vllm_disagg.protocol.commands import SetRole
 from vllm_disagg.protocol.messages import (
+    HELLO_BACKOFF_MAX_S,
     PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     RESTART_REQUIRED,

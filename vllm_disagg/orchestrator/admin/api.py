@@ -91,8 +91,13 @@ class Admin:
         replicas: Callable[[], dict[str, Any]] | None = None,
         forward: Forward | None = None,
         intent: IntentRecorder | None = None,
+        start_grace_s: float = 0.0,
     ) -> None:
         self._intent = intent  # replicas: operators' word goes to etcd before it is acted on
+        # A replica is not ready before every agent has had the time to say Hello to it (the longest
+        # Hello backoff, 2 s, past a heartbeat timeout), lest it route on part of the cluster.
+        self._started = clock.monotonic()
+        self._start_grace_s = start_grace_s
         self._rollouts = rollouts
         # A replica of many (orchestrator/replicas): how it sees them, and who does its writes.
         self._replicas = replicas
@@ -139,16 +144,20 @@ class Admin:
 
     async def ready(self, request: web.Request) -> web.Response:
         """``GET /health/ready``: 200 when this orchestrator can route (a readiness probe): it knows a
-        ready decode-capable instance, or, as a replica, a leader exists. 503 with the reason otherwise."""
+        ready decode-capable instance, and, as a replica, has run long enough for every agent to have
+        said Hello to it (``start_grace_s``), so it knows what its peers know. 503 with the reason
+        otherwise."""
         snap = self._registry.snapshot()
         decode = sum(1 for v in snap.instances if v.state == "ready" and v.info.role in DECODE_ROLES)
-        leader = None if self._replicas is None else (self._replicas()["leader"] or "")
         body: dict[str, Any] = {"ready_decode": decode}
-        if leader is not None:
-            body["leader"] = leader
-        if decode or leader:
+        reason = "" if decode else "no ready decode-capable instance"
+        if self._replicas is not None:
+            body["leader"] = self._replicas()["leader"] or ""
+            starting = self._start_grace_s - (self._clock.monotonic() - self._started)
+            if starting > 0 and not reason:
+                reason = f"starting: agents have {starting:.1f} s more to say Hello to this replica"
+        if not reason:
             return json_response({"status": "ok", **body})
-        reason = "no ready decode-capable instance" + (" and no leader" if leader is not None else "")
         return json_response({"status": "unavailable", "reason": reason, **body}, status=503)
 
     async def replicas(self, request: web.Request) -> web.Response:

@@ -39,14 +39,15 @@ class LeaderForwarder:
         if replication.leadership.is_leader:
             return None
         what = f"{request.method} {request.path}"
+        why = replication.leadership.view.paused
         if FORWARDED_BY in request.headers:
             raise NotLeader(
                 f"{what} was forwarded here by {request.headers[FORWARDED_BY]!r}, but this replica "
-                f"({replication.replica_id}) no longer leads; try again"
+                f"({replication.replica_id}) no longer leads{f' ({why})' if why else ''}; try again"
             )
         card = replication.leader_card()
         if card is None or not card.admin:
-            raise NotLeader(f"{what}: no replica leads now (an election, or etcd unreachable); try again")
+            raise NotLeader(f"{what}: no replica leads now ({why or 'an election is under way'}); try again")
         headers = {name: request.headers[name] for name in _PASSED if name in request.headers}
         headers[FORWARDED_BY] = replication.replica_id
         if self._session is None:

@@ -233,6 +233,8 @@ class Replication:
         election = self._election
         if election is None or election.leader is None or election.is_leader:
             return None
+        if election.leader.replica_id == self.replica_id:
+            return None  # a key of ours on a lease we lost (etcd came back): nobody to forward to
         return Card.decode(election.leader.replica_id, election.leader.value)
 
     def describe(self) -> dict[str, Any]:

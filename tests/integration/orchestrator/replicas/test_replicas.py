@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -19,7 +20,7 @@ from tests.integration.orchestrator.replicas.support import Replicas, join_every
 from tests.integration.orchestrator_support import MODEL, fake_engine, sample, scrape
 from vllm_disagg.cli.commands import main
 from vllm_disagg.errors import NotLeader
-from vllm_disagg.orchestrator.app import CONTROL_KEY, REPLICATION_KEY
+from vllm_disagg.orchestrator.app import CONTROL_KEY, REPLICATION_KEY, OrchestratorServer
 from vllm_disagg.orchestrator.replicas.forward import LEADER
 from vllm_disagg.protocol.commands import Drain
 
@@ -48,8 +49,15 @@ async def test_one_replica_leads_and_every_replica_says_which_and_routes(
                 f"{server.url}/v1/completions", json={"model": MODEL, "prompt": "hi"}
             ) as resp:
                 assert resp.status == 200, await resp.text()
-            async with http.get(f"{server.url}/health/ready") as resp:
-                assert resp.status == 200 and (await resp.json())["leader"] == leader_id
+
+            async def ready(s: OrchestratorServer = server) -> dict[str, Any] | None:
+                # Ready once it knows a decode instance and every agent had the time to say Hello.
+                async with http.get(f"{s.url}/health/ready") as resp:
+                    body: dict[str, Any] = await resp.json()
+                    assert resp.status == 200 or body["reason"].startswith("starting: agents have"), body
+                    return body if resp.status == 200 else None
+
+            assert (await eventually(ready, what="ready"))["leader"] == leader_id
         for agent in agents:
             await agent.close()
 
