@@ -15,7 +15,10 @@ import signal
 import subprocess
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import free_ports
 from vllm_disagg.runtime import die_with_parent
@@ -168,3 +171,17 @@ class EtcdServer:
             return self.log_path.read_text(errors="replace")[-limit:]
         except OSError:
             return "(no log)"
+
+
+def running_etcd(data_dir: Path) -> Iterator[EtcdServer]:
+    """A started ``EtcdServer`` in ``data_dir``, killed afterwards: the body of every test's ``etcd``
+    fixture. Fails (not skips) when the binary is missing: these tests are part of every run."""
+    try:
+        server = EtcdServer(data_dir)
+    except EtcdMissing as exc:
+        pytest.fail(str(exc), pytrace=False)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

@@ -1,12 +1,14 @@
 """``vllm-disagg chaos`` end to end, in-process through ``main(argv)``: a real 2P2D cluster of simulated
 engines (orchestrator, agents, engines as processes on loopback) under streaming load for 25 s, an
-engine or an agent SIGKILLed every 5 s, every response checked byte for byte."""
+engine or an agent SIGKILLed every 5 s, every response checked byte for byte; and a 1P1D cluster behind
+three orchestrator replicas on a local etcd (``--replicas 3``), a replica or an engine SIGKILLed."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import json
+import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +39,11 @@ QUIET = [
     "--duration",
     "5",
 ]
+# Seed 2 draws a replica first, then engines: a replica kill (and its recovery) within the run.
+REPLICATED = [
+    "chaos", "--prefill", "2", "--decode", "2", "--replicas", "3", "--kinds", "replica,engine",
+    "--concurrency", "12", "--kill-every", "5", "--duration", "16", "--seed", "2", "--json",
+]  # fmt: skip
 FIELDS = {"sent", "completed", "failed", "garbled", "resumed", "fell_back", "retried", "duration_s", "rps"}
 
 
@@ -121,3 +128,34 @@ def test_without_faults_every_response_is_byte_exact_and_the_exit_code_is_0(tmp_
     assert r["faults"] == [] and r["sent"] > 0
     assert (r["completed"], r["failed"], r["garbled"]) == (r["sent"], 0, 0), r["examples"]
     assert run.code == 0
+
+
+def test_with_replicas_killed_too_no_request_on_a_live_replica_fails_and_none_is_garbled(
+    tmp_path: Path,
+) -> None:
+    run = run_chaos([*REPLICATED, "--log-file", str(tmp_path / "cluster.log")])
+    r = run.report
+    assert r["replicas"] == 3 and len(r["config"]["gateways"]) == 3 and r["sent"] > 0
+    killed = [f for f in r["faults"] if f["kind"] == "replica"]
+    assert killed and {f["target"] for f in killed} <= {"r0", "r1", "r2"}, r["faults"]
+    for f in killed:
+        assert f["error"] == "" and f["recovered_s"] is not None and f["new_pid"] not in (None, f["pid"]), f
+    assert r["failed"] == r["failed_on_killed_replicas"] + r["failed_on_live_replicas"]
+    assert (r["failed_on_live_replicas"], r["garbled"]) == (0, 0), r["examples"]
+    assert run.code == 0
+    # The load went to every replica, and the killed ones served again after their recovery.
+    assert set(r["per_replica"]) == {"r0", "r1", "r2"}
+    assert all(counts.get("completed", 0) > 0 for counts in r["per_replica"].values()), r["per_replica"]
+    eventually_sync(
+        lambda: not engine_pids(r["config"]["engine_ports"]), timeout=30, what="no agent or engine left"
+    )
+    assert not any(alive(f["new_pid"]) for f in killed)
+    listeners = [r["config"]["etcd"], *r["config"]["gateways"]]  # etcd and every replica stopped too
+    eventually_sync(lambda: not any(map(_listening, listeners)), timeout=30, what="nothing listening")
+
+
+def _listening(url: str) -> bool:
+    """Whether something accepts connections at ``url``'s port on loopback (a closed port refuses them;
+    binding it could fail for a while after, on its connections in TIME_WAIT)."""
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", int(url.rsplit(":", 1)[1]))) == 0

@@ -1,8 +1,10 @@
-"""``vllm-disagg chaos``: a local simulated cluster under streaming load, a random engine or agent
-SIGKILLed every interval and brought back, every response checked byte for byte. See docs/chaos.md.
+"""``vllm-disagg chaos``: a local simulated cluster under streaming load, a random engine or agent (with
+``--replicas N``: or orchestrator replica, on a local etcd) SIGKILLed every interval and brought back,
+every response checked byte for byte. See docs/chaos.md.
 
 Everything runs on loopback: the cluster's processes, the load, the kills. Exit code 0 when no request
-failed and none was garbled, 1 otherwise (or when nothing could be checked).
+failed (with replicas: none on a live replica) and none was garbled, 1 otherwise (or when nothing could
+be checked).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -26,10 +29,12 @@ import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.chaos.check import Checker
+from vllm_disagg.chaos.etcd import LocalEtcd, etcd_binary
 from vllm_disagg.chaos.killer import FAULT_KINDS, FaultInjector, FaultKind
 from vllm_disagg.chaos.load import LoadConfig, LoadGenerator, RequestPlanner, Tally
-from vllm_disagg.chaos.report import RECOVERY_COUNTERS, ChaosReport, recovery_counters
-from vllm_disagg.cli.up import ClusterSpec, LocalCluster, with_keys
+from vllm_disagg.chaos.replicas import ReplicaSet, low_ports
+from vllm_disagg.chaos.report import ChaosReport, counter_growth, recovery_counters
+from vllm_disagg.cli.up import ClusterSpec, LocalCluster, stop_processes, with_keys
 from vllm_disagg.config import SimTiming, add_sim_timing_arguments, sim_timing_flags, sim_timing_from_args
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.runtime import die_with_parent, run_service
@@ -58,7 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-requests", type=int, default=1_000_000, help="stop sending after this many")
     parser.add_argument("--kill-every", type=float, default=5.0, help="seconds between faults; 0: none")
     parser.add_argument(
-        "--kinds", default="engine,agent", help="what may be killed, comma-separated: engine, agent"
+        "--kinds",
+        default=None,
+        help="what may be killed, comma-separated: engine, agent, replica (default: engine,agent; "
+        "with --replicas: engine,agent,replica)",
+    )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        help="orchestrator replicas on a local etcd (0: one orchestrator, no etcd; else at least 2)",
+    )
+    parser.add_argument(
+        "--lease-ttl-s", type=int, default=2, help="with --replicas: the leader's etcd lease (2..60 s)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the requests and the faults")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
@@ -90,13 +107,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(**{name: getattr(CHAOS_TIMING, name) for _, name, _ in sim_timing_flags()})
 
 
-def _kinds(text: str) -> tuple[FaultKind, ...]:
+def _kinds(args: argparse.Namespace) -> tuple[FaultKind, ...]:
+    text = args.kinds or ("engine,agent,replica" if args.replicas else "engine,agent")
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     found = [k for k in FAULT_KINDS if k in kinds]
     if not found or len(found) != len(kinds):
         raise ConfigError(
             f"--kinds must be a comma-separated subset of {','.join(FAULT_KINDS)}, got {text!r}"
         )
+    if "replica" in found and not args.replicas:
+        raise ConfigError("--kinds replica needs --replicas N")
     return tuple(found)
 
 
@@ -112,7 +132,15 @@ def _validate(args: argparse.Namespace) -> None:
     for name in ("stream_fraction", "chat_fraction"):
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be within 0..1")
-    _kinds(args.kinds)
+    _kinds(args)
+    if args.replicas == 1 or args.replicas < 0:
+        raise ConfigError(
+            f"--replicas must be 0 (one orchestrator, no etcd) or at least 2, got {args.replicas}"
+        )
+    if args.replicas:
+        if not 2 <= args.lease_ttl_s <= 60:
+            raise ConfigError(f"--lease-ttl-s must be within 2..60, got {args.lease_ttl_s}")
+        etcd_binary()  # refuses a machine without etcd before anything starts
     sim_timing_from_args(args)  # refuses a timing the engines would refuse
     ClusterSpec(engine="sim", prefill=args.prefill, decode=args.decode).plans()
 
@@ -192,8 +220,9 @@ class _Logged:
 
 
 def _progress(t: float, tally: Tally, load: LoadGenerator, injector: FaultInjector) -> None:
+    killed = f" (on killed replicas {tally.failed_on_killed_replicas})" if load.replicated else ""
     print(
-        f"chaos: t={t:6.1f}s sent={tally.sent} completed={tally.completed} failed={tally.failed} "
+        f"chaos: t={t:6.1f}s sent={tally.sent} completed={tally.completed} failed={tally.failed}{killed} "
         f"garbled={tally.garbled} in_flight={load.in_flight} faults={len(injector.faults)}",
         file=sys.stderr,
         flush=True,
@@ -206,8 +235,18 @@ async def _every(period_s: float, tick: Callable[[], None]) -> None:
         tick()
 
 
-async def _ready(cluster: LocalCluster, timeout_s: float, stop: asyncio.Event) -> bool:
-    ready = asyncio.ensure_future(cluster.wait_ready(timeout_s))
+async def _ready(
+    cluster: LocalCluster, replicas: ReplicaSet | None, timeout_s: float, stop: asyncio.Event
+) -> bool:
+    if replicas is None:
+        ready = asyncio.ensure_future(cluster.wait_ready(timeout_s))
+    else:
+        agents = [p.agent_id for p in cluster.plans]
+
+        def gone() -> bool:
+            return replicas.exited() or any(a.returncode is not None for a in cluster.agents.values())
+
+        ready = asyncio.ensure_future(replicas.wait_ready(agents, timeout_s, gone))
     stopped = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait([ready, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -217,36 +256,71 @@ async def _ready(cluster: LocalCluster, timeout_s: float, stop: asyncio.Event) -
         stopped.cancel()
 
 
+def _replicated(args: argparse.Namespace, spec: ClusterSpec, log: IO[bytes]) -> tuple[LocalEtcd, ReplicaSet]:
+    """A local etcd and ``--replicas`` replicas on it, on ports the cluster does not use."""
+    taken = {spec.port, spec.zmq_port}
+    taken |= {p.engine_port + off for p in spec.plans() for off in (0, KV_EVENTS_PORT_OFFSET)}
+    client, peer = low_ports(2, taken)
+    etcd = LocalEtcd(client, peer, log)
+    name = f"chaos-{uuid.uuid4().hex[:8]}"
+    return etcd, ReplicaSet(spec, args.replicas, etcd.url, args.lease_ttl_s, taken, name)
+
+
 async def chaos(
     args: argparse.Namespace, stop: asyncio.Event, log: IO[bytes], log_path: str
 ) -> ChaosReport | None:
     """Start the cluster, run load and faults, stop the cluster; the report (None if it never got ready)."""
     keys = tempfile.mkdtemp(prefix="vllm-disagg-chaos-keys-")  # agents authenticate, as with ``up``
     spec = with_keys(cluster_spec(args), Path(keys))
+    etcd, replicas = _replicated(args, spec, log) if args.replicas else (None, None)
+    if replicas is not None:  # the gateway the report names: the first replica's
+        spec = replace(spec, port=replicas.plans[0].port, zmq_port=replicas.plans[0].zmq_port)
     cluster = LocalCluster(spec)
     spawn = _Logged(log)
     started_at = time.monotonic()
     try:
-        await _spawn_cluster(cluster, spec, spawn)
-        if not await _ready(cluster, args.ready_timeout_s, stop):
+        up = etcd is None or await etcd.start(args.ready_timeout_s)
+        if up:
+            await _spawn_cluster(cluster, spec, spawn, replicas)
+        if not up or not await _ready(cluster, replicas, args.ready_timeout_s, stop):
             if not stop.is_set():
                 print(f"chaos: the cluster did not become ready (log: {log_path})", file=sys.stderr)
             return None
         _announce(args, spec, time.monotonic() - started_at, log_path)
         tally = Tally(max_examples=args.examples)
-        load = _load(args, spec, tally)
+        load = _load(args, spec, tally, replicas)
         injector = FaultInjector(
             cluster,
             spawn,
             every_s=args.kill_every,
             seed=args.seed,
-            kinds=_kinds(args.kinds),
+            kinds=_kinds(args),
             recovery_timeout_s=args.recovery_timeout_s,
+            replicas=replicas,
         )
-        duration, deltas = await _load_under_faults(args, spec.base_url, load, tally, injector, stop)
+        urls = replicas.urls if replicas is not None else [spec.base_url]
+        duration, deltas = await _load_under_faults(args, urls, load, injector, stop)
     finally:
         await cluster.stop()
+        if replicas is not None:
+            await replicas.stop(stop_processes)
+        if etcd is not None:
+            await etcd.stop()
         shutil.rmtree(keys, ignore_errors=True)
+    return _report(args, spec, cluster, tally, injector, duration, deltas, log_path, replicas)
+
+
+def _report(
+    args: argparse.Namespace,
+    spec: ClusterSpec,
+    cluster: LocalCluster,
+    tally: Tally,
+    injector: FaultInjector,
+    duration: float,
+    deltas: dict[str, int],
+    log_path: str,
+    replicas: ReplicaSet | None,
+) -> ChaosReport:
     return ChaosReport(
         sent=tally.sent,
         completed=tally.completed,
@@ -261,23 +335,38 @@ async def chaos(
             **_config(args),
             "gateway": spec.base_url,
             "engine_ports": [p.engine_port for p in cluster.plans],
+            **({"gateways": replicas.urls, "etcd": replicas.etcd_url} if replicas is not None else {}),
         },
         log_file=log_path,
+        replicas=args.replicas,
+        failed_on_killed_replicas=tally.failed_on_killed_replicas,
+        per_replica={
+            replicas.plans[i].replica_id: counts for i, counts in sorted(tally.per_replica.items()) if i >= 0
+        }
+        if replicas is not None
+        else {},
         **deltas,
     )
 
 
-async def _spawn_cluster(cluster: LocalCluster, spec: ClusterSpec, spawn: _Logged) -> None:
-    """Start the orchestrator, then every agent (each starts its engine)."""
-    cluster.orchestrator = await spawn(spec.orchestrator_argv(), env=spec.orchestrator_env())
+async def _spawn_cluster(
+    cluster: LocalCluster, spec: ClusterSpec, spawn: _Logged, replicas: ReplicaSet | None
+) -> None:
+    """Start the orchestrator (or every replica), then every agent (each starts its engine)."""
+    if replicas is None:
+        cluster.orchestrator = await spawn(spec.orchestrator_argv(), env=spec.orchestrator_env())
+    else:
+        await replicas.start(spawn)
     for plan in cluster.plans:
-        cluster.agents[plan.agent_id] = await spawn(spec.agent_argv(plan))
+        argv = spec.agent_argv(plan) if replicas is None else replicas.agent_argv(plan)
+        cluster.agents[plan.agent_id] = await spawn(argv)
 
 
 def _announce(args: argparse.Namespace, spec: ClusterSpec, ready_s: float, log_path: str) -> None:
     """Say on stderr that the cluster is ready and what the run will do to it."""
+    replicas = f" x {args.replicas} replicas" if args.replicas else ""
     print(
-        f"chaos: {spec.prefill}P{spec.decode}D ready in {ready_s:.1f} s at "
+        f"chaos: {spec.prefill}P{spec.decode}D{replicas} ready in {ready_s:.1f} s at "
         f"{spec.base_url}; {args.duration:g} s of load, concurrency {args.concurrency}, "
         + (f"a fault every {args.kill_every:g} s" if args.kill_every else "no faults")
         + f" (log: {log_path})",
@@ -286,8 +375,11 @@ def _announce(args: argparse.Namespace, spec: ClusterSpec, ready_s: float, log_p
     )
 
 
-def _load(args: argparse.Namespace, spec: ClusterSpec, tally: Tally) -> LoadGenerator:
-    """The load the flags describe, its responses checked and counted in ``tally``."""
+def _load(
+    args: argparse.Namespace, spec: ClusterSpec, tally: Tally, replicas: ReplicaSet | None
+) -> LoadGenerator:
+    """The load the flags describe, its responses checked and counted in ``tally``; with replicas,
+    spread over them in the rotation their killer keeps."""
     planner = RequestPlanner(
         random.Random(f"{args.seed}/load"),
         uuid.uuid4().hex[:8],
@@ -297,26 +389,33 @@ def _load(args: argparse.Namespace, spec: ClusterSpec, tally: Tally) -> LoadGene
         chat_fraction=args.chat_fraction,
     )
     load_cfg = LoadConfig(
-        spec.base_url, MODEL, args.concurrency, args.duration, args.max_requests, args.request_timeout_s
+        spec.base_url,
+        MODEL,
+        args.concurrency,
+        args.duration,
+        args.max_requests,
+        args.request_timeout_s,
+        replica_urls=tuple(replicas.urls) if replicas is not None else (),
     )
-    return LoadGenerator(load_cfg, planner, Checker(MODEL), tally)
+    targets = replicas.targets if replicas is not None else None
+    return LoadGenerator(load_cfg, planner, Checker(MODEL), tally, targets)
 
 
 async def _load_under_faults(
     args: argparse.Namespace,
-    base_url: str,
+    urls: list[str],
     load: LoadGenerator,
-    tally: Tally,
     injector: FaultInjector,
     stop: asyncio.Event,
 ) -> tuple[float, dict[str, int]]:
-    """Run the load under faults, let every victim come back; the load's seconds, each counter's growth."""
+    """Run the load under faults, let every victim come back; the load's seconds, each counter's growth
+    (summed over the orchestrators: one, or every replica)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
-        before = await recovery_counters(http, base_url)
+        before = [await recovery_counters(http, url) for url in urls]
         started = time.monotonic()
         killing = asyncio.ensure_future(injector.run(started, started + args.duration, stop))
         progress = asyncio.ensure_future(
-            _every(args.progress_s, lambda: _progress(time.monotonic() - started, tally, load, injector))
+            _every(args.progress_s, lambda: _progress(time.monotonic() - started, load.tally, load, injector))
         )
         try:
             duration = await load.run(stop)
@@ -329,16 +428,19 @@ async def _load_under_faults(
             await injector.cancel()
         else:
             await injector.settle()  # every victim back (or its recovery timed out)
-        after = await recovery_counters(http, base_url)
-    return duration, {name: int(after[metric] - before[metric]) for name, metric in RECOVERY_COUNTERS.items()}
+        after = [await recovery_counters(http, url) for url in urls]
+    return duration, counter_growth(before, after)
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     keys = (
-        "prefill", "decode", "concurrency", "duration", "max_requests", "kill_every", "kinds", "seed",
-        "min_tokens", "max_tokens", "stream_fraction", "chat_fraction", "heartbeat_timeout_s",
+        "prefill", "decode", "concurrency", "duration", "max_requests", "kill_every", "seed",
+        "min_tokens", "max_tokens", "stream_fraction", "chat_fraction", "heartbeat_timeout_s", "replicas",
     )  # fmt: skip
     config = {k: getattr(args, k) for k in keys}
+    config["kinds"] = ",".join(_kinds(args))
+    if args.replicas:
+        config["lease_ttl_s"] = args.lease_ttl_s
     config["sim_timing"] = {name: getattr(args, name) for _, name, _ in sim_timing_flags()}
     return config
 

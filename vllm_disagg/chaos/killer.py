@@ -1,11 +1,13 @@
-"""The fault injector: every interval, SIGKILL a random engine or agent of the cluster and watch the
-victim come back.
+"""The fault injector: every interval, SIGKILL a random engine, agent or (``--replicas``) orchestrator
+replica of the cluster and watch the victim come back.
 
 An engine is killed by SIGKILL to its process (it leads its own group); its agent notices and starts
 a new one. An agent is killed by SIGKILL; the kernel then stops its engine (``PR_SET_PDEATHSIG``) and
 this harness, playing the part of a process supervisor, starts the agent again with the same command
 line once the old engine is gone (so the ports are free). Only instances that are ready and not
-still recovering from an earlier fault are picked, so faults do not pile up on one instance.
+still recovering from an earlier fault are picked, so faults do not pile up on one instance. A replica
+(``replicas.py``) is SIGKILLed and started again by the harness too; while one recovers no other fault
+is injected, and a replica is hit only while no other fault recovers, so a majority always serves.
 """
 
 from __future__ import annotations
@@ -23,12 +25,13 @@ from typing import Any, Literal
 
 import aiohttp
 
-from vllm_disagg.cli.up import LocalCluster, fetch_instances
+from vllm_disagg.chaos.replicas import ReplicaSet
+from vllm_disagg.cli.up import InstancePlan, LocalCluster, fetch_instances
 from vllm_disagg.runtime import signal_group
 
-FaultKind = Literal["engine", "agent"]
-FAULT_KINDS: tuple[FaultKind, ...] = ("engine", "agent")
-Spawn = Callable[[list[str]], Awaitable[asyncio.subprocess.Process]]
+FaultKind = Literal["engine", "agent", "replica"]
+FAULT_KINDS: tuple[FaultKind, ...] = ("engine", "agent", "replica")
+Spawn = Callable[..., Awaitable[asyncio.subprocess.Process]]  # (argv, env=None)
 _POLL_S = 0.1
 _GONE_TIMEOUT_S = 10.0  # a killed agent's engine, stopping on SIGTERM, before it is SIGKILLed
 
@@ -39,7 +42,7 @@ class Fault:
 
     at_s: float  # since the load started
     kind: FaultKind
-    target: str  # agent id of the instance hit
+    target: str  # agent id of the instance hit, or the replica's id
     pid: int  # the process killed
     new_pid: int | None = None  # its replacement (a new engine, or the restarted agent)
     recovered_s: float | None = None  # from the kill until the instance was ready again
@@ -93,12 +96,16 @@ class FaultInjector:
         *,
         every_s: float,
         seed: int,
-        kinds: Sequence[FaultKind] = FAULT_KINDS,
+        kinds: Sequence[FaultKind] = ("engine", "agent"),
         recovery_timeout_s: float = 30.0,
+        replicas: ReplicaSet | None = None,
     ) -> None:
         if not kinds or any(k not in FAULT_KINDS for k in kinds):
             raise ValueError(f"fault kinds must be among {FAULT_KINDS}, got {kinds}")
+        if "replica" in kinds and replicas is None:
+            raise ValueError("replica faults need replicas")
         self.cluster = cluster
+        self.replicas = replicas
         self._spawn = spawn
         self.every_s = every_s
         # Separate streams: the kinds drawn do not depend on how many instances happened to be ready.
@@ -127,8 +134,12 @@ class FaultInjector:
                     await asyncio.wait_for(stop.wait(), timeout=max(0.0, at - time.monotonic()))
                 if stop.is_set():
                     return
-                spec = self.cluster.spec
-                instances = await fetch_instances(http, spec.base_url, spec.admin_token) or []
+                kind = self._kind_rng.choice(self.kinds)
+                if kind == "replica":
+                    self._strike_replica()
+                    continue
+                url = self._admin_url()
+                instances = await fetch_instances(http, url, self.cluster.spec.admin_token) or []
                 fit = sorted(
                     str(i["agent_id"])
                     for i in instances
@@ -136,15 +147,47 @@ class FaultInjector:
                     and i.get("agent_id") in self._plans
                     and i.get("agent_id") not in self._recovering
                 )
-                kind = self._kind_rng.choice(self.kinds)
-                if not fit:
+                if not fit or (self.replicas is not None and self.replicas.recovering):
                     self.skipped += 1
                     continue
                 target = self._target_rng.choice(fit)
                 session = next((i.get("session") for i in instances if i.get("agent_id") == target), None)
-                self._strike(kind, target, session)
+                self._strike(kind, target, session, url)
 
-    def _strike(self, kind: FaultKind, target: str, session: object) -> None:
+    def _admin_url(self) -> str:
+        """Where the admin API is asked: the orchestrator, or a replica in the load's rotation."""
+        return self.replicas.admin_url() if self.replicas is not None else self.cluster.spec.base_url
+
+    def _agent_argv(self, plan: InstancePlan) -> list[str]:
+        return (
+            self.replicas.agent_argv(plan)
+            if self.replicas is not None
+            else self.cluster.spec.agent_argv(plan)
+        )
+
+    def _strike_replica(self) -> None:
+        """SIGKILL a replica, only while no other fault recovers (a majority always serves)."""
+        replicas = self.replicas
+        assert replicas is not None
+        fit = [] if self._recovering or replicas.recovering else replicas.targets.in_rotation
+        if not fit:
+            self.skipped += 1
+            return
+        index = self._target_rng.choice(fit)
+        at_s = round(time.monotonic() - self._started, 3)
+        target = replicas.plans[index].replica_id
+        fault = Fault(at_s, "replica", target, replicas.kill(index))
+        self.faults.append(fault)
+        self._recovering.add(target)
+        agents = list(self._plans)
+        watch = self._replica_back(fault, index, agents)
+        self._watchers.append(asyncio.ensure_future(self._watch(fault, watch)))
+
+    async def _replica_back(self, fault: Fault, index: int, agents: list[str]) -> None:
+        assert self.replicas is not None
+        fault.new_pid = await self.replicas.bring_back(index, self._spawn, agents)
+
+    def _strike(self, kind: FaultKind, target: str, session: object, url: str) -> None:
         agent = self.cluster.agents[target]
         port = self._plans[target].engine_port
         engine = engine_pid(agent.pid, port)
@@ -156,12 +199,12 @@ class FaultInjector:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(engine, signal.SIGKILL)
             fault = Fault(at_s, kind, target, engine)
-            watch = self._engine_back(fault, agent.pid, port)
+            watch = self._engine_back(fault, agent.pid, port, url)
         else:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(agent.pid, signal.SIGKILL)
             fault = Fault(at_s, kind, target, agent.pid)
-            watch = self._agent_back(fault, agent, engine, session)
+            watch = self._agent_back(fault, agent, engine, session, url)
         self.faults.append(fault)
         self._recovering.add(target)
         self._watchers.append(asyncio.ensure_future(self._watch(fault, watch)))
@@ -176,7 +219,7 @@ class FaultInjector:
         finally:
             self._recovering.discard(fault.target)
 
-    async def _engine_back(self, fault: Fault, agent_pid: int, port: int) -> None:
+    async def _engine_back(self, fault: Fault, agent_pid: int, port: int, url: str) -> None:
         """Until the agent runs a new engine that answers /health and the instance is ready."""
 
         async def back(http: aiohttp.ClientSession) -> bool:
@@ -185,14 +228,14 @@ class FaultInjector:
                 return False
             fault.new_pid = new
             return await _healthy(http, f"http://127.0.0.1:{port}/health") and await self._ready(
-                http, fault.target, lambda _: True
+                http, url, fault.target, lambda _: True
             )
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
             await _until(lambda: back(http))
 
     async def _agent_back(
-        self, fault: Fault, agent: asyncio.subprocess.Process, engine: int | None, session: object
+        self, fault: Fault, agent: asyncio.subprocess.Process, engine: int | None, session: object, url: str
     ) -> None:
         """Start the agent again once its engine is gone; until it is ready in a new session."""
         await agent.wait()
@@ -203,7 +246,7 @@ class FaultInjector:
             signal_group(engine, signal.SIGKILL)  # still there after SIGTERM: it goes now
             await _until(lambda: not alive(engine))
         plan = self._plans[fault.target]
-        fresh = await self._spawn(self.cluster.spec.agent_argv(plan))
+        fresh = await self._spawn(self._agent_argv(plan))
         self.cluster.agents[fault.target] = fresh
         fault.new_pid = fresh.pid
 
@@ -212,13 +255,14 @@ class FaultInjector:
             return not isinstance(now, int) or not isinstance(session, int) or now > session
 
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-            await _until(lambda: self._ready(http, fault.target, new_session))
+            await _until(lambda: self._ready(http, url, fault.target, new_session))
 
     async def _ready(
-        self, http: aiohttp.ClientSession, agent_id: str, also: Callable[[dict[str, object]], bool]
+        self, http: aiohttp.ClientSession, url: str, agent_id: str, also: Callable[[dict[str, object]], bool]
     ) -> bool:
-        spec = self.cluster.spec
-        for item in await fetch_instances(http, spec.base_url, spec.admin_token) or []:
+        """Whether ``agent_id`` is ready (and ``also``) at ``url``: the replica asked when it was hit, whose
+        session numbers the fault's are (each replica counts its own)."""
+        for item in await fetch_instances(http, url, self.cluster.spec.admin_token) or []:
             if item.get("agent_id") == agent_id:
                 return item.get("state") == "ready" and also(item)
         return False

@@ -3,7 +3,10 @@ or a request count, whichever comes first, and every response is judged by the c
 
 Requests mix ``/v1/completions`` and ``/v1/chat/completions``, streaming (by default most) and not;
 prompts are a shared prefix (one of a few, so prefixes repeat and the prefix cache matters) plus a
-varied tail. Each request carries its own ``X-Request-Id``, which fixes the response id.
+varied tail. Each request carries its own ``X-Request-Id``, which fixes the response id. With replicas
+the requests are spread over them (``spread.py``: round robin, a refused connection tried on the next),
+one connection per request, and a failure on a replica killed while the request was in flight is
+counted apart.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from vllm_disagg.chaos.check import Checker, Outcome, RequestSpec, Verdict
+from vllm_disagg.chaos.spread import NO_REPLICA, Targets, post_spread
 
 HEAD_BYTES = 300  # of a failed or garbled response, kept as an example
 TAIL_BYTES = 300  # and its end, where an error event or a cut shows
@@ -92,16 +96,35 @@ class Tally:
     failed: int = 0
     garbled: int = 0
     abandoned: int = 0  # in flight when the run was interrupted: judged neither way
+    failed_on_killed_replicas: int = 0  # of ``failed``: in flight on a replica when it was killed
+    # Replicas: outcomes per replica index (a failure on a killed one as "killed").
+    per_replica: dict[int, dict[str, int]] = field(default_factory=dict)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=lambda: {"failed": [], "garbled": []})
 
-    def add(self, spec: RequestSpec, verdict: Verdict, status: int | None, body: bytes, at_s: float) -> None:
-        """Count one judged response (and keep it as an example while there is room)."""
+    def add(
+        self,
+        spec: RequestSpec,
+        verdict: Verdict,
+        status: int | None,
+        body: bytes,
+        at_s: float,
+        *,
+        replica: int | None = None,
+        on_killed_replica: bool = False,
+    ) -> None:
+        """Count one judged response (and keep it as an example while there is room); ``replica``: the
+        replica that took it, ``on_killed_replica``: it was killed while the request was in flight."""
         self.sent += 1
+        if replica is not None:
+            counts = self.per_replica.setdefault(replica, {})
+            outcome = "killed" if verdict.outcome == "failed" and on_killed_replica else verdict.outcome
+            counts[outcome] = counts.get(outcome, 0) + 1
         if verdict.outcome == "completed":
             self.completed += 1
             return
         if verdict.outcome == "failed":
             self.failed += 1
+            self.failed_on_killed_replicas += on_killed_replica
         else:
             self.garbled += 1
         kept = self.examples[verdict.outcome]
@@ -116,6 +139,11 @@ class Tally:
                     "head": body[:HEAD_BYTES].decode("utf-8", "replace"),
                     "tail": body[-TAIL_BYTES:].decode("utf-8", "replace") if len(body) > HEAD_BYTES else "",
                     "at_s": round(at_s, 3),
+                    **(
+                        {}
+                        if replica is None
+                        else {"replica": replica, "on_killed_replica": on_killed_replica}
+                    ),
                 }
             )
 
@@ -131,19 +159,31 @@ class LoadConfig:
     max_requests: int
     request_timeout_s: float = 60.0
     connect_timeout_s: float = 5.0
+    replica_urls: tuple[str, ...] = ()  # replicas: spread over these instead of ``base_url``
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.max_requests < 1 or not self.duration_s > 0:
             raise ValueError("concurrency, max_requests and duration_s must be positive")
-        if not self.base_url.startswith(("http://127.", "http://localhost", "http://[::1]")):
-            raise ValueError(f"load goes to loopback only, not {self.base_url}")
+        for url in (self.base_url, *self.replica_urls):
+            if not url.startswith(("http://127.", "http://localhost", "http://[::1]")):
+                raise ValueError(f"load goes to loopback only, not {url}")
 
 
 class LoadGenerator:
     """Runs the workers; ``in_flight`` and the tally can be read while it runs."""
 
-    def __init__(self, cfg: LoadConfig, planner: RequestPlanner, checker: Checker, tally: Tally) -> None:
+    def __init__(
+        self,
+        cfg: LoadConfig,
+        planner: RequestPlanner,
+        checker: Checker,
+        tally: Tally,
+        targets: Targets | None = None,
+    ) -> None:
         self.cfg = cfg
+        # Replicas: the rotation whoever kills them keeps (``ReplicaSet.targets``).
+        self.targets = targets or Targets(cfg.replica_urls or (cfg.base_url,))
+        self.replicated = len(self.targets.urls) > 1
         self.planner = planner
         self.checker = checker
         self.tally = tally
@@ -161,7 +201,9 @@ class LoadGenerator:
         self._started = time.monotonic()
         deadline = self._started + cfg.duration_s
         timeout = aiohttp.ClientTimeout(total=cfg.request_timeout_s, sock_connect=cfg.connect_timeout_s)
-        connector = aiohttp.TCPConnector(limit=cfg.concurrency)
+        # Replicas: one connection per request, as a load balancer's (a kept-alive one to a replica
+        # that died would fail a request no live replica failed).
+        connector = aiohttp.TCPConnector(limit=cfg.concurrency, force_close=self.replicated)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
             workers = [
                 asyncio.ensure_future(self._worker(session, deadline, stop)) for _ in range(cfg.concurrency)
@@ -194,28 +236,33 @@ class LoadGenerator:
             await asyncio.sleep(max(0.0, min(backoff, deadline - time.monotonic())))
 
     async def _one(self, session: aiohttp.ClientSession, spec: RequestSpec) -> Outcome:
-        status: int | None = None
-        chunks: list[bytes] = []
-        error = ""
         self.in_flight += 1
         headers = {"Content-Type": "application/json", "X-Request-Id": spec.request_id}
+        started = time.monotonic()
         try:
-            async with session.post(
-                self.cfg.base_url + spec.path, data=spec.body(self.checker.model), headers=headers
-            ) as resp:
-                status = resp.status
-                async for chunk in resp.content.iter_any():
-                    chunks.append(chunk)
+            answer = await post_spread(
+                session,
+                self.targets,
+                spec.path,
+                spec.body(self.checker.model),
+                headers,
+                self.cfg.request_timeout_s,
+            )
         except asyncio.CancelledError:
             self.tally.abandoned += 1
             raise
-        except TimeoutError:
-            error = f"no complete answer within {self.cfg.request_timeout_s:g} s"
-        except (aiohttp.ClientError, OSError) as exc:
-            error = f"{type(exc).__name__}: {exc}"
         finally:
             self.in_flight -= 1
-        body = b"".join(chunks)
-        verdict = self.checker.check(spec, status, body, error)
-        self.tally.add(spec, verdict, status, body, time.monotonic() - self._started)
+        now = time.monotonic()
+        verdict = self.checker.check(spec, answer.status, answer.body, answer.error)
+        killed = answer.replica != NO_REPLICA and self.targets.killed_between(answer.replica, started, now)
+        self.tally.add(
+            spec,
+            verdict,
+            answer.status,
+            answer.body,
+            now - self._started,
+            replica=answer.replica if self.replicated else None,
+            on_killed_replica=killed,
+        )
         return verdict.outcome

@@ -2,11 +2,18 @@
 
 ``resumed``, ``fell_back``, ``retried``, ``recomputed`` and ``kv_audited`` are deltas over the run of
 the orchestrator's Prometheus counters (summed over labels); a counter it does not export counts as 0.
+With replicas they are summed over the replicas, a replica restarted during the run counted from its
+restart (its counters before the kill died with it).
+
+With replicas, ``failed`` splits into ``failed_on_killed_replicas`` (requests in flight on a replica
+when it was killed: they die with its connections, nothing can save them) and
+``failed_on_live_replicas`` (every other failure); the run is ok when the latter and ``garbled`` are 0.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +47,17 @@ def counter_sums(text: str, names: set[str]) -> dict[str, float]:
     return sums
 
 
+def counter_growth(before: Sequence[dict[str, float]], after: Sequence[dict[str, float]]) -> dict[str, int]:
+    """Each report field's growth, summed over replicas (one per list entry); a replica whose counter went
+    down was restarted: it counts from its restart."""
+    growth = dict.fromkeys(RECOVERY_COUNTERS, 0)
+    for old, new in zip(before, after, strict=True):
+        for name, metric in RECOVERY_COUNTERS.items():
+            delta = new[metric] - old[metric]
+            growth[name] += int(delta if delta >= 0 else new[metric])
+    return growth
+
+
 async def recovery_counters(http: aiohttp.ClientSession, base_url: str) -> dict[str, float]:
     """The orchestrator's recovery counters now; all 0 when /metrics cannot be read."""
     names = set(RECOVERY_COUNTERS.values())
@@ -71,6 +89,14 @@ class ChaosReport:
     kv_audited: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     log_file: str = ""
+    replicas: int = 0  # orchestrator replicas (0: one orchestrator, no etcd)
+    failed_on_killed_replicas: int = 0
+    per_replica: dict[str, dict[str, int]] = field(default_factory=dict)  # replica id -> outcome counts
+
+    @property
+    def failed_on_live_replicas(self) -> int:
+        """Failures no kill of a replica explains."""
+        return self.failed - self.failed_on_killed_replicas
 
     @property
     def rps(self) -> float:
@@ -79,8 +105,8 @@ class ChaosReport:
 
     @property
     def ok(self) -> bool:
-        """No request failed and none was garbled."""
-        return self.failed == 0 and self.garbled == 0
+        """No request failed (with replicas: on a live replica) and none was garbled."""
+        return self.failed_on_live_replicas == 0 and self.garbled == 0
 
     def to_json(self) -> dict[str, Any]:
         """The report as one JSON object."""
@@ -102,6 +128,16 @@ class ChaosReport:
             "examples": self.examples,
             "config": self.config,
             "log_file": self.log_file,
+            **(
+                {
+                    "replicas": self.replicas,
+                    "failed_on_killed_replicas": self.failed_on_killed_replicas,
+                    "failed_on_live_replicas": self.failed_on_live_replicas,
+                    "per_replica": self.per_replica,
+                }
+                if self.replicas
+                else {}
+            ),
         }
 
     def render(self) -> str:
@@ -117,6 +153,11 @@ class ChaosReport:
             f"  {self.sent:>9} {self.completed:>9} {self.failed:>7} {self.garbled:>7} "
             f"{self.resumed:>7} {self.fell_back:>9} {self.retried:>7} {self.rps:>7.1f}",
         ]
+        if self.replicas:
+            lines.append(
+                f"  {self.replicas} replicas: {self.failed_on_killed_replicas} failed on a killed replica's "
+                f"connections, {self.failed_on_live_replicas} on live replicas"
+            )
         if self.recomputed:
             lines.append(f"  {self.recomputed} decode legs judged to have recomputed their KV (false alarms)")
         if self.abandoned:
@@ -128,7 +169,7 @@ class ChaosReport:
                 else f"NOT RECOVERED: {f.get('error')}"
             )
             lines.append(
-                f"  t={f['at_s']:>6.1f}s  SIGKILL {f['kind']:<6} of {f['target']:<10} "
+                f"  t={f['at_s']:>6.1f}s  SIGKILL {f['kind']:<7} of {f['target']:<10} "
                 f"pid {f['pid']}: {outcome}"
             )
         for kind in ("failed", "garbled"):
@@ -137,7 +178,10 @@ class ChaosReport:
                     f"  {kind} {ex['request_id']} {ex['path']} stream={ex['stream']} status={ex['status']} "
                     f"t={ex['at_s']}s: {ex['reason'][:200]}"
                 )
-        lines.append("  verdict: " + ("OK (failed == garbled == 0)" if self.ok else "FAILURES"))
+        ok = (
+            "OK (failed on live replicas == garbled == 0)" if self.replicas else "OK (failed == garbled == 0)"
+        )
+        lines.append("  verdict: " + (ok if self.ok else "FAILURES"))
         if self.log_file:
             lines.append(f"  cluster logs: {self.log_file}")
         return "\n".join(lines)

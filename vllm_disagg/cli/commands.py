@@ -55,6 +55,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("bench gateway", "vllm_disagg.bench.gateway", "gateway overhead vs talking to engines directly"),
     ("bench pd", "vllm_disagg.bench.pd", "real vLLM: colocated vs 1P1D through the gateway (TTFT, TPOT)"),
     ("bench scheduler", "vllm_disagg.bench.scheduler", "decision time incl. prefix lookup at N instances"),
+    ("bench ha", "vllm_disagg.bench.ha", "replicas: leader failover time, requests lost, req/s vs workers"),
     (
         "bench planner",
         "vllm_disagg.bench.planner",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.etcd_support import EtcdMissing, EtcdServer
+from tests.etcd_support import EtcdServer, running_etcd
 from vllm_disagg.etcd.client import EtcdClient
 
 ClientFactory = Callable[..., EtcdClient]
@@ -15,18 +15,8 @@ ClientFactory = Callable[..., EtcdClient]
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    """A real etcd member on free loopback ports, its data under the test's tmp dir; killed at the end.
-
-    Fails (not skips) when the binary is missing: these tests are part of every run."""
-    try:
-        server = EtcdServer(tmp_path / "etcd")
-    except EtcdMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
+    """A real etcd member on free loopback ports, its data under the test's tmp dir; killed at the end."""
+    yield from running_etcd(tmp_path / "etcd")
 
 
 @pytest.fixture

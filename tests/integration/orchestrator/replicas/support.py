@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.etcd_support import EtcdMissing, EtcdServer
+from tests.etcd_support import EtcdServer, running_etcd
 from tests.helpers import eventually
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg.config import ReplicaConfig
@@ -25,15 +25,7 @@ Replicas = Callable[..., Awaitable[list[OrchestratorServer]]]
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
     """A real etcd server of one member (fails, not skips, when the binary is missing)."""
-    try:
-        server = EtcdServer(tmp_path / "etcd")
-    except EtcdMissing as exc:
-        pytest.fail(str(exc), pytrace=False)
-    server.start()
-    try:
-        yield server
-    finally:
-        server.kill()
+    yield from running_etcd(tmp_path / "etcd")
 
 
 @pytest.fixture
