@@ -40,7 +40,8 @@ WAIT_MS = 30_000
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # Decode steps of 20 ms keep a 150-token request in flight for about 3 s, long enough for the
     # page's one-second polls to see it live; prefill time makes TTFT more than noise. A role change
-    # restarts the engine (as for a vLLM launched kv_producer or kv_consumer).
+    # restarts the engine (as for a vLLM launched kv_producer or kv_consumer). ``--max-crashes 1``: up
+    # does not restart the agent this test kills, so the page shows an instance that stays dead.
     running = start_up(
         tmp_path_factory.mktemp("dashboard"),
         2,
@@ -51,6 +52,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         "0.0005",
         "--role-switch",
         "restart",
+        "--max-crashes",
+        "1",
     )
     yield running
     stop(running)
