@@ -139,7 +139,8 @@ async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals
         os.killpg(pgid, signal.SIGKILL)
         raws = await asyncio.gather(*tasks)
         for case, request_id, raw in zip(cases, ids, raws, strict=True):
-            assert b'"error"' not in raw and raw.endswith(b"data: [DONE]\n\n"), raw[-500:]
+            # No error event (the tiny model may well say the word "error" in its text).
+            assert b'data: {"error"' not in raw and raw.endswith(b"data: [DONE]\n\n"), raw[-500:]
             assert sse_text(raw, chat=case.chat) == reference[case.name], case.name
             record = await cluster.record(session, request_id)
             assert record["status"] == 200 and record["resumes"] >= 1, record["attempts"]
