@@ -19,34 +19,21 @@ including it once it ends.
 from __future__ import annotations
 
 import asyncio
-import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.compare import percentile
 from vllm_disagg.bench.ha_cluster import MODEL, SPARE, HaCluster, Leadership
-from vllm_disagg.chaos.check import Checker, Outcome
-from vllm_disagg.chaos.load import RequestPlanner
-from vllm_disagg.chaos.spread import Targets, post_spread
+from vllm_disagg.chaos.load import Sent, SpreadLoad
 from vllm_disagg.orchestrator.admin.auth import admin_headers
 
 _JSON = {"Content-Type": "application/json"}
 _WAIT_S = 60.0  # for a new leader's first command, or enough load: far beyond any failover
-
-
-@dataclass(frozen=True)
-class Sent:
-    """One request of the load: which replica took it, how it ended, when (monotonic)."""
-
-    replica: int
-    outcome: Outcome
-    started: float
-    ended: float
 
 
 @dataclass(frozen=True)
@@ -80,55 +67,6 @@ class StalenessSample:
     end_lag_ms: float  # b's counts dropped it this much later than a's
     a_start_ms: float  # from sending the request to a's counts including it
     poll_ms: float  # the median time one admin poll took: the resolution of the figures above
-
-
-@dataclass
-class SpreadLoad:
-    """``concurrency`` workers sending streams over the replicas' URLs until stopped."""
-
-    urls: Sequence[str]
-    concurrency: int
-    seed: int
-    results: list[Sent] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.targets = Targets(self.urls)
-        self._planner = RequestPlanner(
-            random.Random(self.seed), f"ha{self.seed}", min_tokens=16, max_tokens=32, stream_fraction=1.0
-        )
-        self._checker = Checker(MODEL)
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        """Start the workers."""
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> list[Sent]:
-        """Start no more requests, let those in flight end; every result."""
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-        return self.results
-
-    async def _run(self) -> None:
-        # One connection per request, as a load balancer's: a kept-alive connection that a replica
-        # closes as the client reuses it would fail a request that no replica failed.
-        connector = aiohttp.TCPConnector(force_close=True, limit=self.concurrency)
-        timeout = aiohttp.ClientTimeout(total=30, sock_connect=3)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-            await asyncio.gather(*(self._worker(http) for _ in range(self.concurrency)))
-
-    async def _worker(self, http: aiohttp.ClientSession) -> None:
-        while not self._stop.is_set():
-            spec = self._planner.next()
-            started = time.monotonic()
-            headers = {**_JSON, "X-Request-Id": spec.request_id}
-            answer = await post_spread(http, self.targets, spec.path, spec.body(MODEL), headers, 30.0)
-            verdict = self._checker.check(spec, answer.status, answer.body, answer.error)
-            self.results.append(Sent(answer.replica, verdict.outcome, started, time.monotonic()))
-            if verdict.outcome != "completed":
-                await asyncio.sleep(0.05)  # a cluster that fails everything must not be spun against
 
 
 class Toggler:
@@ -186,7 +124,9 @@ async def failover_run(
     """SIGKILL the leader under load and measure; the killed replica stays dead (the caller restarts it)."""
     victim = cluster.index_of(agreed.leader)
     survivor = next(i for i in range(len(cluster.urls)) if i != victim)
-    load = SpreadLoad(cluster.urls, concurrency, seed)
+    load = SpreadLoad(
+        cluster.urls, MODEL, concurrency, seed, prefix="ha", min_tokens=16, max_tokens=32, stream_fraction=1.0
+    )
     toggler = Toggler(cluster, survivor)
     load.start()
     toggler.start()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -266,3 +267,81 @@ class LoadGenerator:
             on_killed_replica=killed,
         )
         return verdict.outcome
+
+
+@dataclass(frozen=True)
+class Sent:
+    """One request of a ``SpreadLoad``: where it went, how it ended, and when (monotonic)."""
+
+    replica: int  # index into the replicas' URLs; NO_REPLICA when every one refused the connection
+    request_id: str
+    outcome: Outcome
+    reason: str
+    started: float
+    ended: float
+    refused: int  # replicas that refused its connection first (not failures)
+
+
+@dataclass
+class SpreadLoad:
+    """``concurrency`` workers sending requests over replicas' URLs, as a load balancer spreads them
+    (``spread.post_spread``: a refused connection goes to the next replica, uncounted), each answer
+    checked byte for byte and recorded with its replica; until ``stop``."""
+
+    urls: Sequence[str]
+    model: str
+    concurrency: int = 12
+    seed: int = 0
+    prefix: str = "spread"  # of the request ids
+    min_tokens: int = 24
+    max_tokens: int = 48
+    stream_fraction: float = 0.8
+    request_timeout_s: float = 30.0
+    results: list[Sent] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.targets = Targets(self.urls)
+        self._planner = RequestPlanner(
+            random.Random(self.seed),
+            f"{self.prefix}{self.seed}",
+            min_tokens=self.min_tokens,
+            max_tokens=self.max_tokens,
+            stream_fraction=self.stream_fraction,
+        )
+        self._checker = Checker(self.model)
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the workers."""
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> list[Sent]:
+        """Start no more requests, let those in flight end; every result."""
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+        return self.results
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=3)
+        # One connection per request, as a load balancer's: a kept-alive connection that a replica
+        # closes as the client reuses it would fail a request that no replica failed.
+        connector = aiohttp.TCPConnector(force_close=True, limit=self.concurrency)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
+            await asyncio.gather(*(self._worker(http) for _ in range(self.concurrency)))
+
+    async def _worker(self, http: aiohttp.ClientSession) -> None:
+        while not self._stop.is_set():
+            spec = self._planner.next()
+            started = time.monotonic()
+            headers = {"Content-Type": "application/json", "X-Request-Id": spec.request_id}
+            body = spec.body(self.model)
+            answer = await post_spread(http, self.targets, spec.path, body, headers, self.request_timeout_s)
+            verdict = self._checker.check(spec, answer.status, answer.body, answer.error)
+            self.results.append(
+                Sent(answer.replica, spec.request_id, verdict.outcome, verdict.reason, started,
+                     time.monotonic(), answer.refused)
+            )  # fmt: skip
+            if verdict.outcome != "completed":
+                await asyncio.sleep(0.05)  # a cluster that fails everything must not be spun against

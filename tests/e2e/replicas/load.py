@@ -10,97 +10,24 @@ the spare instance through given replicas in a loop, so that a leader has agents
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 
 from tests.e2e.replicas.cluster import MODEL, SPARE, Replica
 from tests.helpers import ADMIN
-from vllm_disagg.chaos.check import Checker, Outcome
-from vllm_disagg.chaos.load import RequestPlanner
-from vllm_disagg.chaos.spread import Targets, post_spread
+from vllm_disagg.chaos.load import Sent as Sent
+from vllm_disagg.chaos.load import SpreadLoad as ChaosSpreadLoad
 
 
-@dataclass(frozen=True)
-class Sent:
-    """One request of the load: where it went, how it ended, and when (monotonic)."""
+class SpreadLoad(ChaosSpreadLoad):
+    """The chaos harness's spread load on the cluster's model: 12 workers, mostly streams."""
 
-    replica: int  # index into the cluster's replicas; NO_REPLICA when every one refused the connection
-    request_id: str
-    outcome: Outcome
-    reason: str
-    started: float
-    ended: float
-    refused: int  # replicas that refused its connection first (not failures)
-
-
-@dataclass
-class SpreadLoad:
-    """``concurrency`` workers sending streams (mostly) over the replicas' URLs until stopped."""
-
-    urls: Sequence[str]
-    concurrency: int = 12
-    seed: int = 0
-    request_timeout_s: float = 30.0
-    results: list[Sent] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.targets = Targets(self.urls)
-        self._planner = RequestPlanner(
-            random.Random(self.seed), f"e2e{self.seed}", min_tokens=24, max_tokens=48, stream_fraction=0.8
-        )
-        self._checker = Checker(MODEL)
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.ensure_future(self._run())
-
-    async def stop(self) -> list[Sent]:
-        """Start no more requests, let those in flight end; every result."""
-        self._stop.set()
-        if self._task is not None:
-            await self._task
-        return self.results
-
-    async def _run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=3)
-        # One connection per request, as a load balancer's: a kept-alive connection that the server
-        # closes as the client reuses it would fail a request that no replica failed.
-        connector = aiohttp.TCPConnector(force_close=True, limit=self.concurrency)
-        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-            await asyncio.gather(*(self._worker(http) for _ in range(self.concurrency)))
-
-    async def _worker(self, http: aiohttp.ClientSession) -> None:
-        while not self._stop.is_set():
-            spec = self._planner.next()
-            started = time.monotonic()
-            answer = await post_spread(
-                http,
-                self.targets,
-                spec.path,
-                spec.body(MODEL),
-                {"Content-Type": "application/json", "X-Request-Id": spec.request_id},
-                self.request_timeout_s,
-            )
-            verdict = self._checker.check(spec, answer.status, answer.body, answer.error)
-            self.results.append(
-                Sent(
-                    answer.replica,
-                    spec.request_id,
-                    verdict.outcome,
-                    verdict.reason,
-                    started,
-                    time.monotonic(),
-                    answer.refused,
-                )
-            )
-            if verdict.outcome == "failed":
-                await asyncio.sleep(0.05)  # a cluster that fails everything must not be spun against
+    def __init__(self, urls: Sequence[str], seed: int = 0) -> None:
+        super().__init__(urls, MODEL, seed=seed, prefix="e2e")
 
     def since(self, t: float) -> list[Sent]:
         """Requests started at or after monotonic time ``t``."""
