@@ -140,8 +140,13 @@ async def test_a_deleted_member_key_is_put_back(
     members.start()
     await members.until_all_see({"r0", "r1"})
     assert await etcd_client.delete(PREFIX + "r0") == 1
+
+    async def back() -> bool:
+        # The views may not have seen the delete yet, so they alone cannot say the key was put back.
+        return await etcd_client.get(PREFIX + "r0") is not None
+
+    await eventually(back, timeout=WAIT_S, what="r0's key put back")
     await members.until_all_see({"r0", "r1"})
-    assert await etcd_client.get(PREFIX + "r0") is not None
 
 
 async def test_the_view_resyncs_after_etcd_restarts(
