@@ -185,6 +185,51 @@ class ReplicaConfig:
             )
 
 
+_TENANT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    """The gateway's admission queue (docs/admission.md): which requests wait in the gateway rather
+    than in an engine's queue, in what order, and which are refused at once, with why."""
+
+    enabled: bool = True
+    max_queue: int = 1024  # requests waiting per model; past it the worst-ranked one is refused
+    max_wait_s: float = 30.0  # the longest any request waits; then 429 ``queue_timeout``
+    # A request without a TTFT target is admitted while the prefill its pair would run is predicted to
+    # start within this long (the prefill stage's saturation point for it); also its ordering deadline.
+    ttft_s: float = 5.0
+    kv_usage_high: float = 0.95  # a decode instance at or above this KV usage is saturated
+    # Priorities are vLLM's: lower is sooner, 0 the default. At or above this one, a request is in the
+    # sheddable class: refused (never queued) while its pair is saturated.
+    sheddable_priority: int = 1
+    priority_header: str = "x-priority"
+    tenant_header: str = "x-tenant-id"
+    # Weighted fair sharing between tenants: weight by tenant name (absent: 1.0).
+    tenant_weights: tuple[tuple[str, float], ...] = ()
+    # Send the body's ``priority`` on to engines: only for engines run with ``--scheduling-policy
+    # priority`` (vLLM refuses a non-zero priority otherwise, so by default the gateway keeps it).
+    forward_priority: bool = False
+    max_tenant_labels: int = 32  # tenants named in metrics; the rest count as "other"
+
+    def __post_init__(self) -> None:
+        _positive(
+            "admission",
+            max_queue=self.max_queue,
+            max_wait_s=self.max_wait_s,
+            ttft_s=self.ttft_s,
+            kv_usage_high=self.kv_usage_high,
+        )
+        _non_negative("admission", max_tenant_labels=self.max_tenant_labels)
+        for tenant, weight in self.tenant_weights:
+            if not _TENANT_NAME.fullmatch(tenant):
+                raise ConfigError(f"admission.tenant_weights: bad tenant name {tenant!r}")
+            _positive("admission", **{f"tenant_weights[{tenant}]": weight})
+        for name in ("priority_header", "tenant_header"):
+            if not re.fullmatch(r"[A-Za-z0-9-]+", getattr(self, name)):
+                raise ConfigError(f"admission.{name} must be an HTTP header name")
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """The orchestrator: gateway, registry, agent endpoint."""
@@ -234,6 +279,7 @@ class OrchestratorConfig:
     # Latency targets of requests that bring none (``x-slo-ttft-ms``/``x-slo-tpot-ms``); None: no target.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # --- the admin API (docs/security.md) ---
     # The bearer token every /admin/v1 call must carry; "" closes the admin API. Read from a file or
     # the environment by ``main``, never from argv; kept out of the repr so it is never logged.

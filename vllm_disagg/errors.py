@@ -23,6 +23,7 @@ Hierarchy::
         ├── PayloadTooLarge     413 body over the gateway limit
         ├── Unprocessable       422 understood and tried, and it failed (connect's reason)
         ├── HeadersTooLarge     431 request line and headers over the gateway limit
+        ├── Overloaded          429 admission refused the request (``X-Disagg-Shed-Reason``, ``Retry-After``)
         ├── NoCapacity          503 no ready instance can take the request
         ├── TimedOut            504 an operation did not finish in time (an engine's restart)
         ├── UpstreamError       502 an engine failed or answered garbage (``cause`` says how)
@@ -200,11 +201,29 @@ class HeadersTooLarge(RequestError):
     type = "RequestHeaderFieldsTooLargeError"
 
 
+SHED_REASON_HEADER = "X-Disagg-Shed-Reason"
+
+
+class Overloaded(RequestError):
+    """Admission refused the request (docs/admission.md): ``reason`` says why, in the
+    ``X-Disagg-Shed-Reason`` header too, and ``Retry-After`` when to come back."""
+
+    status = 429
+    type = "RateLimitError"
+
+    def __init__(self, message: str, *, reason: str, retry_after_s: int, stage: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.stage = stage
+        self.headers = MappingProxyType({"Retry-After": str(retry_after_s), SHED_REASON_HEADER: reason})
+
+
 class NoCapacity(RequestError):
-    """No ready instance can take the request now."""
+    """No ready instance can take the request now (the cluster is down for its model)."""
 
     status = 503
     type = "ServiceUnavailableError"
+    headers: Mapping[str, str] = MappingProxyType({"Retry-After": "1", SHED_REASON_HEADER: "no_capacity"})
 
 
 class TimedOut(RequestError):

@@ -14,7 +14,8 @@ First level (``vllm_disagg/<layer>``):
 - **tools** (``cli``, ``bench``, ``chaos``) see everything.
 
 Second level (``vllm_disagg/orchestrator/<part>``), bottom up: ``state`` (what the orchestrator knows);
-``scheduling`` and ``metrics`` read it; ``control`` (the agents' sessions and the commands to them);
+``scheduling`` and ``metrics`` read it; ``admission`` (the gateway's queue, on the scheduler's
+predictions); ``control`` (the agents' sessions and the commands to them);
 ``planner`` (decides role changes, carried out by control); ``gateway`` (requests, and its workers);
 ``admin`` (the operators' HTTP surfaces); ``replicas`` (the election and the replicas' link, on
 ``control``); ``app`` and ``main`` wire it all.
@@ -81,12 +82,14 @@ ORCHESTRATOR: dict[str, frozenset[str]] = {
     "scheduling": _STATE,
     "metrics": _STATE,
     "control": _STATE | {"metrics"},
-    "planner": _STATE | {"scheduling", "metrics", "control"},
-    "gateway": _STATE | {"scheduling", "metrics", "control", "planner", "loop_lag"},
-    "admin": _STATE | {"metrics", "control", "gateway"},
+    "admission": _STATE | {"scheduling"},
+    "planner": _STATE | {"scheduling", "metrics", "control", "admission"},
+    "gateway": _STATE | {"scheduling", "metrics", "control", "planner", "admission", "loop_lag"},
+    "admin": _STATE | {"metrics", "control", "admission", "gateway"},
     "replicas": _STATE | {"metrics", "control"},
     "app": _STATE
-    | {"scheduling", "metrics", "control", "planner", "gateway", "admin", "replicas", "loop_lag"},
+    | {"scheduling", "metrics", "control", "admission", "planner", "gateway", "admin", "replicas"}
+    | {"loop_lag"},
     "main": _STATE | {"scheduling", "control", "planner", "gateway", "admin", "replicas", "app", "flags"},
 }
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.config import AdmissionConfig, OrchestratorConfig
+from vllm_disagg.errors import ConfigError
 
 _DEFAULTS = OrchestratorConfig()
+_ADMISSION = AdmissionConfig()
 
 # Recovery, timeouts and gateway tuning: ``vllm-disagg orchestrator`` takes them, and ``up`` forwards
 # each one given to its orchestrator (``add_shared_arguments(..., forwarded=True)``).
@@ -85,19 +87,107 @@ SHARED_FLAGS: tuple[tuple[str, str, type, str], ...] = (
 )
 
 
+# The admission queue (docs/admission.md): ``AdmissionConfig``'s fields, as ``admission_<field>``.
+ADMISSION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
+    ("--admission-max-queue", "max_queue", int, "requests that may wait per model; past it one is refused"),
+    ("--admission-max-wait-s", "max_wait_s", float, "the longest a request waits for admission (then 429)"),
+    (
+        "--admission-ttft-s",
+        "ttft_s",
+        float,
+        "requests without a TTFT target are admitted while their prefill is predicted to start within this",
+    ),
+    (
+        "--admission-kv-usage-high",
+        "kv_usage_high",
+        float,
+        "a decode instance at or above this KV usage (0..1) takes no more requests from the queue",
+    ),
+    (
+        "--sheddable-priority",
+        "sheddable_priority",
+        int,
+        "requests of this priority or above (vLLM's: lower is sooner) are refused first, never queued",
+    ),
+    ("--priority-header", "priority_header", str, "the request header that sets a request's priority"),
+    ("--tenant-header", "tenant_header", str, "the request header that names a request's tenant"),
+)
+
+
+def _weight(text: str) -> tuple[str, float]:
+    name, sep, value = text.partition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = 0.0
+    if not sep or not name or not weight > 0:
+        raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT with a weight > 0, got {text!r}")
+    return name, weight
+
+
 def add_shared_arguments(group: Any, *, forwarded: bool = False) -> None:
     """The shared flags; ``forwarded`` (``up``): no defaults, so that only the flags given go to the
     orchestrator (``shared_argv``) and its own defaults hold otherwise."""
     for flag, name, kind, help_text in SHARED_FLAGS:
         default = None if forwarded else getattr(_DEFAULTS, name)
         group.add_argument(flag, dest=name, type=kind, default=default, help=help_text)
+    group.add_argument(
+        "--admission",
+        choices=("on", "off"),
+        default=None if forwarded else "on",
+        help="the gateway's admission queue (docs/admission.md); off: every request goes to an engine",
+    )
+    for flag, name, kind, help_text in ADMISSION_FLAGS:
+        default = None if forwarded else getattr(_ADMISSION, name)
+        group.add_argument(flag, dest=f"admission_{name}", type=kind, default=default, help=help_text)
+    group.add_argument(
+        "--tenant-weight",
+        dest="tenant_weights",
+        type=_weight,
+        action="append",
+        default=None,
+        metavar="TENANT=WEIGHT",
+        help="a tenant's weight in the fair sharing of admission (repeatable; others weigh 1)",
+    )
+    group.add_argument(
+        "--forward-priority",
+        action="store_true",
+        default=None if forwarded else False,
+        help="send requests' priority on to engines (run with vLLM's --scheduling-policy priority)",
+    )
+
+
+def admission_from_args(args: argparse.Namespace) -> AdmissionConfig:
+    """The admission section the flags describe (raises ``ConfigError``)."""
+    weights = tuple(args.tenant_weights or ())
+    if len({name for name, _ in weights}) != len(weights):
+        raise ConfigError("--tenant-weight names a tenant twice")
+    return AdmissionConfig(
+        enabled=args.admission == "on",
+        tenant_weights=weights,
+        forward_priority=bool(args.forward_priority),
+        **{name: getattr(args, f"admission_{name}") for _, name, _, _ in ADMISSION_FLAGS},
+    )
 
 
 def shared_argv(args: argparse.Namespace) -> tuple[str, ...]:
     """The shared flags given in ``args`` (parsed with ``forwarded=True``), as orchestrator flags."""
-    return tuple(
+    argv = [
         part
         for flag, name, _, _ in SHARED_FLAGS
         if getattr(args, name, None) is not None
         for part in (flag, str(getattr(args, name)))
-    )
+    ]
+    argv += [
+        part
+        for flag, name, _, _ in ADMISSION_FLAGS
+        if getattr(args, f"admission_{name}", None) is not None
+        for part in (flag, str(getattr(args, f"admission_{name}")))
+    ]
+    if getattr(args, "admission", None) is not None:
+        argv += ["--admission", args.admission]
+    for name, weight in getattr(args, "tenant_weights", None) or ():
+        argv += ["--tenant-weight", f"{name}={weight}"]
+    if getattr(args, "forward_priority", None):
+        argv.append("--forward-priority")
+    return tuple(argv)

@@ -17,7 +17,7 @@ from vllm_disagg.orchestrator.admin.auth import (
 )
 from vllm_disagg.orchestrator.app import start_orchestrator
 from vllm_disagg.orchestrator.control.plane import load_server_curve
-from vllm_disagg.orchestrator.flags import SHARED_FLAGS, add_shared_arguments
+from vllm_disagg.orchestrator.flags import SHARED_FLAGS, add_shared_arguments, admission_from_args
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
@@ -179,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         curve_secret_key_file=args.curve_secret_key_file,
         agent_keys_dir=args.agent_keys_dir,
         replica=replica_from_args(args),
+        admission=admission_from_args(args),
     )
 
 

@@ -86,6 +86,7 @@ def record_json(record: RequestRecord) -> dict[str, Any]:
     out = {f.name: getattr(record, f.name) for f in dataclasses.fields(record)}
     out["explanation"] = record.explanation.to_json() if record.explanation is not None else None
     out["attempts"] = [a.to_json() for a in record.attempts]
+    out["admission"] = dict(record.admission)
     timeline = {stage: round(record.timeline[stage], 6) for stage in STAGES if stage in record.timeline}
     out["timeline"] = timeline
     out["stages"] = _stage_durations(timeline)
@@ -95,6 +96,8 @@ def record_json(record: RequestRecord) -> dict[str, Any]:
 def _stage_durations(t: dict[str, float]) -> dict[str, float]:
     """Queue, prefill, handoff, first and last token as durations, from the timeline's offsets."""
     out: dict[str, float] = {}
+    if "queued" in t and "admitted" in t:
+        out["admission_s"] = round(t["admitted"] - t["queued"], 6)
     if "scheduled" in t:
         out["queue_s"] = t["scheduled"]
     if "prefill_start" in t and "prefill_end" in t:

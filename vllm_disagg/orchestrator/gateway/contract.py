@@ -95,6 +95,8 @@ class Outcome:
     relay: str = ""  # the same, in a sentence
     unread_events: int = 0  # events of its stream passed on unread
     tpot_s: float | None = None  # a stream's time per output token after the first, where counted
+    # Its admission: priority, tenant and the seconds it waited in the queue (empty: admission off).
+    admission: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def ttfb_s(self) -> float | None:

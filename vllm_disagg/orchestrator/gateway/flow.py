@@ -93,6 +93,7 @@ class Flow:
         self.decode_id = decision.decode
         self.pinned = scheduling.pinned_prefill is not None
         self.stamps: dict[str, float] = {}
+        self.admission: dict[str, object] = {}  # priority, tenant, queued_s: set by the gateway
         self.timing = LegTiming()
         self.prefill_s: float | None = None
         self.engine_s = 0.0
@@ -441,6 +442,7 @@ class Flow:
             relay,
             state.unread if state is not None else 0,
             tpot,
+            self.admission,
         )
 
     def relay_outcome(self) -> tuple[str, str]:

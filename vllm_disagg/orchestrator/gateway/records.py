@@ -11,7 +11,16 @@ from types import MappingProxyType
 from vllm_disagg.orchestrator.scheduling.framework import Explanation
 
 # Stages of a request's timeline, in the order they happen.
-STAGES = ("scheduled", "prefill_start", "prefill_end", "decode_start", "first_token", "last_token")
+STAGES = (
+    "queued",
+    "admitted",
+    "scheduled",
+    "prefill_start",
+    "prefill_end",
+    "decode_start",
+    "first_token",
+    "last_token",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +75,8 @@ class RequestRecord:
     unread_events: int = 0  # events of its stream the gateway could not read, passed on as they came
     # What its decode engine's counters said later: it computed KV it was handed (``kv_audit``).
     kv_check: str = ""
+    # Its admission (docs/admission.md): priority, tenant, and ``queued_s`` when it waited.
+    admission: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
 
 
 REQUEST_LOG_CAPACITY = 1000  # records each gateway process keeps

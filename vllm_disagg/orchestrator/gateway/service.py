@@ -31,13 +31,16 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import RequestError, UpstreamError
 from vllm_disagg.http_errors import error_response
+from vllm_disagg.orchestrator.admission.classify import priority_of, tenant_of
 from vllm_disagg.orchestrator.control.kv_moves import KvMover
+from vllm_disagg.orchestrator.gateway.admit import Admission, Pending, ticket_of
 from vllm_disagg.orchestrator.gateway.contract import Outcome
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import (
     Prefilled,
     Target,
     decode_body,
+    dumps_leg,
     new_session,
     one_token_body,
 )
@@ -109,6 +112,10 @@ class Gateway:
         self.kv_mover = kv_mover
         self.slo_window = slo_window
         self.watch = LegWatch()
+        admission = config.admission
+        self.admission = (
+            Admission(admission, scheduler, registry, clock, metrics) if admission.enabled else None
+        )
         self.session: EngineClient | None = None  # made by ``open``, in the running loop
         self._background: set[asyncio.Future[None]] = set()
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
@@ -137,6 +144,8 @@ class Gateway:
     def open(self) -> None:
         """Make the engine client session; in the running event loop (the application's start)."""
         self.session = new_session(self.config)
+        if self.admission is not None:
+            self.admission.start()
 
     def session_or_fail(self) -> EngineClient:
         """The engine client session; ``UpstreamError`` before the app has started it."""
@@ -196,7 +205,10 @@ class Gateway:
         return ("", "") if resp.status == 200 else ("status", f"HTTP {resp.status}")
 
     async def close(self) -> None:
-        """Cancel background work (KV releases) and close the engine session."""
+        """Refuse what waits for admission, cancel background work (KV releases), close the engine
+        session."""
+        if self.admission is not None:
+            await self.admission.close()
         for task in list(self._background):
             task.cancel()
         if self._background:
@@ -326,6 +338,8 @@ class Gateway:
             else:
                 self._live.discard(flow)
                 self._record(flow.outcome(status, error))
+                if self.admission is not None:
+                    self.admission.kick()
 
     async def _schedule(
         self,
@@ -342,6 +356,12 @@ class Gateway:
         serves colocated, as a last resort, when no decode instance can)."""
         slo = request_slo(request.headers, self.config.slo_ttft_ms, self.config.slo_tpot_ms)
         pin = pinned_prefill(request, parsed)
+        admission = self.config.admission
+        priority = priority_of(parsed.body, request.headers, admission)
+        tenant = tenant_of(request.headers, admission) if self.admission is not None else ""
+        if "priority" in parsed.body and not admission.forward_priority:
+            del parsed.body["priority"]  # vLLM refuses it unless run with --scheduling-policy priority
+            raw = dumps_leg(parsed.body)
         snapshot, now = self.registry.snapshot(), t0
         population = snapshot.model_ids.get(parsed.model)
         if population and parsed.model not in self._tokenizer_of:
@@ -354,12 +374,26 @@ class Gateway:
             snapshot, now = self.registry.snapshot(), self.clock.monotonic()
         scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo)
         decision = route_request(self.scheduler, scheduling, snapshot, now)
+        pending: Pending | None = None
+        if self.admission is not None:
+            pending = Pending(scheduling, decision)
+            ticket = ticket_of(pending, priority=priority, tenant=tenant, arrival=t0, config=admission)
+            decision = await self.admission.enter(ticket)
+            if pending.queued_at is not None:
+                snapshot = self.registry.snapshot()  # it waited: judge its pair as it is now
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))
         t_decided = self.clock.monotonic()
         up_headers = self._upstream_headers(request, request_id)
         flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
         flow.stamps["scheduled"] = t_decided
+        if pending is not None and pending.queued_at is not None and pending.admitted_at is not None:
+            flow.stamps["queued"] = pending.queued_at
+            flow.stamps["admitted"] = pending.admitted_at
+        if pending is not None:
+            flow.admission = {"priority": priority, "tenant": tenant}
+            if pending.queued_at is not None and pending.admitted_at is not None:
+                flow.admission["queued_s"] = round(pending.admitted_at - pending.queued_at, 6)
         if decision.kv_source is not None:
             flow.prompt_tokens = tokens  # the block keys its decode instance fetches
         return flow
@@ -480,4 +514,5 @@ def _record_of(outcome: Outcome, total: float, ttfb: float | None, started_wall:
         resumes=outcome.resumes,
         relay=outcome.relay,
         unread_events=outcome.unread_events,
+        admission=outcome.admission,
     )

@@ -1,0 +1,240 @@
+"""The admission queue in the gateway's event loop (the policy is ``orchestrator.admission``).
+
+``Admission.enter`` takes a request the scheduler has just decided: admitted at once, it returns the
+decision; otherwise the request waits here for ``pump`` to admit it (with a fresh decision) or to
+refuse it (``Overloaded``, 429 with its reason and ``Retry-After``). The pump drains the queue whenever
+``kick`` says room may have come (a request finished) and every ``POLL_S`` while anything waits (a leg
+ended, metrics moved, a deadline passed). A client that leaves while it waits is withdrawn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_disagg.clock import Clock
+from vllm_disagg.config import AdmissionConfig
+from vllm_disagg.errors import NoCapacity, Overloaded, RequestError
+from vllm_disagg.orchestrator.admission.classify import TenantLabels
+from vllm_disagg.orchestrator.admission.fit import fit
+from vllm_disagg.orchestrator.admission.metrics import AdmissionMetrics, QueueCollector
+from vllm_disagg.orchestrator.admission.policy import (
+    ADMITTED,
+    FITS,
+    AdmissionQueue,
+    Fit,
+    Shed,
+    Ticket,
+    Verdict,
+)
+from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.routing import route_request
+from vllm_disagg.orchestrator.state.registry import GatewayRegistry
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.01  # while anything waits: how often room is looked for without a kick
+
+_WHY = {
+    "sheddable": "the request is in the sheddable class and its {stage} stage is saturated",
+    "tenant_over_share": "the admission queue is full and this tenant holds more than its share of it",
+    "queue_full": "the admission queue is full",
+    "deadline_unreachable": "its TTFT target can no longer be met",
+    "queue_timeout": "it waited the admission queue's longest wait",
+    "no_capacity": "no instance can take it",
+}
+
+
+@dataclass(eq=False, slots=True)
+class Pending:
+    """A request in admission: what the scheduler knows of it, and its latest decision."""
+
+    scheduling: SchedulingRequest
+    decision: Decision
+    error: RequestError | None = None  # the scheduler's refusal at its last check (raised once admitted)
+    future: asyncio.Future[Verdict] | None = None
+    queued_at: float | None = None
+    admitted_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def refusal(ticket: Ticket[Pending], shed: Shed) -> Overloaded:
+    """The client's 429 for a shed ticket."""
+    why = _WHY[shed.reason].format(stage=shed.stage or "prefill")
+    return Overloaded(
+        f"request refused by admission ({shed.reason}): {why}; retry after {shed.retry_after_s} s",
+        reason=shed.reason,
+        retry_after_s=shed.retry_after_s,
+        stage=shed.stage,
+    )
+
+
+class Admission:
+    """One gateway's admission queue, its pump, and its counts."""
+
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        scheduler: Scheduler,
+        registry: GatewayRegistry,
+        clock: Clock,
+        metrics: OrchestratorMetrics,
+    ) -> None:
+        self.config = config
+        self.queue: AdmissionQueue[Pending] = AdmissionQueue(config)
+        self.tenants = TenantLabels(config)
+        self._scheduler = scheduler
+        self._registry = registry
+        self._clock = clock
+        self._metrics = AdmissionMetrics(metrics.registry)
+        metrics.registry.register(
+            QueueCollector(self.queue.waiting, self.queue.blocked, self.tenants.name, clock.monotonic)
+        )
+        self._kick: asyncio.Event | None = None
+        self._pump: asyncio.Task[None] | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the pump, in the running event loop."""
+        self._kick = asyncio.Event()
+        self._pump = asyncio.create_task(self._run(), name="admission-pump")
+
+    async def close(self) -> None:
+        """Stop the pump; whatever still waits is refused (the gateway is stopping)."""
+        if self._pump is not None:
+            self._pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._pump
+            self._pump = None
+        for ticket in list(self.queue.waiting()):
+            self.queue.withdraw(ticket)
+            future = ticket.payload.future
+            if future is not None and not future.done():
+                future.set_exception(NoCapacity("the gateway is stopping"))
+
+    def kick(self) -> None:
+        """Room may have come (a request finished): drain soon."""
+        if self._kick is not None and self.queue.depth():
+            self._kick.set()
+
+    # --- one request ------------------------------------------------------------------------------
+
+    async def enter(self, ticket: Ticket[Pending]) -> Decision:
+        """Admit ``ticket`` (its payload holds its first decision) now or once room comes: the decision
+        to act on. Raises ``Overloaded`` when it is refused, or what the scheduler raised for it."""
+        pending = ticket.payload
+        now = self._clock.monotonic()
+        first = self._fit_of(pending, 0.0)
+        self._settle(self.queue.offer(ticket, first, now))
+        if ticket.state == "queued":
+            pending.queued_at = now
+            self._count(ticket, "queued", first.stage)
+            future: asyncio.Future[Verdict] = asyncio.get_running_loop().create_future()
+            pending.future = future
+            if self._kick is not None:
+                self._kick.set()
+            try:
+                await future
+            except asyncio.CancelledError:  # the client left while it waited
+                if ticket.state == "queued":
+                    self.queue.withdraw(ticket)
+                    self._count(ticket, "withdrawn", "")
+                raise
+        return self._outcome(ticket)
+
+    def _outcome(self, ticket: Ticket[Pending]) -> Decision:
+        pending = ticket.payload
+        verdict = pending.extra.get("verdict")
+        if isinstance(verdict, Shed):
+            raise refusal(ticket, verdict)
+        if pending.error is not None:
+            raise pending.error
+        return pending.decision
+
+    # --- the pump ---------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        assert self._kick is not None
+        kick = self._kick
+        while True:
+            if self.queue.depth():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(kick.wait(), POLL_S)
+            else:
+                await kick.wait()
+            kick.clear()
+            try:
+                self.drain()
+            except Exception:  # a bug here must not strand every waiting request
+                log.exception("admission: draining the queue failed")
+
+    def drain(self) -> None:
+        """Admit what fits now, refuse what waited too long."""
+        now = self._clock.monotonic()
+        self._settle(self.queue.drain(now, lambda t: self._check(t, now)))
+
+    def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
+        """A waiting request's pair, decided again on today's state, and whether it fits."""
+        pending = ticket.payload
+        try:
+            pending.decision = route_request(
+                self._scheduler, pending.scheduling, self._registry.snapshot(), now
+            )
+        except RequestError as exc:  # e.g. the model's instances are gone: admit, then answer that
+            pending.error = exc
+            return FITS
+        pending.error = None
+        return self._fit_of(pending, now - ticket.arrival)
+
+    def _fit_of(self, pending: Pending, waited_s: float) -> Fit:
+        return fit(pending.scheduling, pending.decision, self._registry.snapshot(), waited_s, self.config)
+
+    def _settle(self, outcomes: list[tuple[Ticket[Pending], Verdict]]) -> None:
+        now = self._clock.monotonic()
+        for ticket, verdict in outcomes:
+            pending = ticket.payload
+            pending.extra["verdict"] = verdict
+            if verdict == ADMITTED:
+                pending.admitted_at = now
+                waited = now - pending.queued_at if pending.queued_at is not None else 0.0
+                self._count(ticket, "admitted", "", waited)
+            else:
+                assert isinstance(verdict, Shed)
+                self._count(ticket, "shed", verdict.stage, reason=verdict.reason)
+            future = pending.future
+            if future is not None and not future.done():
+                future.set_result(verdict)
+
+    def _count(
+        self, ticket: Ticket[Pending], outcome: str, stage: str, waited: float | None = None, reason: str = ""
+    ) -> None:
+        tenant = self.tenants.name(ticket.tenant)
+        self._metrics.count(ticket.model, outcome, reason, stage, ticket.priority, tenant)
+        if waited is not None:
+            self._metrics.waited(ticket.model, ticket.priority, tenant, waited)
+
+
+def ticket_of(
+    pending: Pending, *, priority: int, tenant: str, arrival: float, config: AdmissionConfig
+) -> Ticket[Pending]:
+    """The queue's ticket of a request: its deadline from its TTFT target (else the default budget),
+    its cost its tokens (prompt and the most it may generate)."""
+    request = pending.scheduling
+    target = request.slo_ttft_s
+    budget = target if target is not None else config.ttft_s
+    cost = max(1, request.prompt_len) + (request.max_tokens or 0)
+    return Ticket(
+        payload=pending,
+        model=request.model,
+        priority=priority,
+        tenant=tenant,
+        arrival=arrival,
+        deadline=arrival + budget,
+        has_target=target is not None,
+        cost=float(cost),
+    )
