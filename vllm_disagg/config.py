@@ -7,6 +7,7 @@ with a ``ConfigError`` naming the field, so a bad flag fails at start-up rather 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from dataclasses import dataclass, field, fields
 
@@ -185,7 +186,7 @@ class ReplicaConfig:
             )
 
 
-_TENANT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+TENANT_NAME = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a tenant's name (admission: header, weights)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,9 @@ class AdmissionConfig:
     # A request without a TTFT target is admitted while the prefill its pair would run is predicted to
     # start within this long (the prefill stage's saturation point for it); also its ordering deadline.
     ttft_s: float = 5.0
-    kv_usage_high: float = 0.95  # a decode instance at or above this KV usage is saturated
+    # A decode instance at or above this KV usage is saturated: below the scheduler's kv-usage-filter
+    # ceiling (0.95), so that requests wait here before the scheduler has no instance left to offer.
+    kv_usage_high: float = 0.9
     # Priorities are vLLM's: lower is sooner, 0 the default. At or above this one, a request is in the
     # sheddable class: refused (never queued) while its pair is saturated.
     sheddable_priority: int = 1
@@ -222,8 +225,10 @@ class AdmissionConfig:
         )
         _non_negative("admission", max_tenant_labels=self.max_tenant_labels)
         for tenant, weight in self.tenant_weights:
-            if not _TENANT_NAME.fullmatch(tenant):
+            if not TENANT_NAME.fullmatch(tenant):
                 raise ConfigError(f"admission.tenant_weights: bad tenant name {tenant!r}")
+            if not math.isfinite(weight):
+                raise ConfigError(f"admission.tenant_weights[{tenant}] must be finite, got {weight}")
             _positive("admission", **{f"tenant_weights[{tenant}]": weight})
         for name in ("priority_header", "tenant_header"):
             if not re.fullmatch(r"[A-Za-z0-9-]+", getattr(self, name)):

@@ -204,6 +204,9 @@ async def test_an_operator_watches_requests_sees_a_dead_agent_and_drains_an_inst
         timeout=WAIT_MS,
     )
     await expect(ttft.first.locator("path")).to_have_attribute("d", re.compile(r"^M"))
+    # The admission panel counts them admitted (at least these six: the cluster had room for them).
+    admitted = page.locator(f"#admission tbody tr[data-model='{MODEL}'] td[data-field='admitted']")
+    await expect(admitted).to_have_text(re.compile(r"^([6-9]|[1-9]\d+)$"), timeout=WAIT_MS)
     await browser.screenshot("04-requests-done.png")
 
     # SIGKILL decode-0's agent: no Goodbye, only silence; the page marks it dead.

@@ -26,6 +26,7 @@ from vllm_disagg.errors import (
     NotFound,
     NotLeader,
     OrchestratorUnreachable,
+    Overloaded,
     PayloadTooLarge,
     RequestError,
     RolloutConflict,
@@ -52,6 +53,9 @@ ANSWERS = [
     pytest.param(Unprocessable("x"), 422, "UnprocessableEntityError", id="a failed attach is a 422"),
     pytest.param(HeadersTooLarge("x"), 431, "RequestHeaderFieldsTooLargeError", id="big headers: 431"),
     pytest.param(NoCapacity("x"), 503, "ServiceUnavailableError", id="no ready instance is a 503"),
+    pytest.param(
+        Overloaded("x", reason="queue_full", retry_after_s=3), 429, "RateLimitError", id="refused: a 429"
+    ),
     pytest.param(TimedOut("x"), 504, "TimeoutError", id="a restart not ready in time is a 504"),
     pytest.param(UpstreamError("x"), 502, "BadGatewayError", id="a failed engine is a 502"),
     pytest.param(UpstreamTimeout("x"), 504, "GatewayTimeoutError", id="a silent engine is a 504"),
@@ -89,6 +93,15 @@ def test_every_request_error_is_in_the_table() -> None:
     [
         pytest.param(Unauthorized("x"), "WWW-Authenticate", 'Bearer realm="vllm-disagg admin"', id="401"),
         pytest.param(MethodNotAllowed("x", ["GET", "POST"]), "Allow", "GET, POST", id="405 names methods"),
+        pytest.param(Overloaded("x", reason="sheddable", retry_after_s=7), "Retry-After", "7", id="429 when"),
+        pytest.param(
+            Overloaded("x", reason="sheddable", retry_after_s=7),
+            "X-Disagg-Shed-Reason",
+            "sheddable",
+            id="why",
+        ),
+        pytest.param(NoCapacity("x"), "X-Disagg-Shed-Reason", "no_capacity", id="503 says why"),
+        pytest.param(NoCapacity("x"), "Retry-After", "1", id="503 says when"),
     ],
 )
 def test_an_error_that_needs_a_header_carries_it(error: RequestError, header: str, value: str) -> None:

@@ -198,20 +198,55 @@ def _expect(status: int, body: Any, *ok: int) -> Any:
 
 
 def _status(base: str, token: str, args: argparse.Namespace) -> int:
-    """``status``: the instance table, and the replicas when the orchestrator is one of many
-    (``--json``: the API's documents)."""
+    """``status``: the instance table, the replicas when the orchestrator is one of many, and the
+    admission queue when it admits (``--json``: the API's documents)."""
     body = _expect(*_call("GET", f"{base}/admin/v1/instances", token))
     items = body.get("instances", []) if isinstance(body, dict) else []
     code, replicas = _call("GET", f"{base}/admin/v1/replicas", token)
     replicated = code == 200 and isinstance(replicas, dict)  # 404: a single orchestrator
+    code, admission = _call("GET", f"{base}/admin/v1/admission", token)
+    admits = code == 200 and isinstance(admission, dict)  # 404: an orchestrator from before admission
     if args.json:
-        print(jsonutil.dumps({**body, "replicas": replicas} if replicated else body).decode())
+        seen = {**body, "replicas": replicas} if replicated else dict(body)
+        print(jsonutil.dumps({**seen, "admission": admission} if admits else seen).decode())
         return 0
     print(format_table(items) if items else "no instances registered")
     if replicated:
         print()
         print(format_replicas(replicas))
+    if admits and admission.get("enabled"):  # --admission off: nothing to show
+        print()
+        print(format_admission(admission))
     return 0
+
+
+def format_admission(seen: dict[str, Any]) -> str:
+    """The admission queue per model: how many wait (by priority), the oldest wait, the saturated
+    stage, and the outcomes so far, shed ones by reason."""
+    models = seen.get("models") or {}
+    weights = seen.get("tenants", {}).get("weights") or {}
+    shares = ", ".join(f"{t}={w:g}" for t, w in weights.items()) or "all equal"
+    head = f"admission: {sum(m.get('depth', 0) for m in models.values())} waiting; tenants' weights: {shares}"
+    if not models:
+        return head + " (no request yet)"
+    rows = []
+    for name, m in models.items():
+        counts = m.get("counts") or {}
+        shed = {r: n for r, n in (counts.get("shed") or {}).items() if n}
+        rows.append(
+            [
+                name,
+                str(m.get("depth", 0)),
+                " ".join(f"{p}:{n}" for p, n in (m.get("by_priority") or {}).items()) or "-",
+                f"{float(m.get('oldest_wait_s') or 0.0):.3f}",
+                m.get("saturated") or "-",
+                str(counts.get("admitted", 0)),
+                str(counts.get("queued", 0)),
+                " ".join(f"{r}={n}" for r, n in shed.items()) or "0",
+            ]
+        )
+    header = ["MODEL", "WAITING", "BY-PRIORITY", "OLDEST-S", "SATURATED", "ADMITTED", "QUEUED", "SHED"]
+    return head + "\n" + _table(header, rows)
 
 
 def format_replicas(seen: dict[str, Any]) -> str:

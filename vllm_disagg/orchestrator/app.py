@@ -18,6 +18,7 @@ from aiohttp import web
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.http_errors import answering
+from vllm_disagg.orchestrator.admin.admission import tenant_weights
 from vllm_disagg.orchestrator.admin.api import Admin
 from vllm_disagg.orchestrator.admin.dashboard import add_dashboard_routes
 from vllm_disagg.orchestrator.control.kv_moves import ControlKvMover, KvMover, KvMoveSettings
@@ -191,7 +192,7 @@ def build_app(
         hub = WorkerHub(config, state.registry, state.kv_index, state.events, weights, kv_mover=kv_mover)
     planner_config = load_planner_config_file(config.planner_config)
     slo_window = SloWindow(planner_config.window_s, clock.monotonic)
-    gateway = _gateway(config, clock, state, scheduler, kv_mover, hub, slo_window)
+    gateway = _gateway(config, clock, state, scheduler, kv_mover, hub, slo_window, replication)
     _listen(state.registry, hellos, gateway, hub)
     roles = RoleChanger(
         state.registry,
@@ -284,9 +285,10 @@ def _gateway(
     kv_mover: KvMover,
     hub: WorkerHub | None,
     slo_window: SloWindow,
+    replication: Replication | None,
 ) -> Gateway:
-    """The gateway, with its request log and tokenizers."""
-    return Gateway(
+    """The gateway, with its request log and tokenizers; its admission's tenants' weights shared."""
+    gateway = Gateway(
         config,
         state.registry,
         scheduler,
@@ -300,6 +302,8 @@ def _gateway(
         kv_mover=kv_mover,
         slo_window=slo_window,
     )
+    _share_tenant_weights(gateway, hub, replication)
+    return gateway
 
 
 def _listen(registry: Registry, hellos: _Listeners, gateway: Gateway, hub: WorkerHub | None) -> None:
@@ -313,6 +317,20 @@ def _listen(registry: Registry, hellos: _Listeners, gateway: Gateway, hub: Worke
     registry.on_lost = lost
     registry.on_kv_audit = gateway.kv_audited
     registry.on_event = gateway.events.publish_fields
+
+
+def _share_tenant_weights(gateway: Gateway, hub: WorkerHub | None, replication: Replication | None) -> None:
+    """Admission's tenants' weights reach every process that admits: the gateway workers with the next
+    state push, and the other replicas through etcd (``admission/tenants``), which each one applies."""
+    admission = gateway.admission
+    if admission is None:
+        return
+    if hub is not None:
+        hub.tenant_weights = admission.tenant_weights
+    if replication is not None:
+        replication.intent.on_tenants = lambda data: admission.set_tenant_weights(
+            tenant_weights(data, admission.config)
+        )
 
 
 def _application(
@@ -370,10 +388,10 @@ def _application(
         forward=forwarder,
         intent=replication.intent if replication is not None else None,
         start_grace_s=config.heartbeat_timeout_s + HELLO_BACKOFF_MAX_S if replication is not None else 0.0,
+        admission=gateway.admission,
     )
     _add_admin(app, admin, config)
-    app.cleanup_ctx.append(_control_ctx)
-    app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.extend((_control_ctx, _session_ctx))  # in this order: stopped in the reverse one
     return app
 
 

@@ -6,6 +6,7 @@ Kept apart from ``main`` so that ``up`` reads them without importing the orchest
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any
 
 from vllm_disagg.config import AdmissionConfig, OrchestratorConfig
@@ -120,7 +121,7 @@ def _weight(text: str) -> tuple[str, float]:
         weight = float(value)
     except ValueError:
         weight = 0.0
-    if not sep or not name or not weight > 0:
+    if not sep or not name or not 0 < weight < math.inf:
         raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT with a weight > 0, got {text!r}")
     return name, weight
 

@@ -61,13 +61,9 @@ def random_request_id() -> str:
     return f"{uuid.uuid4().int & ((1 << 64) - 1):016x}"
 
 
-def parse_request(
-    kind: Kind, raw: bytes, *, request_id: str | None, served_model: str, default_max_tokens: int
-) -> SimRequest:
-    """Validate a request body like vLLM: 400 for bad input, 404 for a model this engine does not serve.
-
-    ``request_id`` is the ``X-Request-Id`` header; without one, the body's ``request_id`` or a fresh one.
-    """
+def _body_of(raw: bytes, served_model: str) -> dict[str, Any]:
+    """The body as a JSON object for the served model, its priority the default (vLLM's default
+    scheduling policy, fcfs, refuses any other, and so do we)."""
     try:
         body = jsonutil.loads(raw)
     except jsonutil.JSONDecodeError as exc:
@@ -77,6 +73,20 @@ def parse_request(
     model = _field(body, "model", str)
     if model is not None and model != served_model:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    priority = _field(body, "priority", int)
+    if priority:
+        raise BadRequest(f"Got priority {priority} but Priority scheduling is not enabled.")
+    return body
+
+
+def parse_request(
+    kind: Kind, raw: bytes, *, request_id: str | None, served_model: str, default_max_tokens: int
+) -> SimRequest:
+    """Validate a request body like vLLM: 400 for bad input, 404 for a model this engine does not serve.
+
+    ``request_id`` is the ``X-Request-Id`` header; without one, the body's ``request_id`` or a fresh one.
+    """
+    body = _body_of(raw, served_model)
     params = _field(body, "kv_transfer_params", dict)
     prompt: str | tuple[int, ...]
     if kind == "completion":

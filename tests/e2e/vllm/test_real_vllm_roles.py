@@ -12,6 +12,8 @@ in the new arrangement.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -26,8 +28,8 @@ from tests.e2e.vllm.test_real_vllm_attached import running
 from tests.helpers import ADMIN, cli_argv, eventually
 from tests.integration.orchestrator_support import orch_config
 from vllm_disagg import jsonutil
-from vllm_disagg.config import AgentConfig
-from vllm_disagg.orchestrator.app import start_orchestrator
+from vllm_disagg.config import AdmissionConfig, AgentConfig
+from vllm_disagg.orchestrator.app import GATEWAY_KEY, OrchestratorServer, start_orchestrator
 
 pytestmark = pytest.mark.timeout(1800)
 PROMPT = "Both engines can prefill and decode, so which does which is the router's choice alone: "
@@ -72,6 +74,27 @@ async def set_role(
         return resp.status, await resp.json()
 
 
+def attached(
+    server: OrchestratorServer, engines: tuple[str, str], log: Path
+) -> contextlib.AbstractContextManager[None]:
+    """Agents ``a`` and ``b`` attached to the two engines, serving either duty."""
+    flags = ["--model", MODEL, "--engine", "vllm", "--orchestrator", server.zmq_endpoint]
+    flags += ["--health-timeout-s", "20", "--role", "both"]
+    argvs = [
+        cli_argv("agent", "--agent-id", name, "--attach", url, *flags)
+        for name, url in zip(("a", "b"), engines, strict=True)
+    ]
+    return running(argvs, log)
+
+
+async def both_ready(server: OrchestratorServer) -> None:
+    def ready() -> bool:
+        snap = server.registry.snapshot()
+        return len(snap.ready_prefill.get(MODEL, ())) == 2 and len(snap.ready_decode.get(MODEL, ())) == 2
+
+    await eventually(ready, timeout=300, what="both instances ready")
+
+
 async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
     engines: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -86,22 +109,8 @@ async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
             for base in (a, b):  # so that the answers below come through the KV handoff, not a cache hit
                 async with session.post(f"{base}/reset_prefix_cache") as resp:
                     assert resp.status == 200
-            flags = ["--model", MODEL, "--engine", "vllm", "--orchestrator", server.zmq_endpoint]
-            flags += ["--health-timeout-s", "20", "--role", "both"]
-            argvs = [
-                cli_argv("agent", "--agent-id", name, "--attach", url, *flags)
-                for name, url in (("a", a), ("b", b))
-            ]
-            with running(argvs, tmp_path / "agents.log"):
-
-                def both_ready() -> bool:
-                    snap = server.registry.snapshot()
-                    return (
-                        len(snap.ready_prefill.get(MODEL, ())) == 2
-                        and len(snap.ready_decode.get(MODEL, ())) == 2
-                    )
-
-                await eventually(both_ready, timeout=300, what="both instances ready")
+            with attached(server, engines, tmp_path / "agents.log"):
+                await both_ready(server)
                 first, second = "a", "b"
                 timings = []
                 for prefill, decode, n in ((first, second, 2), (second, first, 4)):
@@ -119,5 +128,49 @@ async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
                     view = server.registry.get(prefill)
                     assert view is not None and view.session == 1, "the same session: no restart"
                 print(f"role change to first request served: {', '.join(f'{t:.3f} s' for t in timings)}")
+    finally:
+        await server.close()
+
+
+async def test_a_burst_past_capacity_is_queued_or_refused_with_a_reason_and_never_a_5xx(
+    engines: tuple[str, str], tmp_path: Path
+) -> None:
+    """Admission in front of real engines: a budget of a millisecond makes any busy engine saturated,
+    so the pair takes one request at a time and the queue (three places) holds the rest of a burst;
+    those it holds get their answers, the burst beyond it and the sheddable class get 429s that say
+    why and when to come back, and no request gets a 5xx."""
+    admission = AdmissionConfig(ttft_s=0.001, max_queue=3, sheddable_priority=1)
+    config = orch_config(
+        heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0, admission=admission
+    )
+    server = await start_orchestrator(config, shutdown_timeout_s=5.0)
+    try:
+        with attached(server, engines, tmp_path / "agents.log"):
+            await both_ready(server)
+            queue = server.app[GATEWAY_KEY].admission
+            assert queue is not None
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+
+                async def send(n: int, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+                    body = {"model": MODEL, "prompt": f"{n}. {PROMPT * 4}", "max_tokens": 8}
+                    async with session.post(
+                        f"{server.url}/v1/completions", json=body, headers={**JSON, **headers}
+                    ) as resp:
+                        return resp.status, dict(resp.headers), await resp.read()
+
+                burst = [asyncio.create_task(send(n, {})) for n in range(8)]
+                await eventually(lambda: queue.queue.depth(MODEL) == 3, timeout=120, what="a full queue")
+                bulk = await asyncio.gather(*(send(n, {"x-priority": "1"}) for n in range(3)))
+                answers = await asyncio.gather(*burst)
+        for status, headers, raw in bulk:
+            assert (status, headers["X-Disagg-Shed-Reason"]) == (429, "sheddable"), raw
+            assert 1 <= int(headers["Retry-After"]) <= 60
+        served = [raw for status, _, raw in answers if status == 200]
+        assert len(served) >= 3, "the queue's three, at least, got their answers"
+        assert all(jsonutil.loads(raw)["choices"][0]["text"] for raw in served)
+        for status, headers, raw in answers:
+            if status != 200:
+                assert (status, headers["X-Disagg-Shed-Reason"]) == (429, "queue_full"), raw
+                assert jsonutil.loads(raw)["error"]["code"] == 429
     finally:
         await server.close()

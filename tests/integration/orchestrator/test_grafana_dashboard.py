@@ -56,3 +56,5 @@ async def test_every_dashboard_query_names_a_metric_the_orchestrator_exports(
     stages = {"schedule", "kv_handoff", "queue", "time_per_output_token"}
     assert {f"vllm_disagg_{stage}_seconds" for stage in stages} <= dashboard_metrics()
     assert "vllm_disagg_role_changes_total" in dashboard_metrics()
+    admission = {"queue_depth", "oldest_wait_seconds", "wait_seconds", "requests_total", "saturated"}
+    assert {f"vllm_disagg_admission_{name}" for name in admission} <= dashboard_metrics()

@@ -7,6 +7,8 @@ import argparse
 import pytest
 
 from vllm_disagg.cli.up import add_arguments, spec_from_args
+from vllm_disagg.config import AdmissionConfig
+from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator import main as orchestrator_main
 from vllm_disagg.orchestrator.flags import SHARED_FLAGS
 
@@ -59,3 +61,44 @@ def test_the_orchestrators_recovery_flags_given_to_up_reach_the_orchestrator_and
 def test_recovery_flags_not_given_to_up_leave_the_orchestrators_defaults() -> None:
     argv = orchestrator_argv_of()
     assert not {flag for flag, *_ in SHARED_FLAGS} & set(argv)
+
+
+def admission_of(*flags: str) -> tuple[list[str], AdmissionConfig]:
+    """The orchestrator's argv from ``up`` with ``flags``, and the admission config it parses to."""
+    argv = orchestrator_argv_of(*flags)
+    parser = argparse.ArgumentParser()
+    orchestrator_main.add_arguments(parser)
+    config = orchestrator_main.config_from_args(parser.parse_args(argv[argv.index("orchestrator") + 1 :]))
+    return argv, config.admission
+
+
+def test_the_admission_flags_given_to_up_reach_the_orchestrator() -> None:
+    _, admission = admission_of(
+        "--admission-max-queue", "64", "--admission-ttft-s", "2", "--sheddable-priority", "3",
+        "--tenant-weight", "gold=3", "--tenant-weight", "bronze=0.5", "--forward-priority",
+        "--tenant-header", "x-org",
+    )  # fmt: skip
+    assert (admission.max_queue, admission.ttft_s, admission.sheddable_priority) == (64, 2.0, 3)
+    assert admission.tenant_weights == (("gold", 3.0), ("bronze", 0.5))
+    assert admission.forward_priority and admission.enabled and admission.tenant_header == "x-org"
+    assert not admission_of("--admission", "off")[1].enabled
+
+
+def test_without_admission_flags_up_leaves_the_orchestrators_defaults() -> None:
+    argv, admission = admission_of()
+    assert admission == AdmissionConfig()
+    assert not [part for part in argv if "admission" in part or "tenant" in part or "priority" in part]
+
+
+@pytest.mark.parametrize("weight", ["gold", "gold=0", "gold=inf", "gold=-1", "=2", "gold=x"])
+def test_a_bad_tenant_weight_is_refused_by_the_parser(
+    weight: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        orchestrator_argv_of("--tenant-weight", weight)
+    assert "TENANT=WEIGHT" in capsys.readouterr().err
+
+
+def test_a_tenant_weighed_twice_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="twice"):
+        admission_of("--tenant-weight", "a=1", "--tenant-weight", "a=2")

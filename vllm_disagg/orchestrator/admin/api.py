@@ -4,7 +4,8 @@
 ``/undrain`` and ``/shutdown`` send the command to the agent and return its ``Ack`` (404 unknown id,
 502 agent not connected, 504 no ack). Drain and undrain change the registry at once, so routing
 follows the operator even if the agent is slow to answer. ``GET requests`` and
-``GET requests/{id}`` show the gateway's recent per-request records.
+``GET requests/{id}`` show the gateway's recent per-request records; ``admission`` the gateway's
+admission queue and its tenants' weights (``admin/admission.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.errors import BadRequest, Conflict, MethodNotAllowed, NotFound, NotLeader, Unprocessable
 from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.admin import openapi
+from vllm_disagg.orchestrator.admin.admission import AdmissionAdmin
 from vllm_disagg.orchestrator.admin.auth import guarded
 from vllm_disagg.orchestrator.admin.openapi import AdminRoute
 from vllm_disagg.orchestrator.admin.shapes import (
@@ -35,6 +37,7 @@ from vllm_disagg.orchestrator.control.plane import ControlPlane
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.control.rollout import Rollouts
 from vllm_disagg.orchestrator.control.spawner import AgentSpawner
+from vllm_disagg.orchestrator.gateway.admit import Admission
 from vllm_disagg.orchestrator.gateway.records import RequestLog
 from vllm_disagg.orchestrator.gateway.workers.hub import WorkerHub
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
@@ -92,8 +95,10 @@ class Admin:
         forward: Forward | None = None,
         intent: IntentRecorder | None = None,
         start_grace_s: float = 0.0,
+        admission: Admission | None = None,
     ) -> None:
         self._intent = intent  # replicas: operators' word goes to etcd before it is acted on
+        self._admission = AdmissionAdmin(admission, workers, intent)  # the gateway's queue (None: off)
         # A replica is not ready before every agent has had the time to say Hello to it (the longest
         # Hello backoff, 2 s, past a heartbeat timeout), lest it route on part of the cluster.
         self._started = clock.monotonic()
@@ -519,6 +524,7 @@ class Admin:
             AdminRoute("GET", "/admin/v1/events", self.events, since),
             AdminRoute("POST", "/admin/v1/events", self.add_event),
             AdminRoute("GET", "/admin/v1/requests/{request_id}", self.request_record),
+            *self._admission.routes(),
         ]
 
     def add_admin_routes(self, app: web.Application, token: str) -> None:

@@ -14,14 +14,12 @@ behind one, leave the header out and tenants follow their keys.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_disagg.config import AdmissionConfig
+from vllm_disagg.config import TENANT_NAME, AdmissionConfig
 from vllm_disagg.errors import BadRequest
 
-_TENANT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _PRIORITY_BOUND = 1 << 31  # vLLM's priority is a C int in spirit; nothing sane is larger
 DEFAULT_TENANT = "default"
 OTHER_TENANTS = "other"
@@ -58,7 +56,7 @@ def tenant_of(headers: Mapping[str, str], config: AdmissionConfig) -> str:
     named = headers.get(config.tenant_header)
     if named is not None:
         named = named.strip()
-        if not _TENANT.fullmatch(named):
+        if not TENANT_NAME.fullmatch(named):
             raise BadRequest(
                 f"the {config.tenant_header} header must be 1-64 of letters, digits and ._:-",
                 param=config.tenant_header,

@@ -20,6 +20,8 @@ names the one that binds, prefill first where both do.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from vllm_disagg.config import AdmissionConfig
 from vllm_disagg.orchestrator.admission.policy import FITS, Fit
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
@@ -39,14 +41,18 @@ def fit(
     snapshot: RegistrySnapshot,
     waited_s: float,
     config: AdmissionConfig,
+    admitted: Mapping[str, int] | None = None,
 ) -> Fit:
-    """Whether ``decision``'s pair has room for ``request`` after it waited ``waited_s``."""
+    """Whether ``decision``'s pair has room for ``request`` after it waited ``waited_s``; ``admitted``:
+    requests admitted to each instance that the snapshot does not count yet (admitted in this drain,
+    their legs not started)."""
     first = snapshot.by_id.get(decision.prefill or decision.decode)
     decode = snapshot.by_id.get(decision.decode)
     if first is None or decode is None:  # gone since the decision: the flow's recovery handles it
         return FITS
     target = request.slo_ttft_s
-    busy = snapshot.in_flight_of(first.agent_id)
+    extra = admitted or {}
+    busy = snapshot.in_flight_of(first.agent_id) + extra.get(first.agent_id, 0)
     unreachable = False
     if target is not None:
         own = uncached_tokens(first, request) / prefill_rate(first.metrics, DEFAULT_PREFILL_TOKENS_PER_S)
@@ -56,7 +62,7 @@ def fit(
         budget = config.ttft_s if target is None else target - waited_s
         if predicted > budget:
             return Fit(False, "prefill", unreachable)
-    d_busy = snapshot.in_flight_of(decode.agent_id)
+    d_busy = snapshot.in_flight_of(decode.agent_id) + extra.get(decode.agent_id, 0)
     if d_busy:
         if decode.metrics.kv_cache_usage >= config.kv_usage_high:
             return Fit(False, "decode", unreachable)

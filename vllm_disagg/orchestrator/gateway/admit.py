@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ from vllm_disagg.orchestrator.admission.metrics import AdmissionMetrics, QueueCo
 from vllm_disagg.orchestrator.admission.policy import (
     ADMITTED,
     FITS,
+    SHED_REASONS,
     AdmissionQueue,
     Fit,
     Shed,
@@ -34,6 +37,7 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.routing import route_request
 from vllm_disagg.orchestrator.state.registry import GatewayRegistry
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -49,16 +53,29 @@ _WHY = {
 }
 
 
+# The scheduler filtered every ready instance out for its load (KV usage above the filter's ceiling):
+# a saturated decode stage, to wait for like any other, not a cluster that is down.
+LOADED = Fit(False, "decode")
+
+
+def loaded(error: RequestError, snapshot: RegistrySnapshot, model: str) -> bool:
+    """Is ``error`` the scheduler finding no room although the model has ready instances?"""
+    return isinstance(error, NoCapacity) and bool(
+        snapshot.ready_decode.get(model) or snapshot.ready_prefill.get(model)
+    )
+
+
 @dataclass(eq=False, slots=True)
 class Pending:
     """A request in admission: what the scheduler knows of it, and its latest decision."""
 
     scheduling: SchedulingRequest
-    decision: Decision
+    decision: Decision | None  # None: the scheduler found every ready instance too loaded (``loaded``)
     error: RequestError | None = None  # the scheduler's refusal at its last check (raised once admitted)
     future: asyncio.Future[Verdict] | None = None
     queued_at: float | None = None
     admitted_at: float | None = None
+    held_by: str = ""  # the stage that held it back last ("prefill" or "decode"; "" if none did)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,6 +113,10 @@ class Admission:
         )
         self._kick: asyncio.Event | None = None
         self._pump: asyncio.Task[None] | None = None
+        # Told after each drain how many wait for each stage (the planner's signals).
+        self.on_held: Callable[[int, int], None] | None = None
+        self._tenant_weights = dict(config.tenant_weights)  # those set; any other tenant weighs 1.0
+        self._counts: Counter[tuple[str, str, str]] = Counter()  # (model, outcome, reason), for operators
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -154,6 +175,7 @@ class Admission:
             raise refusal(ticket, verdict)
         if pending.error is not None:
             raise pending.error
+        assert pending.decision is not None
         return pending.decision
 
     # --- the pump ---------------------------------------------------------------------------------
@@ -176,22 +198,40 @@ class Admission:
     def drain(self) -> None:
         """Admit what fits now, refuse what waited too long."""
         now = self._clock.monotonic()
-        self._settle(self.queue.drain(now, lambda t: self._check(t, now)))
+        # What this drain admits reaches the registry's in-flight counts only when its legs start
+        # (its task runs after this drain): until then, counted here.
+        admitted: dict[str, int] = {}
+        self._settle(self.queue.drain(now, lambda t: self._check(t, now, admitted)))
+        if self.on_held is not None:
+            held = {"prefill": 0, "decode": 0, "": 0}
+            for ticket in self.queue.waiting():
+                stage = self.queue.blocked(ticket.model)
+                held[stage] += 1
+                ticket.payload.held_by = stage or ticket.payload.held_by
+            self.on_held(held["prefill"], held["decode"])
 
-    def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
-        """A waiting request's pair, decided again on today's state, and whether it fits."""
+    def _check(self, ticket: Ticket[Pending], now: float, admitted: dict[str, int]) -> Fit:
+        """A waiting request's pair, decided again on today's state, and whether it fits (counted in
+        ``admitted`` when it does: the queue admits it)."""
         pending = ticket.payload
+        snapshot = self._registry.snapshot()
         try:
-            pending.decision = route_request(
-                self._scheduler, pending.scheduling, self._registry.snapshot(), now
-            )
-        except RequestError as exc:  # e.g. the model's instances are gone: admit, then answer that
-            pending.error = exc
-            return FITS
+            pending.decision = decision = route_request(self._scheduler, pending.scheduling, snapshot, now)
+        except RequestError as exc:
+            pending.error, pending.decision = exc, None
+            if loaded(exc, snapshot, ticket.model):  # it waits for room like any other
+                return LOADED
+            return FITS  # e.g. the model's instances are gone: admit it, and it gets that answer
         pending.error = None
-        return self._fit_of(pending, now - ticket.arrival)
+        verdict = fit(pending.scheduling, decision, snapshot, now - ticket.arrival, self.config, admitted)
+        if verdict.ok:
+            for agent_id in {decision.prefill or decision.decode, decision.decode}:
+                admitted[agent_id] = admitted.get(agent_id, 0) + 1
+        return verdict
 
     def _fit_of(self, pending: Pending, waited_s: float) -> Fit:
+        if pending.decision is None:
+            return LOADED
         return fit(pending.scheduling, pending.decision, self._registry.snapshot(), waited_s, self.config)
 
     def _settle(self, outcomes: list[tuple[Ticket[Pending], Verdict]]) -> None:
@@ -214,9 +254,69 @@ class Admission:
         self, ticket: Ticket[Pending], outcome: str, stage: str, waited: float | None = None, reason: str = ""
     ) -> None:
         tenant = self.tenants.name(ticket.tenant)
+        self._counts[(ticket.model, outcome, reason)] += 1
         self._metrics.count(ticket.model, outcome, reason, stage, ticket.priority, tenant)
         if waited is not None:
             self._metrics.waited(ticket.model, ticket.priority, tenant, waited)
+
+    # --- what operators read and set (the admin API) ----------------------------------------------
+
+    def tenant_weights(self) -> dict[str, float]:
+        """The tenants' weights in force, configured or set since (any other tenant weighs 1.0)."""
+        return dict(sorted(self._tenant_weights.items()))
+
+    def set_tenant_weights(self, weights: Mapping[str, float]) -> None:
+        """Make ``weights`` (checked by the caller) the tenants' weights: one left out weighs 1.0 again."""
+        for tenant in self._tenant_weights.keys() - weights.keys():
+            self.queue.set_weight(tenant, 1.0)
+        for tenant, weight in weights.items():
+            self.queue.set_weight(tenant, weight)
+            self.tenants.add(tenant)
+        self._tenant_weights = dict(weights)
+
+    def snapshot(self) -> dict[str, Any]:
+        """This process's queues now and its counts so far, as JSON: per model, the depth by priority
+        and by tenant (named as in the metrics), the oldest wait, the stage holding the queue back, the
+        outcomes (shed ones by reason) and each tenant's lead on its share; and the tenants' weights."""
+        now = self._clock.monotonic()
+        waiting = list(self.queue.waiting())
+        names = {t.model for t in waiting} | {model for model, _, _ in self._counts}
+        models = {model: self._model_view(model) for model in sorted(names)}
+        for ticket in waiting:
+            view = models[ticket.model]
+            view["depth"] += 1
+            _bump(view["by_priority"], str(ticket.priority))
+            _bump(view["by_tenant"], self.tenants.name(ticket.tenant))
+            view["oldest_wait_s"] = max(view["oldest_wait_s"], round(now - ticket.arrival, 3))
+        for (model, outcome, reason), n in self._counts.items():
+            counts = models[model]["counts"]
+            if outcome == "shed":
+                _bump(counts["shed"], reason, n)
+            else:
+                _bump(counts, outcome, n)
+        return {"models": models, "tenant_weights": self.tenant_weights()}
+
+    def _model_view(self, model: str) -> dict[str, Any]:
+        """One model's entry in ``snapshot``, before its waiting requests and counts are added: the
+        tenants' leads are their virtual times over the queue's (tokens over weight; 0 or less: none)."""
+        ahead: dict[str, float] = {}
+        for tenant, lead in self.queue.virtual_times(model).items():
+            name = self.tenants.name(tenant)  # tenants past the metrics' limit: "other", the largest lead
+            ahead[name] = round(max(ahead.get(name, lead), lead), 3)
+        counts = {"queued": 0, "admitted": 0, "withdrawn": 0, "shed": dict.fromkeys(SHED_REASONS, 0)}
+        return {
+            "depth": 0,
+            "by_priority": {},
+            "by_tenant": {},
+            "oldest_wait_s": 0.0,
+            "saturated": self.queue.blocked(model),
+            "counts": counts,
+            "ahead_of_share": ahead,
+        }
+
+
+def _bump(counts: dict[str, int], key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
 
 
 def ticket_of(

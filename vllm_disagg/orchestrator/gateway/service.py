@@ -29,11 +29,11 @@ from yarl import URL
 
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import RequestError, UpstreamError
+from vllm_disagg.errors import NoCapacity, RequestError, UpstreamError
 from vllm_disagg.http_errors import error_response
 from vllm_disagg.orchestrator.admission.classify import priority_of, tenant_of
 from vllm_disagg.orchestrator.control.kv_moves import KvMover
-from vllm_disagg.orchestrator.gateway.admit import Admission, Pending, ticket_of
+from vllm_disagg.orchestrator.gateway.admit import Admission, Pending, loaded, ticket_of
 from vllm_disagg.orchestrator.gateway.contract import Outcome
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import (
@@ -62,6 +62,7 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.signals import SloWindow
 from vllm_disagg.orchestrator.scheduling.framework import (
     NO_CACHE,
+    Decision,
     Scheduler,
     SchedulingRequest,
 )
@@ -69,7 +70,7 @@ from vllm_disagg.orchestrator.scheduling.routing import route_request
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.kv_audit import Outcome as AuditOutcome
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
-from vllm_disagg.orchestrator.state.registry import GatewayRegistry
+from vllm_disagg.orchestrator.state.registry import GatewayRegistry, RegistrySnapshot
 from vllm_disagg.protocol.messages import InstanceInfo
 
 log = logging.getLogger(__name__)
@@ -116,6 +117,8 @@ class Gateway:
         self.admission = (
             Admission(admission, scheduler, registry, clock, metrics) if admission.enabled else None
         )
+        if self.admission is not None and slo_window is not None:
+            self.admission.on_held = slo_window.admission_held
         self.session: EngineClient | None = None  # made by ``open``, in the running loop
         self._background: set[asyncio.Future[None]] = set()
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
@@ -373,14 +376,7 @@ class Gateway:
             # The registry and the clock moved on meanwhile.
             snapshot, now = self.registry.snapshot(), self.clock.monotonic()
         scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo)
-        decision = route_request(self.scheduler, scheduling, snapshot, now)
-        pending: Pending | None = None
-        if self.admission is not None:
-            pending = Pending(scheduling, decision)
-            ticket = ticket_of(pending, priority=priority, tenant=tenant, arrival=t0, config=admission)
-            decision = await self.admission.enter(ticket)
-            if pending.queued_at is not None:
-                snapshot = self.registry.snapshot()  # it waited: judge its pair as it is now
+        decision, snapshot, pending = await self._decide(scheduling, snapshot, now, t0, priority, tenant)
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))
         t_decided = self.clock.monotonic()
@@ -394,9 +390,36 @@ class Gateway:
             flow.admission = {"priority": priority, "tenant": tenant}
             if pending.queued_at is not None and pending.admitted_at is not None:
                 flow.admission["queued_s"] = round(pending.admitted_at - pending.queued_at, 6)
+                flow.admission["held_by"] = pending.held_by
         if decision.kv_source is not None:
             flow.prompt_tokens = tokens  # the block keys its decode instance fetches
         return flow
+
+    async def _decide(
+        self,
+        scheduling: SchedulingRequest,
+        snapshot: RegistrySnapshot,
+        now: float,
+        t0: float,
+        priority: int,
+        tenant: str,
+    ) -> tuple[Decision, RegistrySnapshot, Pending | None]:
+        """The scheduler's decision, through admission where it is on (the request may wait there):
+        the decision, the snapshot it stands on, and the request's admission."""
+        if self.admission is None:
+            return route_request(self.scheduler, scheduling, snapshot, now), snapshot, None
+        try:
+            pending = Pending(scheduling, route_request(self.scheduler, scheduling, snapshot, now))
+        except NoCapacity as exc:  # instances too loaded to take it are waited for, like any others
+            if not loaded(exc, snapshot, scheduling.model):
+                raise
+            pending = Pending(scheduling, None, exc)
+        config = self.config.admission
+        ticket = ticket_of(pending, priority=priority, tenant=tenant, arrival=t0, config=config)
+        decision = await self.admission.enter(ticket)
+        if pending.queued_at is not None:
+            snapshot = self.registry.snapshot()  # it waited: judge its pair as it is now
+        return decision, snapshot, pending
 
     def _upstream_headers(self, request: ClientRequest, request_id: str) -> dict[str, str]:
         """The engine legs' headers: the request id, and the engines' key (or, when configured, the
@@ -437,7 +460,7 @@ class Gateway:
             metrics.stream_events_unread(outcome.unread_events)
         if outcome.scheduling is not None:
             ttft = outcome.ttft_seen_s
-            self._latency_seen(outcome.scheduling, outcome.mode, outcome.status, ttft, outcome.tpot_s)
+            self._latency_seen(outcome, ttft, outcome.tpot_s)
         metrics.request_done(
             outcome.route,
             "fallback" if outcome.fallback else outcome.mode,
@@ -452,10 +475,11 @@ class Gateway:
             tpot_s=outcome.tpot_s,
         )
 
-    def _latency_seen(
-        self, target: SchedulingRequest, mode: str, status: int, ttft: float | None, tpot: float | None
-    ) -> None:
-        """A finished request's latency: against its own targets, and into the planner's window."""
+    def _latency_seen(self, outcome: Outcome, ttft: float | None, tpot: float | None) -> None:
+        """A finished request's latency: against its own targets, and into the planner's window (less
+        any wait in admission for its decode stage: not the prefill pool's doing)."""
+        target, mode, status = outcome.scheduling, outcome.mode, outcome.status
+        assert target is not None
         if target.slo_ttft_s is not None or target.slo_tpot_s is not None:
             label = slo_class(target.slo_ttft_s, target.slo_tpot_s)
             self.metrics.slo_request(label, attainment(target, status, ttft, tpot))
@@ -463,6 +487,9 @@ class Gateway:
         if window is None or status != 200:
             return
         if mode == "disaggregated" and ttft is not None:  # the prefill pool's figure
+            waited = outcome.admission.get("queued_s")
+            if outcome.admission.get("held_by") == "decode" and isinstance(waited, float):
+                ttft -= waited
             window.ttft(ttft)
         if tpot is not None:
             window.tpot(tpot)

@@ -37,6 +37,7 @@ class PoolSignals:
     queue: float = 0.0  # engines' waiting requests per instance
     kv_usage: float = 0.0  # engines' mean KV cache usage
     movable: tuple[str, ...] = ()  # instances that may leave the pool, least busy first
+    held: int = 0  # requests the gateway's admission queue holds back for this pool's stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,10 +108,15 @@ def remember_change(memory: Memory, last_change_at: float | None) -> Memory:
 
 
 def pressure(pool: PoolSignals, target_s: float, min_samples: int) -> float | None:
-    """The pool's p90 over its target; None with fewer than ``min_samples`` requests measured."""
+    """The pool's p90 over its target; None with fewer than ``min_samples`` requests measured. A pool
+    the admission queue holds requests back for is over its target whatever its p90 (admission keeps
+    the p90 of what it serves in check): by one, plus the requests held per instance."""
     if pool.p90_s is None or pool.samples < max(1, min_samples):
         return None
-    return pool.p90_s / target_s
+    measured = pool.p90_s / target_s
+    if pool.held:
+        return max(measured, 1.0 + pool.held / max(pool.size, 1))
+    return measured
 
 
 def suggest_ratio(
@@ -185,6 +191,8 @@ def _figures(
         "decode_queue": round(decode.queue, 3),
         "prefill_kv_usage": round(prefill.kv_usage, 3),
         "decode_kv_usage": round(decode.kv_usage, 3),
+        "prefill_held": prefill.held,
+        "decode_held": decode.held,
     }
 
 

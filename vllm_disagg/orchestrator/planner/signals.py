@@ -5,6 +5,11 @@ attributed to the prefill pool (a stream's first token; a whole answer's end of 
 part of its TTFT the prefill pool decides), and the **TPOT** of a stream, attributed to the decode
 pool. With gateway workers the orchestrator's process sees its own share of the requests, a sample
 the kernel spreads evenly. Engines' queues and KV usage come from the registry's latest heartbeats.
+
+Admission (docs/admission.md) holds requests in the gateway for the stage that binds: the window keeps
+how many wait for each stage (``held``), so that a pool admission waits on is short even while the
+requests it does serve meet their targets; and a request held back for its decode stage gives the
+prefill pool its TTFT less that wait (the gateway subtracts it: the prefill pool did not cause it).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ class SloWindow:
             "prefill": deque(maxlen=_MAX_SAMPLES),
             "decode": deque(maxlen=_MAX_SAMPLES),
         }
+        self.held: dict[PoolName, int] = {"prefill": 0, "decode": 0}
+
+    def admission_held(self, prefill: int, decode: int) -> None:
+        """Requests the admission queue holds back now, by the stage that binds (set at each drain)."""
+        self.held = {"prefill": prefill, "decode": decode}
 
     def ttft(self, seconds: float) -> None:
         """A disaggregated request's TTFT (the prefill pool's figure)."""
@@ -90,6 +100,7 @@ def pool_signals(snapshot: RegistrySnapshot, window: SloWindow) -> tuple[PoolSig
                 queue=sum(v.metrics.num_waiting for v in views) / n if n else 0.0,
                 kv_usage=sum(v.metrics.kv_cache_usage for v in views) / n if n else 0.0,
                 movable=tuple(v.agent_id for v in busy),
+                held=window.held[name],
             )
         )
     return out[0], out[1]

@@ -5,6 +5,8 @@ Keys under ``/vllm-disagg/<cluster>/intent/``:
 - ``instances/<agent id>``: ``{"drained", "cordoned", "pinned"}`` (``state/intent.py``), or
   ``{"removed": true}`` for a dead instance an operator removed; deleted when nothing is said any more;
 - ``scheduler/weights``: every profile's scorer weights, ``{profile: {scorer: weight}}``;
+- ``admission/tenants``: the admission queue's tenants' weights, ``{tenant: weight}`` (the configured
+  ones included: a tenant left out weighs 1.0); once written, it is every replica's, whatever its flags;
 - ``planner``: the leader's planner memory (its streak and the time of its last shift, in wall time)
   and the config it plans with;
 - ``roles/<agent id>``: a role change under way (``RoleState.record``), with its drain, so a new
@@ -69,6 +71,7 @@ class DurableIntent:
         # A rollout as etcd holds it (model, its record or None): the replica's ``Rollouts.adopt``.
         self.on_rollout: Callable[[str, Any], None] | None = None
         self.on_planner: Callable[[Any], None] | None = None
+        self.on_tenants: Callable[[Any], None] | None = None  # tenants' weights: the gateway's admission
         self.on_role: Callable[[str, Any], None] | None = (
             None  # a role change under way: ``adopt``  # the planner's recorded memory: ``adopt``
         )
@@ -90,6 +93,10 @@ class DurableIntent:
     async def save_weights(self, weights: Weights) -> None:
         """Record every profile's scorer weights."""
         await self._write("scheduler/weights", jsonutil.dumps(weights), "the scheduler's weights")
+
+    async def save_tenants(self, weights: Mapping[str, float]) -> None:
+        """Record the admission queue's tenants' weights (all of them: one left out weighs 1.0)."""
+        await self._write("admission/tenants", jsonutil.dumps(weights), "the tenants' weights")
 
     async def save_planner(self, record: dict[str, Any]) -> None:
         """Record the planner's memory and config (the leader's, after a look that changed them)."""
@@ -165,6 +172,9 @@ class DurableIntent:
             elif name.startswith("rollouts/"):
                 if self.on_rollout is not None:
                     self.on_rollout(name[len("rollouts/") :], data)
+            elif name == "admission/tenants":
+                if self.on_tenants is not None and data is not None:
+                    self.on_tenants(data)
             elif name == "scheduler/weights" and data is not None and self._set_weights is not None:
                 if self._weights is None or self._weights() != data:
                     self._set_weights(data)

@@ -56,6 +56,10 @@ class IntentRecorder(Protocol):
         """Every profile's scorer weights."""
         ...
 
+    async def save_tenants(self, weights: Mapping[str, float]) -> None:
+        """The admission queue's tenants' weights, all of them."""
+        ...
+
     async def save_rollout(
         self, model: str, record: Mapping[str, Any], intents: Mapping[str, InstanceIntent]
     ) -> None:

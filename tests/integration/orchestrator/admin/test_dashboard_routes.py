@@ -15,9 +15,10 @@ from vllm_disagg.orchestrator.app import start_orchestrator
     [
         ("/dashboard", "text/html", "dashboard.js"),
         ("/dashboard/dashboard.js", "text/javascript", "/admin/v1/instances"),
+        ("/dashboard/dashboard.js", "text/javascript", "/admin/v1/admission"),
         ("/dashboard/dashboard.css", "text/css", "--ready"),
     ],
-    ids=["page-is-html", "script-is-javascript", "style-sheet-is-css"],
+    ids=["page-is-html", "script-is-javascript", "script-reads-the-admission-queue", "style-sheet-is-css"],
 )
 async def test_the_dashboard_files_are_served_on_the_main_app_without_a_token(
     http: aiohttp.ClientSession, path: str, content_type: str, needle: str

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -246,3 +246,40 @@ async def test_every_other_path_answers_alike_on_any_process_streams_included(
                 assert resp.headers["Content-Type"].startswith("text/event-stream")
                 first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 10)
                 assert first.startswith(b"id: 1\nevent: joined\n"), first
+
+
+async def test_tenants_weights_reach_the_worker_and_the_admission_view_counts_both_processes(
+    orch: OrchestratorServer,
+    agents: list[FakeAgent],
+    sim_engine: EngineFactory,
+    http: aiohttp.ClientSession,
+) -> None:
+    url = f"{orch.url}/admin/v1/admission"
+
+    def weights_everywhere(expected: dict[str, float]) -> Callable[[], Awaitable[list[Any] | None]]:
+        async def probe() -> list[Any] | None:
+            processes: list[Any] = (await admin_json(http, url))["processes"]
+            return processes if [p["tenant_weights"] for p in processes] == [expected, expected] else None
+
+        return probe
+
+    async with http.put(f"{url}/tenants/gold", json={"weight": 4}, headers=ADMIN) as resp:
+        assert resp.status == 200, await resp.text()
+    processes = await eventually(weights_everywhere({"gold": 4.0}), interval=0.2, what="gold=4 in both")
+    assert [p["worker"] for p in processes] == [0, 1]
+    async with http.delete(f"{url}/tenants/gold", headers=ADMIN) as resp:
+        assert resp.status == 200, await resp.text()
+    await eventually(weights_everywhere({}), interval=0.2, what="gold back to 1 in both")
+
+    p, d = await sim_engine(), await sim_engine()
+    await join(orch, agents, "p0", p.url, "prefill")
+    await join(orch, agents, "d0", d.url, "decode")
+    await eventually(lambda: bool(orch.registry.snapshot().ready_decode.get(MODEL)), what="1P1D ready")
+    answers = await asyncio.gather(*(one(orch.url, f"a-{i}") for i in range(N)))
+    assert [status for status, _, _ in answers] == [200] * N
+
+    async def all_counted() -> bool:  # the kernel spread the connections: only the sum counts them all
+        model = (await admin_json(http, url))["models"].get(MODEL, {})
+        return bool(model.get("counts", {}).get("admitted") == N)
+
+    await eventually(all_counted, interval=0.2, what=f"{N} admitted over both processes")

@@ -11,10 +11,19 @@ import pytest
 from tests.etcd_support import EtcdServer
 from tests.helpers import ADMIN, eventually
 from tests.integration.orchestrator.replicas.support import Replicas, join_everywhere, one_leader
-from tests.integration.orchestrator_support import FakeAgent, registered
+from tests.integration.orchestrator_support import FakeAgent, orch_config, registered
+from vllm_disagg.config import AdmissionConfig, ReplicaConfig
 from vllm_disagg.errors import NotLeader
-from vllm_disagg.orchestrator.app import CONTROL_KEY, PLANNER_KEY, REPLICATION_KEY, OrchestratorServer
+from vllm_disagg.orchestrator.app import (
+    CONTROL_KEY,
+    GATEWAY_KEY,
+    PLANNER_KEY,
+    REPLICATION_KEY,
+    OrchestratorServer,
+    start_orchestrator,
+)
 from vllm_disagg.orchestrator.planner.decide import Memory
+from vllm_disagg.orchestrator.replicas.forward import LEADER
 from vllm_disagg.orchestrator.state.intent import InstanceIntent
 from vllm_disagg.orchestrator.state.leadership import Leadership, LeaderView
 from vllm_disagg.orchestrator.state.views import InstanceView
@@ -84,6 +93,36 @@ async def test_weights_set_through_a_follower_are_every_replicas(
                 return bool((await r.json())["weights"][profile][scorer] == new)
 
         await eventually(weight, what="the new weight everywhere")
+
+
+async def test_tenants_weights_set_through_a_follower_are_every_replicas_and_a_new_one_takes_them(
+    replicas: Replicas, etcd: EtcdServer, http: aiohttp.ClientSession
+) -> None:
+    servers = await replicas(2, admission=AdmissionConfig(tenant_weights=(("gold", 3.0),)))
+    leader = await one_leader(servers)
+    follower = next(s for s in servers if s is not leader)
+    base = f"{follower.url}/admin/v1/admission/tenants"
+    async with http.put(f"{base}/silver", json={"weight": 2}, headers=ADMIN) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers[LEADER] == leader.replica_id, "the follower handed the write to the leader"
+    async with http.delete(f"{base}/gold", headers=ADMIN) as resp:
+        assert resp.status == 200, await resp.text()
+
+    def weighed(where: list[OrchestratorServer]) -> bool:
+        admitting = [s.app[GATEWAY_KEY].admission for s in where]
+        return all(a is not None and a.tenant_weights() == {"silver": 2.0} for a in admitting)
+
+    await eventually(lambda: weighed(servers), what="silver=2 and gold back to 1 on every replica")
+    admission = follower.app[GATEWAY_KEY].admission
+    assert admission is not None and admission.queue.weight("gold") == 1.0, "the follower's queue follows"
+    # A replica that starts later takes etcd's weights over its own flags.
+    replica = ReplicaConfig(etcd=(etcd.url,), cluster="test", replica_id="late", lease_ttl_s=2)
+    config = orch_config(replica=replica, admission=AdmissionConfig(tenant_weights=(("gold", 3.0),)))
+    late = await start_orchestrator(config, shutdown_timeout_s=1.0)
+    try:
+        await eventually(lambda: weighed([late]), what="the new replica adopted etcd's weights")
+    finally:
+        await late.close()
 
 
 async def test_a_stale_leader_cannot_record_and_nothing_is_done_while_etcd_is_down(

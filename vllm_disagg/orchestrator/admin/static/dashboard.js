@@ -1,8 +1,9 @@
 // The vllm-disagg dashboard: reads the admin API with the operator's token and draws the cluster.
 //
 // No framework and no build step: the page is served as-is by the orchestrator (docs/dashboard.md).
-// Data: GET /admin/v1/instances and /live-requests every second, /requests every two, and the event
-// log as server-sent events read through fetch() (EventSource cannot send the Authorization header).
+// Data: GET /admin/v1/instances, /live-requests and /admission every second, /requests every two, and
+// the event log as server-sent events read through fetch() (EventSource cannot send the Authorization
+// header).
 // Every string from the API goes into the page as text (textContent), never as HTML.
 "use strict";
 
@@ -33,7 +34,7 @@
   const $ = (id) => document.getElementById(id);
   let session = null; // the connection in use: {token, controller, alive}
   const view = {
-    instances: [], live: [], recent: [], cards: new Map(), history: new Map(), liveHistory: [],
+    instances: [], live: [], recent: [], admission: null, cards: new Map(), history: new Map(), liveHistory: [],
     recentRows: new Map(), lastEventId: 0, instancesSeq: 0, errors: new Map(),
   };
 
@@ -141,6 +142,10 @@
     every(current, "live requests", POLL_MS, async () => {
       view.live = (await api("/admin/v1/live-requests")).requests;
       renderLive();
+    });
+    every(current, "admission", POLL_MS, async () => {
+      view.admission = await api("/admin/v1/admission");
+      renderAdmission();
     });
     every(current, "recent requests", RECENT_MS, async () => {
       view.recent = (await api(`/admin/v1/requests?limit=${RECENT_LIMIT}`)).requests;
@@ -474,6 +479,49 @@
     push(view.liveHistory, rows.length);
     drawClusterSpark();
     renderFlow();
+  }
+
+  // ---- Admission -----------------------------------------------------------------------------
+
+  // "a:2 b:1" of {a: 2, b: 1}, leaving out zeros; "–" when nothing is left. ``order`` sorts the keys
+  // (a JavaScript object lists "0" before "-1", whatever order the JSON had).
+  function tally(counts, sep = ":", order = undefined) {
+    const kept = Object.entries(counts || {}).filter(([, n]) => n);
+    if (order) kept.sort(([a], [b]) => order(a, b));
+    return kept.map(([key, n]) => `${key}${sep}${n}`).join(" ") || "–";
+  }
+
+  function renderAdmission() {
+    const a = view.admission;
+    const models = Object.entries(a.models || {});
+    const rows = models.map(([name, m]) => {
+      const counts = m.counts || {};
+      const stage = m.saturated
+        ? el("span", { className: "flag saturated", title: `${m.saturated} holds the queue back: its pair has no room`, text: m.saturated })
+        : "–";
+      return el("tr", { "data-model": name, className: m.saturated ? "saturated" : "" },
+        el("td", { text: name }),
+        el("td", { className: "num", "data-field": "depth", text: String(m.depth) }),
+        el("td", { "data-field": "by-priority", text: tally(m.by_priority, ":", (a, b) => Number(a) - Number(b)) }),
+        el("td", { "data-field": "by-tenant", text: tally(m.by_tenant) }),
+        el("td", { className: "num", text: m.depth ? fmtSeconds(m.oldest_wait_s) : "–" }),
+        el("td", { "data-field": "saturated" }, stage),
+        el("td", { className: "num", "data-field": "admitted", text: String(counts.admitted || 0) }),
+        el("td", { className: "num", "data-field": "queued", text: String(counts.queued || 0) }),
+        el("td", { "data-field": "shed", text: tally(counts.shed, "=") }));
+    });
+    const table = $("admission");
+    table.querySelector("tbody").replaceChildren(...rows);
+    table.hidden = !a.enabled;
+    const empty = $("admission-empty");
+    empty.hidden = rows.length > 0;
+    empty.textContent = a.enabled ? "No request through admission yet."
+      : "Admission is off (--admission off): every request goes straight to an engine.";
+    const waiting = models.reduce((sum, [, m]) => sum + m.depth, 0);
+    $("admission-count").textContent = a.enabled ? `(${waiting} waiting)` : "(off)";
+    const named = a.enabled ? tally(a.tenants.weights, "=") : "–";
+    $("admission-weights").textContent = !a.enabled ? "–"
+      : `${named === "–" ? "none set" : named} (any other tenant: ${a.tenants.default_weight})`;
   }
 
   function drawClusterSpark() {

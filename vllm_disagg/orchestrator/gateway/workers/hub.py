@@ -3,8 +3,9 @@
 Every ``FLUSH_S`` the hub sends each serving worker what changed since the last time: the instance
 views that changed (views are rebuilt per changed instance, so an identity comparison finds them),
 the KV index's writes in order, the in-flight counts of every gateway process and, when changed, the
-scheduler's weights. A worker that says ``Hello`` first gets everything (``State(full=True)``, the KV
-index included); the journal is flushed to the others before, so nothing is applied twice.
+scheduler's weights and admission's tenants' weights. A worker that says ``Hello`` first gets
+everything (``State(full=True)``, the KV index included); the journal is flushed to the others
+before, so nothing is applied twice.
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class JournaledKvIndex(KvIndex):
         return index
 
 
+# (the scheduler's weights, admission's tenants' weights): sent to the workers when they change
+_Policies = tuple[dict[str, dict[str, float]] | None, dict[str, float] | None]
+
+
 @dataclass
 class _Worker:
     index: int
@@ -115,6 +120,8 @@ class WorkerHub:
         self._kv_index = kv_index
         self._events = events
         self._weights = weights
+        # Admission's tenants' weights (``Admission.tenant_weights``; set once the gateway is built).
+        self.tenant_weights: Callable[[], dict[str, float]] | None = None
         self._workers: dict[int, _Worker] = {}
         self._dir = ""
         self._ctx: zmq.asyncio.Context | None = None
@@ -122,7 +129,7 @@ class WorkerHub:
         self._tasks: list[asyncio.Task[None]] = []
         self._sent_views: dict[str, InstanceView] = {}
         self._sent_key: tuple[Any, ...] = ()
-        self._sent_weights: dict[str, dict[str, float]] | None = None
+        self._sent_policies: _Policies = (None, None)  # the weights last sent
         self._seq = 0  # flushes sent; a full state carries the current one
         self._queries = itertools.count(1)
         self._answers: dict[int, tuple[asyncio.Future[None], list[Answer], int]] = {}
@@ -294,21 +301,30 @@ class WorkerHub:
             removed = tuple(i for i in sent if i not in views)
         in_flight = {0: self._beside_workers()}
         in_flight.update({w.index: w.in_flight for w in self._workers.values()})
-        weights = self._weights() if self._weights is not None else None
-        new_weights = weights if (full or weights != self._sent_weights) else None
+        policies = self._policies()
+        weights, tenants = policies
         if full:
             return State(
                 True, self._seq, changed, removed, snap.version, snap.membership, snap.blocked_links,
                 self._registry.audited(), in_flight, kv_index=self._kv_index.plain(), weights=weights,
+                tenant_weights=tenants,
             )  # fmt: skip
+        sent_weights, sent_tenants = self._sent_policies
         self._sent_views = views
-        self._sent_weights = weights
+        self._sent_policies = policies
         kv, self._kv_index.journal = tuple(self._kv_index.journal), []
         self._seq += 1
         return State(
             False, self._seq, changed, removed, snap.version, snap.membership, snap.blocked_links,
-            self._registry.audited(), in_flight, kv=kv, weights=new_weights,
+            self._registry.audited(), in_flight, kv=kv, weights=None if weights == sent_weights else weights,
+            tenant_weights=None if tenants == sent_tenants else tenants,
         )  # fmt: skip
+
+    def _policies(self) -> _Policies:
+        """(the scheduler's weights, admission's tenants' weights), each None where there are none."""
+        weights = self._weights() if self._weights is not None else None
+        tenants = self.tenant_weights() if self.tenant_weights is not None else None
+        return weights, tenants
 
     def _beside_workers(self) -> dict[str, int]:
         """Requests in flight outside the workers: this process's and, as a replica, the others'."""
@@ -321,10 +337,8 @@ class WorkerHub:
             tuple(sorted(self._beside_workers().items())),
             tuple((w.index, tuple(sorted(w.in_flight.items()))) for w in self._workers.values()),
         )
-        if key == self._sent_key and not self._kv_index.journal:
-            weights = self._weights() if self._weights is not None else None
-            if weights == self._sent_weights:
-                return
+        if key == self._sent_key and not self._kv_index.journal and self._policies() == self._sent_policies:
+            return
         self._sent_key = key
         state = self._state(full=False)
         frame = dump(state)

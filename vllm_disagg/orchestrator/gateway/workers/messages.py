@@ -57,6 +57,7 @@ class State:
     kv: tuple[KvChange, ...] = ()
     kv_index: KvIndex | None = None  # when full
     weights: dict[str, dict[str, float]] | None = None  # the scheduler's weights, when they changed
+    tenant_weights: dict[str, float] | None = None  # admission's tenants' weights, when they changed
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,8 @@ class Joined:
 @dataclass(frozen=True, slots=True)
 class Ask:
     """A question for every worker: ``metrics`` (its metric families), ``live`` (requests in flight),
-    ``record`` (the record of request ``arg``, or None) or ``recent`` (its newest ``arg`` records)."""
+    ``record`` (the record of request ``arg``, or None), ``recent`` (its newest ``arg`` records) or
+    ``admission`` (its admission queue: ``Admission.snapshot``, None with admission off)."""
 
     query: int
     what: str

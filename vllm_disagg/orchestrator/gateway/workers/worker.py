@@ -232,6 +232,8 @@ class Worker:
                 gateway.instance_joined(view.info)
             if msg.weights:
                 gateway.scheduler.update_weights(msg.weights)  # type: ignore[attr-defined]
+            if msg.tenant_weights is not None and gateway.admission is not None:
+                gateway.admission.set_tenant_weights(msg.tenant_weights)
         elif isinstance(msg, KvMoved):
             self.kv_mover.answered(msg)
         elif isinstance(msg, Lost):
@@ -248,6 +250,8 @@ class Worker:
                 payload = gateway.live_requests()
             elif msg.what == "record":
                 payload = gateway.request_log.get(msg.arg)
+            elif msg.what == "admission":
+                payload = gateway.admission.snapshot() if gateway.admission is not None else None
             else:
                 payload = gateway.request_log.recent(msg.arg)
             self.send(Answer(msg.query, self.index, payload))
