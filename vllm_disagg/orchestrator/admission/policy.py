@@ -15,8 +15,8 @@ deadline (arrival plus TTFT target). With one tenant this is earliest-deadline-f
 
 Refusals (``Shed``), each with the reason a client reads in ``X-Disagg-Shed-Reason``:
 
-- ``sheddable``: a request of the sheddable class while its pair is saturated (never queued), or the
-  worst of that class when the queue is full;
+- ``sheddable``: a request of the sheddable class that cannot go at once (its pair is saturated, or
+  others already wait): that class never waits;
 - ``tenant_over_share``: the queue is full and the request's tenant holds more than its weighted
   share of it;
 - ``queue_full``: the queue is full and no one is over their share: the worst-ranked request;
@@ -157,8 +157,8 @@ class AdmissionQueue(Generic[P]):
             return [(ticket, ADMITTED)]
         if not fit.ok and ticket.has_target and fit.unreachable:
             return [(ticket, self._shed(mq, ticket, "deadline_unreachable", fit.stage))]
-        if not fit.ok and self.sheddable(ticket):
-            return [(ticket, self._shed(mq, ticket, "sheddable", fit.stage))]
+        if self.sheddable(ticket):  # it never waits: it goes now or not at all
+            return [(ticket, self._shed(mq, ticket, "sheddable", fit.stage or mq.blocked))]
         out: list[tuple[Ticket[P], Verdict]] = []
         if mq.size >= self.config.max_queue:
             victim, reason = self._victim(mq, ticket)
@@ -303,9 +303,6 @@ class AdmissionQueue(Generic[P]):
     def _victim(self, mq: _ModelQueue[P], newcomer: Ticket[P]) -> tuple[Ticket[P], ShedReason]:
         """Who leaves a full queue for ``newcomer`` (maybe the newcomer itself), and why."""
         candidates = [*self.waiting_in(mq), newcomer]
-        sheddable = [t for t in candidates if self.sheddable(t)]
-        if sheddable:
-            return max(sheddable, key=Ticket.rank), "sheddable"
         over = self._most_over_share(mq, newcomer)
         if over is not None:
             return max((t for t in candidates if t.tenant == over), key=Ticket.rank), "tenant_over_share"

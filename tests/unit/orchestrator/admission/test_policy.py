@@ -179,13 +179,12 @@ def test_the_sheddable_class_is_refused_while_its_pair_is_saturated(
     assert names(q.offer(ticket("shed", priority=1), fit, 0.0)) == expected
 
 
-def test_a_full_queue_refuses_the_sheddable_class_first() -> None:
-    q = queue(max_queue=2, sheddable_priority=1)
+def test_the_sheddable_class_never_waits_behind_others() -> None:
+    q = queue(sheddable_priority=1)
     q.offer(ticket("normal"), FULL, 0.0)
-    q.offer(ticket("bulk", priority=3), FITS, 0.0)  # fits, so it may wait behind "normal"
-    out = q.offer(ticket("newcomer", at=0.1), FULL, 0.1)
-    assert names(out) == [("bulk", "sheddable")]
-    assert q.depth("m") == 2 and {t.payload.name for t in q.waiting()} == {"normal", "newcomer"}
+    # Its own pair fits, but someone already waits: the pair is saturated for the queue.
+    assert names(q.offer(ticket("bulk", priority=3), FITS, 0.0)) == [("bulk", "sheddable")]
+    assert q.depth("m") == 1
 
 
 def test_a_full_queue_refuses_the_tenant_over_its_share() -> None:
