@@ -152,12 +152,13 @@ async def test_requests_in_flight_in_every_process_reach_the_scheduler_state(
     sim_engine: EngineFactory,
     http: aiohttp.ClientSession,
 ) -> None:
-    # A slow decode engine holds every request for seconds: all N are in flight at once.
+    # A slow decode engine holds every request far longer than the test looks (1,000 steps of 0.1 s),
+    # however slowly a loaded machine sends them: all N are in flight at once, until their clients go.
     p, d = await sim_engine(), await sim_engine(timing=SimTiming(decode_step_s=0.1, max_num_seqs=64))
     await join(orch, agents, "p0", p.url, "prefill")
     await join(orch, agents, "d0", d.url, "decode")
     await eventually(lambda: bool(orch.registry.snapshot().ready_decode.get(MODEL)), what="1P1D ready")
-    sent = [asyncio.create_task(one(orch.url, f"slow-{i}", max_tokens=200)) for i in range(N)]
+    sent = [asyncio.create_task(one(orch.url, f"slow-{i}", max_tokens=1000, stream=True)) for i in range(N)]
     try:
         await eventually(lambda: orch.registry.snapshot().in_flight_of("d0") == N, what=f"{N} in flight")
 
@@ -170,8 +171,9 @@ async def test_requests_in_flight_in_every_process_reach_the_scheduler_state(
         assert sorted(r["request_id"] for r in live) == sorted(f"slow-{i}" for i in range(N))
         assert any(r.get("worker") == 1 for r in live), "the worker's live requests are listed"
     finally:
-        results = await asyncio.gather(*sent)
-    assert all(status == 200 for status, _, _ in results)
+        for task in sent:  # the clients leave: every process releases what it held
+            task.cancel()
+        await asyncio.gather(*sent, return_exceptions=True)
     await eventually(lambda: orch.registry.snapshot().in_flight_of("d0") == 0, what="all released")
 
 
