@@ -344,7 +344,7 @@ async def play(
     return list(await asyncio.gather(*(send(r) for r in trace)))
 
 
-class _QuietCluster(LocalCluster):
+class QuietCluster(LocalCluster):
     """A ``LocalCluster`` whose children write to ``log``, not to our stdout (which ``--json`` owns)."""
 
     def __init__(self, spec: ClusterSpec, log: IO[bytes]) -> None:
@@ -370,7 +370,7 @@ async def run_point(
 ) -> Point:
     """A fresh cluster for one arm, the trace at ``rate`` through it, the planner's shifts."""
     spec = cluster_spec(arm, args, planner_config)
-    cluster = _QuietCluster(spec, log)
+    cluster = QuietCluster(spec, log)
     try:
         await cluster.start()
         if not await cluster.wait_ready(120.0):

@@ -64,7 +64,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     (
         "bench goodput",
         "vllm_disagg.bench.goodput_main",
-        "goodput vs offered load on a sim cluster: today's scheduler vs the planner and SLO-aware path",
+        "goodput vs offered load on a sim cluster: the planner and SLO-aware path; admission past capacity",
     ),
     (
         "bench kv",

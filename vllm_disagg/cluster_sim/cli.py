@@ -6,7 +6,9 @@ Without ``--compare`` each ``--policy`` (default ``ours``) runs once at ``--rate
 policy (default all of them) runs at every ``--rates`` rate, ``--rounds`` times, the table shows the
 medians, and ``--plots DIR`` gets "goodput vs offered rate" and "attainment over time" PNGs.
 ``--rollout``, ``--rollback`` and ``--role-change`` have the operator act during the run; what the
-orchestrator's control steps did follows the table.
+orchestrator's control steps did follows the table. Admission is on as in the orchestrator
+(``--admission off`` sends every request to an engine); ``--priority-mix`` and ``--tenants`` give the
+requests classes and tenants, and a second table shows each one's attainment, goodput and refusals.
 """
 
 from __future__ import annotations
@@ -22,16 +24,27 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from vllm_disagg import jsonutil
+from vllm_disagg.cluster_sim.classes import PriorityMix, TenantMix, with_classes
 from vllm_disagg.cluster_sim.cluster import Cluster, ClusterSpec, Fault, FaultKind
 from vllm_disagg.cluster_sim.control import RoleChangePlan, RolloutPlan
 from vllm_disagg.cluster_sim.mooncake import load_mooncake
 from vllm_disagg.cluster_sim.plot import Series, line_chart
 from vllm_disagg.cluster_sim.policies import POLICIES, make_scheduler
 from vllm_disagg.cluster_sim.profile import PROFILES
-from vllm_disagg.cluster_sim.report import RunResult, Slo, medians, summarise, table
+from vllm_disagg.cluster_sim.report import (
+    RunResult,
+    Slo,
+    class_table,
+    has_classes,
+    medians,
+    summarise,
+    table,
+)
 from vllm_disagg.cluster_sim.trace import Trace
 from vllm_disagg.cluster_sim.traces import DEFAULT_RATE_PER_S, SYNTHETIC, describe
+from vllm_disagg.config import AdmissionConfig, OrchestratorConfig
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.orchestrator.flags import ADMISSION_FLAGS
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, default_config, load_config_file
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -100,6 +113,32 @@ def parse_rollout(text: str) -> RolloutPlan:
         return RolloutPlan(float(m["at"]), join_every_s=float(m["every"]) if m["every"] else 5.0)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not AT[+EVERY] (e.g. 30 or 30+5)") from None
+
+
+def _mix(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parsed
+
+
+def parse_tenant_weight(text: str) -> tuple[str, float]:
+    """``TENANT=WEIGHT``, a weight > 0."""
+    name, sep, value = text.partition("=")
+    try:
+        weight = float(value)
+    except ValueError:
+        weight = 0.0
+    if not sep or not name or not 0 < weight < math.inf:
+        raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT with a weight > 0, got {text!r}")
+    return name, weight
+
+
+# The orchestrator's admission flags that mean something here (no headers: requests carry their class).
+_ADMISSION_FLAGS = tuple(f for f in ADMISSION_FLAGS if not f[1].endswith("_header"))
 
 
 def parse_role_change(text: str) -> RoleChangePlan:
@@ -195,6 +234,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         metavar="S",
         help="a new engine is ready after S (10)",
+    )
+    parser.add_argument(
+        "--admission",
+        choices=("on", "off"),
+        default="on",
+        help="the gateway's admission queue, as in the orchestrator (default on); off: all go to engines",
+    )
+    for flag, name, kind, help_text in _ADMISSION_FLAGS:
+        default = getattr(AdmissionConfig(), name)
+        parser.add_argument(
+            flag,
+            dest=f"admission_{name}",
+            type=kind,
+            default=default,
+            metavar=name.upper(),
+            help=f"{help_text} ({default})",
+        )
+    parser.add_argument(
+        "--tenant-weight",
+        dest="tenant_weights",
+        type=parse_tenant_weight,
+        action="append",
+        default=[],
+        metavar="TENANT=WEIGHT",
+        help="a tenant's weight in admission's fair sharing (repeatable; over --tenants' weight)",
+    )
+    parser.add_argument(
+        "--priority-mix",
+        type=_mix(PriorityMix.parse),
+        metavar="SHARE:PRIO,...",
+        help="each priority's share of the requests, e.g. 0.2:-1,0.6:0,0.2:1 (default: all 0)",
+    )
+    parser.add_argument(
+        "--tenants",
+        type=_mix(TenantMix.parse),
+        metavar="NAME:WEIGHT:SHARE,...",
+        help="tenants, their weights and shares of the requests, e.g. a:1:0.75,b:1:0.25 (default: one)",
+    )
+    parser.add_argument(
+        "--request-slo",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="requests carry the SLO as x-slo-* headers would (default); --no-request-slo: no targets",
     )
     parser.add_argument(
         "--compare",
@@ -310,7 +392,7 @@ class Traces:
                 trace = Trace(trace.name, kept, trace.description)
         if not trace.requests:
             raise ConfigError("the trace has no requests")
-        return trace
+        return with_classes(trace, a.priority_mix, a.tenants, seed)
 
 
 def _check(args: argparse.Namespace) -> Setup:
@@ -336,19 +418,36 @@ def _check(args: argparse.Namespace) -> Setup:
         if rollout is None or args.rollback <= rollout.at_s:
             raise ConfigError("--rollback needs a --rollout that starts before it")
         rollout = replace(rollout, rollback_at_s=args.rollback)
+    admission = admission_config(args)
     scheduler = load_config_file(args.scheduler_config) if args.scheduler_config else default_config()
     planner = load_planner_config_file(args.planner_config) if args.planner_config else None
     policies = tuple(dict.fromkeys(args.policies or (POLICIES if args.compare else ("ours",))))
     rates: tuple[float | None, ...] = tuple(args.rates) if args.rates else (args.rate,)
+    carried = args.request_slo  # what each request asks for; the report judges all by ``slo`` either way
     spec = ClusterSpec(
-        args.prefill, args.decode, PROFILES[args.profile], slo_ttft_s=args.slo_ttft_ms / 1000,
-        slo_tpot_s=args.slo_tpot_ms / 1000, faults=tuple(args.faults), seed=args.seed, rollout=rollout,
-        role_changes=tuple(args.role_changes), role_switch=args.role_switch,
+        args.prefill, args.decode, PROFILES[args.profile], config=OrchestratorConfig(admission=admission),
+        slo_ttft_s=args.slo_ttft_ms / 1000 if carried else None,
+        slo_tpot_s=args.slo_tpot_ms / 1000 if carried else None, faults=tuple(args.faults), seed=args.seed,
+        rollout=rollout, role_changes=tuple(args.role_changes), role_switch=args.role_switch,
         engine_start_s=args.engine_start_s,
     )  # fmt: skip
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     seeds = tuple(range(args.seed, args.seed + args.rounds))
     return Setup(spec, planner, scheduler, slo, policies, rates, seeds)
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    """The admission flags as the gateway's config: ``--tenants``' weights, then ``--tenant-weight``'s."""
+    named = [name for name, _ in args.tenant_weights]
+    if len(set(named)) != len(named):
+        raise ConfigError("--tenant-weight names a tenant twice")
+    weights = dict(args.tenants.weights() if args.tenants else ())
+    weights.update(args.tenant_weights)
+    return AdmissionConfig(
+        enabled=args.admission == "on",
+        tenant_weights=tuple(weights.items()),
+        **{name: getattr(args, f"admission_{name}") for _, name, _, _ in _ADMISSION_FLAGS},
+    )
 
 
 def run_one(
@@ -374,6 +473,7 @@ def run_one(
         policy, rate, outcomes, setup.slo, duration_s=trace.duration_s, engines=cluster.engines.values(),
         shifts=len(cluster.shifts), bucket_s=bucket_s, wall_s=round(wall, 3), events=cluster.loop.events,
         seed=seed, control=cluster.control.events,
+        admission_checks=cluster.admission.checks if cluster.admission else 0,
     )  # fmt: skip
 
 
@@ -394,6 +494,14 @@ def write_plots(directory: str, results: Sequence[RunResult], title: str) -> lis
                                     x_label="arrival time (s)", y_label="attainment", y_max=1.0))  # fmt: skip
         paths.append(path)
     return paths
+
+
+def _admission_json(config: AdmissionConfig) -> dict[str, Any]:
+    return {
+        "enabled": config.enabled,
+        **{name: getattr(config, name) for _, name, _, _ in _ADMISSION_FLAGS},
+        "tenant_weights": dict(config.tenant_weights),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -426,6 +534,7 @@ def run(args: argparse.Namespace) -> int:
             "cluster": {"prefill": spec.prefill, "decode": spec.decode, "profile": spec.profile.name},
             "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
             "planner": setup.planner.to_json() if setup.planner else None,
+            "admission": _admission_json(spec.config.admission),
             "runs": [r.to_json() for r in runs], "plots": [str(p) for p in plots],
         }  # fmt: skip
         if len(setup.seeds) > 1:
@@ -435,6 +544,9 @@ def run(args: argparse.Namespace) -> int:
     rounds = f", medians of {len(setup.seeds)} rounds" if len(setup.seeds) > 1 else ""
     print(f"sim: {title}; SLO TTFT {args.slo_ttft_ms:g} ms, TPOT {args.slo_tpot_ms:g} ms{rounds}")
     print(table(rows))
+    if has_classes(rows):
+        print("\nby priority class and tenant (shed: refused before any engine saw them, by reason)")
+        print(class_table(rows))
     wall = sum(r.wall_s for r in runs)
     plural = "s" if len(runs) > 1 else ""
     print(f"{len(runs)} run{plural}, {sum(r.events for r in runs):,} events, {wall:.2f} s wall")

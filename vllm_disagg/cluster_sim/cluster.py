@@ -16,7 +16,10 @@ the scheduler (``route_request``: the plugin scheduler, or a baseline policy), i
   the tokens it had (its TPOT includes the gap).
 
 Rollouts and role changes (the operator's, and the planner's shifts) are the orchestrator's pure
-control steps, carried out on the simulated instances (``control.SimControl``).
+control steps, carried out on the simulated instances (``control.SimControl``). With admission on
+(``config.admission``, as in the orchestrator), a decided request goes through the gateway's
+admission queue first (``admission.SimAdmission``): it may wait there, its wait counting in its TTFT,
+or be refused (status 429 and the reason, as the gateway's ``Overloaded``).
 """
 
 from __future__ import annotations
@@ -26,18 +29,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from vllm_disagg.cluster_sim.admission import SimAdmission
 from vllm_disagg.cluster_sim.control import RoleChangePlan, RoleSwitch, RolloutPlan, SimControl
 from vllm_disagg.cluster_sim.engine import Engine, Leg
 from vllm_disagg.cluster_sim.profile import EngineProfile
 from vllm_disagg.cluster_sim.trace import Trace, TraceRequest, prompt_token_ids
 from vllm_disagg.cluster_sim.virtual_clock import EventLoop, VirtualClock
 from vllm_disagg.config import OrchestratorConfig
-from vllm_disagg.errors import RequestError
+from vllm_disagg.errors import SHED_REASON_HEADER, NoCapacity, RequestError
+from vllm_disagg.orchestrator.admission.policy import Shed, Ticket
+from vllm_disagg.orchestrator.admission.room import loaded
+from vllm_disagg.orchestrator.gateway.admit import Pending, refusal, ticket_of
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
 from vllm_disagg.orchestrator.planner.decide import Memory, remember_change
 from vllm_disagg.orchestrator.planner.decide import plan as plan_shift
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
-from vllm_disagg.orchestrator.scheduling.framework import Scheduler, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.recovery import (
     may_resume,
     may_retry_decode,
@@ -100,7 +107,12 @@ class Outcome:
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    priority: int = 0
+    tenant: str = "default"
     ok: bool = False
+    status: int = 0  # the HTTP status the client got: 200, 429 (refused by admission), 503, 502
+    shed_reason: str = ""  # why it was refused (``X-Disagg-Shed-Reason``): admission's, or no_capacity
+    queued_s: float | None = None  # seconds it waited in the admission queue (None: it never queued)
     ttft_s: float | None = None
     tpot_s: float | None = None
     end_s: float | None = None
@@ -121,6 +133,7 @@ class _Request:
         "decode_tries",
         "failed",
         "had",
+        "held_by",
         "kv",
         "out",
         "prefill",
@@ -140,6 +153,7 @@ class _Request:
         self.decode_tries = 0
         self.kv = False  # a prefill's KV waits for the decode leg
         self.had = 0  # output tokens the client has from legs cut before (a resume goes on from them)
+        self.held_by = ""  # the stage admission held it back for, if it waited ("prefill", "decode")
 
 
 class Cluster:
@@ -171,6 +185,16 @@ class Cluster:
         self._beats = 0
         self._unfinished = 0  # requests of the trace not yet answered (arrived or not)
         self._rng = random.Random(spec.seed)
+        admission = cfg.admission
+        self.admission = (
+            SimAdmission(admission, scheduler, self.registry, self.loop, self._admitted, self._refused)
+            if admission.enabled
+            else None
+        )
+        if self.admission is not None and spec.planner is not None:  # the planner's held counts
+            self.admission.on_held = self.window.admission_held
+        # What a request in admission will need once admitted (its outcome and prompt), by ticket.
+        self._entering: dict[Ticket[Pending], tuple[Outcome, PromptTokens]] = {}
         for i in range(spec.prefill):
             self._join(f"prefill-{i}", "prefill")
         for i in range(spec.decode):
@@ -308,22 +332,80 @@ class Cluster:
         return self.outcomes
 
     def _arrive(self, trace_req: TraceRequest, n: int) -> None:
+        """A request arrives: decided, then admitted (at once, or later from the admission queue)."""
         now = self.clock.now
         tokens = PromptTokens(prompt_token_ids(trace_req))
-        out = Outcome(f"req-{n}", now, len(tokens), trace_req.output_tokens)
+        out = Outcome(
+            f"req-{n}", now, len(tokens), trace_req.output_tokens, trace_req.priority, trace_req.tenant
+        )
         self.outcomes.append(out)
         spec = self.spec
         sched = SchedulingRequest(
             out.request_id, MODEL, len(tokens), False, True, self.kv_index.cached_tokens(tokens), True,
             max_tokens=trace_req.output_tokens, slo_ttft_s=spec.slo_ttft_s, slo_tpot_s=spec.slo_tpot_s,
         )  # fmt: skip
+        snapshot = self.registry.snapshot()
         try:
-            decision = route_request(self.scheduler, sched, self.registry.snapshot(), now)
-        except RequestError as exc:
-            out.error, out.end_s = exc.message, now
-            self._answered()
+            pending = Pending(sched, route_request(self.scheduler, sched, snapshot, now))
+        except NoCapacity as exc:  # too loaded for it (with admission, it waits) or none at all
+            if self.admission is None or not loaded(exc, snapshot, MODEL):
+                self._error(out, exc)
+                return
+            pending = Pending(sched, None, exc)
+        except RequestError as exc:  # refused before admission, as the gateway refuses it
+            self._error(out, exc)
             return
+        if self.admission is None:
+            assert pending.decision is not None
+            self._start(out, tokens, sched, pending.decision)
+            return
+        ticket = ticket_of(
+            pending,
+            priority=trace_req.priority,
+            tenant=trace_req.tenant,
+            arrival=now,
+            config=self.admission.config,
+        )
+        self._entering[ticket] = (out, tokens)
+        self.admission.enter(ticket)
+
+    def _admitted(self, ticket: Ticket[Pending]) -> None:
+        """Admission let the request through: its flow runs on its latest decision."""
+        out, tokens = self._entering.pop(ticket)
+        pending = ticket.payload
+        if pending.queued_at is not None and pending.admitted_at is not None:
+            out.queued_s = pending.admitted_at - pending.queued_at
+        if pending.error is not None:  # the scheduler refused it at its last check
+            self._error(out, pending.error)
+            return
+        assert pending.decision is not None  # no error: decided
+        self._start(out, tokens, pending.scheduling, pending.decision, pending.held_by)
+
+    def _refused(self, ticket: Ticket[Pending], shed: Shed) -> None:
+        """Admission refused the request: the client's 429, with its reason."""
+        out, _ = self._entering.pop(ticket)
+        pending = ticket.payload
+        if pending.queued_at is not None:
+            out.queued_s = self.clock.now - pending.queued_at
+        self._error(out, refusal(ticket, shed))
+
+    def _error(self, out: Outcome, exc: RequestError) -> None:
+        """The request is answered with an error before any engine saw it."""
+        out.error, out.status, out.end_s = exc.message, exc.status, self.clock.now
+        out.shed_reason = exc.headers.get(SHED_REASON_HEADER, "")
+        self._answered()
+
+    def _start(
+        self,
+        out: Outcome,
+        tokens: PromptTokens,
+        sched: SchedulingRequest,
+        decision: Decision,
+        held_by: str = "",
+    ) -> None:
+        """The request's flow, from its first leg (``Flow.run``)."""
         r = _Request(out, tokens, sched)
+        r.held_by = held_by
         out.mode, out.prefill, out.decode = decision.mode, decision.prefill, decision.decode
         r.prefill, r.decode = decision.prefill, decision.decode
         if r.prefill is not None:
@@ -404,8 +486,9 @@ class Cluster:
         def first(leg: Leg, now: float) -> None:
             if out.ttft_s is None:
                 out.ttft_s = now - out.arrival_s
-                if out.mode == "disaggregated":
-                    self.window.ttft(out.ttft_s)
+                if out.mode == "disaggregated":  # less a wait for its decode stage: not the prefill pool's
+                    waited = out.queued_s if r.held_by == "decode" and out.queued_s else 0.0
+                    self.window.ttft(out.ttft_s - waited)
 
         def done(leg: Leg, now: float) -> None:
             self.registry.release(d)
@@ -479,20 +562,32 @@ class Cluster:
         r.kv, r.had = False, had
         self._decode(r)
 
+    @property
+    def unanswered(self) -> int:
+        """Requests of the trace not answered yet (arrived or not): 0 once a run is over."""
+        return self._unfinished
+
     def _answered(self) -> None:
         self._unfinished -= 1
         if not self._unfinished:
             self.loop.stop()  # heartbeats and the planner would tick on for ever
 
+    def _ended(self) -> None:
+        """An admitted request is over: room may have come for the queue (the gateway's ``kick``)."""
+        if self.admission is not None:
+            self.admission.kick()
+
     def _finished(self, r: _Request, now: float) -> None:
         self._answered()
         out = r.out
-        out.ok, out.end_s = True, now
+        out.ok, out.status, out.end_s = True, 200, now
+        self._ended()
         n = out.output_tokens
         if out.ttft_s is not None and n > 1:
             out.tpot_s = (now - out.arrival_s - out.ttft_s) / (n - 1)
             self.window.tpot(out.tpot_s)
 
     def _fail(self, r: _Request, why: str) -> None:
-        r.out.ok, r.out.error, r.out.end_s = False, why, self.clock.now
+        r.out.ok, r.out.error, r.out.status, r.out.end_s = False, why, 502, self.clock.now
         self._answered()
+        self._ended()

@@ -28,6 +28,8 @@ class TraceRequest:
     block_ids: tuple[int, ...]
     block_tokens: int
     session: str = ""  # a multi-turn conversation's id ("": none)
+    priority: int = 0  # vLLM's: lower is sooner (the admission queue's classes, docs/sim.md)
+    tenant: str = "default"  # whose request it is (the admission queue's fair share)
 
 
 @dataclass(frozen=True, slots=True)

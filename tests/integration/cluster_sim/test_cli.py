@@ -13,6 +13,7 @@ from vllm_disagg.cli.commands import main
 from vllm_disagg.cluster_sim.mooncake import dump_mooncake
 from vllm_disagg.cluster_sim.policies import POLICIES
 from vllm_disagg.cluster_sim.traces import SYNTHETIC
+from vllm_disagg.orchestrator.admission.policy import SHED_REASONS
 
 SMALL = ["sim", "--synthetic", "prefix", "--prefill", "2", "--decode", "2", "--requests", "200"]
 
@@ -46,7 +47,12 @@ def test_an_overloaded_cluster_has_lower_attainment_than_a_quiet_one(
     quiet = run_json(capsys, "--rate", "5", "--profile", "sim")["runs"][0]
     busy = run_json(capsys, "--rate", "200", "--profile", "sim")["runs"][0]
     assert busy["attainment"] < quiet["attainment"]
-    assert busy["ttft_ms"]["p90"] > quiet["ttft_ms"]["p90"]
+    # Admission (on, as in the orchestrator) refuses what the engines cannot take in time, so the
+    # engines' queues, and the TTFT of what they serve, stay bounded; without it they grow.
+    assert busy["shed"] > quiet["shed"]
+    unguarded = run_json(capsys, "--rate", "200", "--profile", "sim", "--admission", "off")["runs"][0]
+    assert unguarded["shed"] == 0 and unguarded["attainment"] < quiet["attainment"]
+    assert unguarded["ttft_ms"]["p90"] > quiet["ttft_ms"]["p90"]
 
 
 def test_compare_prints_one_row_per_policy_and_writes_the_plots(
@@ -55,7 +61,8 @@ def test_compare_prints_one_row_per_policy_and_writes_the_plots(
     plots = tmp_path / "plots"
     assert main([*SMALL, "--compare", "--rate", "20", "--plots", str(plots), "--progress"]) == 0
     captured = capsys.readouterr()
-    rows = [line for line in captured.out.splitlines() if line.startswith("| ") and " 20 " in line]
+    main_table = captured.out.split("\n\n")[0]  # a table by class and tenant may follow
+    rows = [line for line in main_table.splitlines() if line.startswith("| ") and " 20 " in line]
     assert [row.split("|")[1].strip() for row in rows] == list(POLICIES)
     assert "100%" in captured.err  # the progress bar, asked for though stderr is not a TTY
     names = sorted(p.name for p in plots.iterdir())
@@ -188,7 +195,9 @@ def test_an_operators_rollout_and_role_change_run_on_virtual_time_and_are_report
     ]
     doc = run_json(capsys, *argv, "--engine-start-s", "1")
     [run] = doc["runs"]
-    assert run["failed"] == 0
+    # The rollout and the restart fail no request: any that did not finish was refused by admission
+    # (while capacity was down) before an engine saw it.
+    assert run["failed"] == run["shed"]
     control = run["control"]
     rollout = [(e["what"], e.get("instance")) for e in control if e["kind"] == "rollout"]
     assert rollout[0] == ("started", None) and rollout[-1] == ("complete", None)
@@ -202,3 +211,87 @@ def test_an_operators_rollout_and_role_change_run_on_virtual_time_and_are_report
     assert "ours @ 20 req/s, seed 0: rollouts and role changes" in out
     assert "rollout of sim-model 'r1' -> 'r2': complete" in out
     assert "decode-1 decode -> prefill (operator): done by restart" in out
+
+
+CLASSES = ["--priority-mix", "0.2:-1,0.6:0,0.2:1", "--tenants", "a:1:0.75,b:1:0.25"]
+
+
+def test_priorities_and_tenants_are_reported_with_what_admission_refused_and_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    doc = run_json(capsys, "--rate", "200", "--profile", "sim", *CLASSES, "--tenant-weight", "a=3")
+    [run] = doc["runs"]
+    # --tenant-weight wins over the weight --tenants gives.
+    assert doc["admission"]["enabled"] is True and doc["admission"]["tenant_weights"] == {"a": 3.0, "b": 1.0}
+    assert [c["priority"] for c in run["by_priority"]] == [-1, 0, 1]
+    assert [c["tenant"] for c in run["by_tenant"]] == ["a", "b"]
+    for classes in (run["by_priority"], run["by_tenant"]):
+        assert sum(c["requests"] for c in classes) == run["requests"] == 200
+        assert sum(c["shed"] for c in classes) == run["shed"]
+    assert run["shed"] > 0 and set(run["shed_by_reason"]) <= set(SHED_REASONS)
+    assert sum(run["shed_by_reason"].values()) == run["shed"]
+    assert run["admission_checks"] > 0
+    top, _, sheddable = run["by_priority"]
+    assert top["attainment"] > sheddable["attainment"]
+    assert sheddable["shed_by_reason"].get("sheddable", 0) > 0
+
+    assert main([*SMALL, "--rate", "200", "--profile", "sim", *CLASSES]) == 0
+    out = capsys.readouterr().out
+    rows = [
+        line for line in out.split("by priority class and tenant")[1].splitlines() if line.startswith("| ")
+    ]
+    assert [row.split("|")[3].strip() for row in rows[2:]] == [
+        "all", "priority -1", "priority 0", "priority 1", "tenant a", "tenant b",
+    ]  # fmt: skip
+
+
+def test_admission_off_sends_every_request_to_an_engine(capsys: pytest.CaptureFixture[str]) -> None:
+    doc = run_json(capsys, "--rate", "200", "--profile", "sim", *CLASSES, "--admission", "off")
+    [run] = doc["runs"]
+    assert doc["admission"]["enabled"] is False
+    assert (run["shed"], run["shed_by_reason"], run["admission_checks"]) == (0, {}, 0)
+    assert run["failed"] == 0
+
+
+def test_requests_without_targets_wait_for_room_at_most_the_longest_wait(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["--rate", "200", "--profile", "sim", "--no-request-slo", "--admission-max-wait-s", "0.5"]
+    [run] = run_json(capsys, *argv)["runs"]
+    # No target, so never out of reach: what is refused waited the longest wait, and no more.
+    assert run["shed_by_reason"].get("queue_timeout", 0) > 0
+    assert "deadline_unreachable" not in run["shed_by_reason"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(["--priority-mix", "0.5:0"], "the shares add up to 0.5, not 1", id="mix-short"),
+        pytest.param(["--tenants", "a:0:1"], "a's weight must be a number > 0", id="tenant-weight"),
+        pytest.param(["--tenant-weight", "a=0"], "--tenant-weight: expected TENANT=WEIGHT", id="weight"),
+        pytest.param(["--admission", "maybe"], "invalid choice: 'maybe'", id="admission"),
+    ],
+)
+def test_admission_flags_argparse_refuses(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main([*SMALL, *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        pytest.param(
+            ["--tenant-weight", "a=1", "--tenant-weight", "a=2"], "names a tenant twice", id="twice"
+        ),
+        pytest.param(["--admission-max-queue", "0"], "admission.max_queue must be > 0", id="max-queue"),
+    ],
+)
+def test_admission_configurations_that_cannot_work_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert main([*SMALL, *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from tests.unit.cluster_sim.test_cluster import PROFILE, poisson, run
+from tests.unit.cluster_sim.test_cluster import NO_ADMISSION, PROFILE, poisson, run
 from vllm_disagg.cluster_sim.cluster import MODEL, Cluster, ClusterSpec
 from vllm_disagg.cluster_sim.control import RoleChangePlan, RolloutPlan
-from vllm_disagg.config import OrchestratorConfig
+from vllm_disagg.config import AdmissionConfig, OrchestratorConfig
 from vllm_disagg.orchestrator.planner.config import PlannerConfig
 
 LOAD = poisson(600, 15.0, output=40)  # about 40 s of arrivals
@@ -89,7 +89,9 @@ def test_a_role_change_by_routing_is_done_at_once() -> None:
 def test_a_drain_that_times_out_leaves_its_streams_to_resume_elsewhere() -> None:
     long_streams = poisson(200, 10.0, output=400)
     spec = ClusterSpec(
-        1, 2, PROFILE, config=OrchestratorConfig(role_drain_timeout_s=0.5), role_switch="restart",
+        1, 2, PROFILE, role_switch="restart",
+        # Every stream on an engine, so that the drain has streams to leave (admission would hold some).
+        config=OrchestratorConfig(role_drain_timeout_s=0.5, admission=AdmissionConfig(enabled=False)),
         role_changes=(RoleChangePlan(5.0, "decode-0", "prefill"),), engine_start_s=2.0,
     )  # fmt: skip
     cluster = run(spec, long_streams)
@@ -113,7 +115,9 @@ def test_the_planners_shifts_go_through_the_same_restart() -> None:
         sustain=2, cooldown_s=10.0, min_samples=10,
     )  # fmt: skip
     trace = poisson(900, 30.0, prompt_blocks=60, output=4, seed=3)  # long prompts: prefill is short
-    spec = ClusterSpec(1, 3, PROFILE, planner=planner, role_switch="restart", engine_start_s=2.0)
+    spec = ClusterSpec(
+        1, 3, PROFILE, config=NO_ADMISSION, planner=planner, role_switch="restart", engine_start_s=2.0
+    )
     cluster = run(spec, trace)
     changes = events(cluster, "role_change")
     assert cluster.shifts and changes

@@ -13,7 +13,9 @@ from vllm_disagg.cluster_sim.report import (
     Slo,
     attainment,
     attainment_over_time,
+    class_table,
     goodput,
+    has_classes,
     median,
     medians,
     meets,
@@ -207,3 +209,95 @@ def test_table_has_a_header_a_rule_and_one_row_per_policy() -> None:
 
 def test_table_of_nothing_is_just_the_header() -> None:
     assert len(table([]).splitlines()) == 2
+
+
+def classed(priority: int, tenant: str, *, met: bool = True, shed: str = "") -> Outcome:
+    """A request of a class and a tenant: met its SLO, missed it (TTFT 2 s), or refused with ``shed``."""
+    o = outcome(ttft=0.5 if met else 2.0)
+    o.priority, o.tenant = priority, tenant
+    if shed:
+        o.ok, o.ttft_s, o.tpot_s, o.status, o.shed_reason = False, None, None, 429, shed
+    return o
+
+
+CLASSED = [
+    classed(-1, "a"),
+    classed(-1, "b"),
+    classed(0, "a"),
+    classed(0, "a", met=False),
+    classed(0, "b", shed="queue_full"),
+    classed(1, "a", shed="sheddable"),
+    classed(1, "a", shed="sheddable"),
+    classed(1, "b", shed="deadline_unreachable"),
+]
+
+
+def test_summarise_breaks_attainment_goodput_and_refusals_down_by_priority_and_tenant() -> None:
+    r = summarise("ours", 8.0, CLASSED, SLO, duration_s=2.0)
+    assert (r.requests, r.met, r.failed, r.shed) == (8, 3, 4, 4)
+    # Reasons in the admission queue's order, not the order they came in.
+    assert r.shed_by_reason == (("sheddable", 2), ("queue_full", 1), ("deadline_unreachable", 1))
+    by_priority = {c.key: (c.requests, c.met, c.shed, c.attainment, c.goodput) for c in r.by_priority}
+    assert [c.key for c in r.by_priority] == [-1, 0, 1]  # the most important first
+    assert by_priority == {
+        -1: (2, 2, 0, 1.0, 1.0),
+        0: (3, 1, 1, pytest.approx(1 / 3), 0.5),
+        1: (3, 0, 3, 0.0, 0.0),
+    }
+    assert [(c.key, c.requests, c.met, c.shed) for c in r.by_tenant] == [("a", 5, 2, 2), ("b", 3, 1, 2)]
+    # Goodput is over the whole trace for every class, so the classes' goodputs add up to the run's.
+    assert sum(c.goodput for c in r.by_priority) == pytest.approx(r.goodput)
+    assert sum(c.goodput for c in r.by_tenant) == pytest.approx(r.goodput)
+    doc = r.to_json()
+    assert doc["shed"] == 4 and doc["shed_by_reason"] == {
+        "sheddable": 2,
+        "queue_full": 1,
+        "deadline_unreachable": 1,
+    }
+    assert doc["by_priority"][2] == {
+        "priority": 1, "requests": 3, "met": 0, "shed": 3, "goodput": 0.0, "attainment": 0.0,
+        "shed_by_reason": {"sheddable": 2, "deadline_unreachable": 1},
+    }  # fmt: skip
+    assert [t["tenant"] for t in doc["by_tenant"]] == ["a", "b"]
+
+
+def test_the_median_of_rounds_takes_each_class_medians_and_counts_a_missing_reason_as_zero() -> None:
+    runs = [
+        summarise("ours", 8.0, CLASSED, SLO, duration_s=2.0),
+        summarise("ours", 8.0, CLASSED[:4], SLO, duration_s=2.0),  # nothing refused
+        summarise("ours", 8.0, CLASSED, SLO, duration_s=2.0),
+    ]
+    m = median(runs)
+    assert m.shed == 4 and m.shed_by_reason == (
+        ("sheddable", 2),
+        ("queue_full", 1),
+        ("deadline_unreachable", 1),
+    )
+    assert {c.key: c.requests for c in m.by_priority} == {-1: 2, 0: 3, 1: 3}
+    assert {c.key: c.shed_by_reason for c in m.by_tenant}["b"] == (
+        ("queue_full", 1),
+        ("deadline_unreachable", 1),
+    )
+
+
+def test_the_class_table_shows_each_run_then_its_priorities_and_tenants_with_refusals() -> None:
+    results = [summarise("ours", 8.0, CLASSED, SLO, duration_s=2.0)]
+    assert has_classes(results)
+    lines = class_table(results).splitlines()
+    classes = [line.split("|")[3].strip() for line in lines[2:]]
+    assert classes == ["all", "priority -1", "priority 0", "priority 1", "tenant a", "tenant b"]
+    row = {line.split("|")[3].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in lines[2:]}
+    assert row["priority 1"][3:] == ["3", "0.00", "0.0%", "3", "sheddable 2, deadline_unreachable 1"]
+    assert row["priority -1"][-2:] == ["0", "-"]
+    assert len({len(line) for line in lines}) == 1  # columns line up
+
+
+def test_one_class_one_tenant_and_no_refusal_need_no_class_table() -> None:
+    plain = [summarise("ours", 2.0, [outcome(), outcome(ttft=3.0)], SLO, duration_s=1.0)]
+    assert not has_classes(plain)
+    # A refusal alone is worth the table, without per-class rows (there is one class, one tenant).
+    refused = [
+        summarise("ours", 2.0, [outcome(), classed(0, "default", shed="queue_full")], SLO, duration_s=1.0)
+    ]
+    assert has_classes(refused)
+    assert [line.split("|")[3].strip() for line in class_table(refused).splitlines()[2:]] == ["all"]

@@ -7,8 +7,10 @@ scheduler's own (``scheduling.predict``), so admission and routing never disagre
   instance when colocated): with a TTFT target, it fits while the time already spent waiting plus the
   predicted TTFT on it stays within the target; without one, while the predicted TTFT stays within
   ``admission.ttft_s`` (the point past which an engine's queue only makes everyone later).
-- **decode stage**: it fits while the decode instance's KV usage is below ``admission.kv_usage_high``
-  and, with a TPOT target, its predicted TPOT with this request in its batch meets the target.
+- **decode stage**: it fits while the decode instance's KV usage is below ``admission.kv_usage_high``,
+  its engine queues nothing (a full batch: ``max_num_seqs`` running, the rest waiting, while KV and
+  TPOT still look fine) and, with a TPOT target, its predicted TPOT with this request in its batch
+  meets the target.
 - **room**: an instance the gateway has nothing in flight on is never saturated for it: waiting
   could not help, and the predictions, fed by scraped metrics, may lag an engine that has emptied.
 - **unreachable**: the time waited plus the prompt's own prefill (no backlog at all) already exceeds
@@ -64,7 +66,7 @@ def fit(
             return Fit(False, "prefill", unreachable)
     d_busy = snapshot.in_flight_of(decode.agent_id) + extra.get(decode.agent_id, 0)
     if d_busy:
-        if decode.metrics.kv_cache_usage >= config.kv_usage_high:
+        if decode.metrics.kv_cache_usage >= config.kv_usage_high or decode.metrics.num_waiting > 0:
             return Fit(False, "decode", unreachable)
         tpot = request.slo_tpot_s
         if tpot is not None and predicted_tpot(decode, d_busy) > tpot:

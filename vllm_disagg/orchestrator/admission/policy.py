@@ -168,13 +168,17 @@ class AdmissionQueue(Generic[P]):
         self._enqueue(mq, ticket)
         return out
 
-    def drain(self, now: float, check: Callable[[Ticket[P]], Fit]) -> list[tuple[Ticket[P], Verdict]]:
+    def drain(
+        self, now: float, check: Callable[[Ticket[P]], Fit], *, max_admit: int | None = None
+    ) -> list[tuple[Ticket[P], Verdict]]:
         """Shed what waited too long, then admit the best-ranked waiting requests while they fit
-        (``check`` asks the scheduler about each, in rank order); stop at the first that does not."""
+        (``check`` asks the scheduler about each, in rank order); stop at the first that does not, or
+        after ``max_admit`` admissions (the caller lets those take their places, then drains again)."""
         out: list[tuple[Ticket[P], Verdict]] = []
+        budget = [max_admit if max_admit is not None else -1]
         for mq in self._models.values():
-            if mq.size:
-                self._drain_model(mq, now, check, out)
+            if mq.size and budget[0]:
+                self._drain_model(mq, now, check, out, budget)
         return out
 
     def _drain_model(
@@ -183,15 +187,17 @@ class AdmissionQueue(Generic[P]):
         now: float,
         check: Callable[[Ticket[P]], Fit],
         out: list[tuple[Ticket[P], Verdict]],
+        budget: list[int],
     ) -> None:
         self._expire(mq, now, out)
         mq.blocked = ""
-        while (head := self._head(mq)) is not None:
+        while budget[0] and (head := self._head(mq)) is not None:
             fit = check(head)
             if fit.ok:
                 self._dequeue(mq, head)
                 self._admit(mq, head, now, from_queue=True)
                 out.append((head, ADMITTED))
+                budget[0] -= 1
             elif head.has_target and fit.unreachable:
                 out.append((head, self._shed(mq, head, "deadline_unreachable", fit.stage)))
             else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -21,11 +22,9 @@ from vllm_disagg.clock import Clock
 from vllm_disagg.config import AdmissionConfig
 from vllm_disagg.errors import NoCapacity, Overloaded, RequestError
 from vllm_disagg.orchestrator.admission.classify import TenantLabels
-from vllm_disagg.orchestrator.admission.fit import fit
 from vllm_disagg.orchestrator.admission.metrics import AdmissionMetrics, QueueCollector
 from vllm_disagg.orchestrator.admission.policy import (
     ADMITTED,
-    FITS,
     SHED_REASONS,
     AdmissionQueue,
     Fit,
@@ -33,11 +32,10 @@ from vllm_disagg.orchestrator.admission.policy import (
     Ticket,
     Verdict,
 )
+from vllm_disagg.orchestrator.admission.room import LOADED, find_room
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
-from vllm_disagg.orchestrator.scheduling.routing import route_request
 from vllm_disagg.orchestrator.state.registry import GatewayRegistry
-from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -51,18 +49,6 @@ _WHY = {
     "queue_timeout": "it waited the admission queue's longest wait",
     "no_capacity": "no instance can take it",
 }
-
-
-# The scheduler filtered every ready instance out for its load (KV usage above the filter's ceiling):
-# a saturated decode stage, to wait for like any other, not a cluster that is down.
-LOADED = Fit(False, "decode")
-
-
-def loaded(error: RequestError, snapshot: RegistrySnapshot, model: str) -> bool:
-    """Is ``error`` the scheduler finding no room although the model has ready instances?"""
-    return isinstance(error, NoCapacity) and bool(
-        snapshot.ready_decode.get(model) or snapshot.ready_prefill.get(model)
-    )
 
 
 @dataclass(eq=False, slots=True)
@@ -150,7 +136,7 @@ class Admission:
         to act on. Raises ``Overloaded`` when it is refused, or what the scheduler raised for it."""
         pending = ticket.payload
         now = self._clock.monotonic()
-        first = self._fit_of(pending, 0.0)
+        first = self._first_fit(pending, now)
         self._settle(self.queue.offer(ticket, first, now))
         if ticket.state == "queued":
             pending.queued_at = now
@@ -191,17 +177,25 @@ class Admission:
                 await kick.wait()
             kick.clear()
             try:
-                self.drain()
+                await self.drain()
             except Exception:  # a bug here must not strand every waiting request
                 log.exception("admission: draining the queue failed")
 
-    def drain(self) -> None:
-        """Admit what fits now, refuse what waited too long."""
-        now = self._clock.monotonic()
-        # What this drain admits reaches the registry's in-flight counts only when its legs start
-        # (its task runs after this drain): until then, counted here.
-        admitted: dict[str, int] = {}
-        self._settle(self.queue.drain(now, lambda t: self._check(t, now, admitted)))
+    async def drain(self) -> None:
+        """Admit what fits now, one at a time, refuse what waited too long. Each admitted request's
+        task runs before the next check (``sleep(0)``: its future's callback is queued first), and so
+        takes its place in the registry's in-flight counts on its pair: the scheduler and ``fit`` see
+        it, and the next head goes elsewhere or waits."""
+        while True:
+            now = self._clock.monotonic()
+            outcomes = self.queue.drain(now, functools.partial(self._check, now=now), max_admit=1)
+            self._settle(outcomes)
+            if not any(verdict == ADMITTED for _, verdict in outcomes):
+                break
+            await asyncio.sleep(0)
+        self._tell_held()
+
+    def _tell_held(self) -> None:
         if self.on_held is not None:
             held = {"prefill": 0, "decode": 0, "": 0}
             for ticket in self.queue.waiting():
@@ -210,29 +204,25 @@ class Admission:
                 ticket.payload.held_by = stage or ticket.payload.held_by
             self.on_held(held["prefill"], held["decode"])
 
-    def _check(self, ticket: Ticket[Pending], now: float, admitted: dict[str, int]) -> Fit:
-        """A waiting request's pair, decided again on today's state, and whether it fits (counted in
-        ``admitted`` when it does: the queue admits it)."""
+    def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
+        """A waiting request's pair, decided again on the registry as it is now, and whether it fits."""
         pending = ticket.payload
-        snapshot = self._registry.snapshot()
-        try:
-            pending.decision = decision = route_request(self._scheduler, pending.scheduling, snapshot, now)
-        except RequestError as exc:
-            pending.error, pending.decision = exc, None
-            if loaded(exc, snapshot, ticket.model):  # it waits for room like any other
-                return LOADED
-            return FITS  # e.g. the model's instances are gone: admit it, and it gets that answer
-        pending.error = None
-        verdict = fit(pending.scheduling, decision, snapshot, now - ticket.arrival, self.config, admitted)
-        if verdict.ok:
-            for agent_id in {decision.prefill or decision.decode, decision.decode}:
-                admitted[agent_id] = admitted.get(agent_id, 0) + 1
-        return verdict
+        snapshot, waited = self._registry.snapshot(), now - ticket.arrival
+        room = find_room(self._scheduler, pending.scheduling, snapshot, now, waited, self.config)
+        # A refusal (none of the model's instances is ready) is admitted, to get that answer.
+        pending.decision, pending.error = room.decision, room.error
+        return room.fit
 
-    def _fit_of(self, pending: Pending, waited_s: float) -> Fit:
+    def _first_fit(self, pending: Pending, now: float) -> Fit:
+        """On arrival: its pair as the gateway decided it, or another with room (``find_room``)."""
         if pending.decision is None:
             return LOADED
-        return fit(pending.scheduling, pending.decision, self._registry.snapshot(), waited_s, self.config)
+        snapshot = self._registry.snapshot()
+        room = find_room(
+            self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, pending.decision
+        )
+        pending.decision = room.decision
+        return room.fit
 
     def _settle(self, outcomes: list[tuple[Ticket[Pending], Verdict]]) -> None:
         now = self._clock.monotonic()

@@ -32,8 +32,9 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import NoCapacity, RequestError, UpstreamError
 from vllm_disagg.http_errors import error_response
 from vllm_disagg.orchestrator.admission.classify import priority_of, tenant_of
+from vllm_disagg.orchestrator.admission.room import loaded
 from vllm_disagg.orchestrator.control.kv_moves import KvMover
-from vllm_disagg.orchestrator.gateway.admit import Admission, Pending, loaded, ticket_of
+from vllm_disagg.orchestrator.gateway.admit import Admission, Pending, ticket_of
 from vllm_disagg.orchestrator.gateway.contract import Outcome
 from vllm_disagg.orchestrator.gateway.flow import Flow
 from vllm_disagg.orchestrator.gateway.handoff import (
