@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import os
 import random
 import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
@@ -360,6 +361,21 @@ class QuietCluster(LocalCluster):
             self.agents[plan.agent_id] = await spawn(self.spec.agent_argv(plan), output=self.log)
 
 
+@contextlib.asynccontextmanager
+async def serving(spec: ClusterSpec, log: IO[bytes]) -> AsyncIterator[aiohttp.ClientSession]:
+    """A fresh ``QuietCluster`` of ``spec``, ready, and a client session without a connection limit;
+    the cluster stopped on the way out."""
+    cluster = QuietCluster(spec, log)
+    try:
+        await cluster.start()
+        if not await cluster.wait_ready(120.0):
+            raise RuntimeError(f"the benchmark cluster did not become ready (its output: {log.name})")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            yield session
+    finally:
+        await cluster.stop()
+
+
 async def run_point(
     arm: str,
     rate: float,
@@ -370,18 +386,10 @@ async def run_point(
 ) -> Point:
     """A fresh cluster for one arm, the trace at ``rate`` through it, the planner's shifts."""
     spec = cluster_spec(arm, args, planner_config)
-    cluster = QuietCluster(spec, log)
-    try:
-        await cluster.start()
-        if not await cluster.wait_ready(120.0):
-            raise RuntimeError(f"the benchmark cluster did not become ready (its output: {log.name})")
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            samples = await play(session, spec.base_url, trace, args.request_timeout_s)
-            shifts = (
-                await _shifts(session, spec) if "--planner-config" in spec.extra_orchestrator_args else []
-            )
-    finally:
-        await cluster.stop()
+    async with serving(spec, log) as session:
+        samples = await play(session, spec.base_url, trace, args.request_timeout_s)
+        planned = "--planner-config" in spec.extra_orchestrator_args
+        shifts = await _shifts(session, spec) if planned else []
     return summarise(arm, rate, samples, args, shifts)
 
 

@@ -36,7 +36,7 @@ from typing import IO, Any
 import aiohttp
 
 from vllm_disagg import jsonutil
-from vllm_disagg.bench.goodput import QuietCluster, TraceRequest, cluster_spec, make_trace, trace_spec
+from vllm_disagg.bench.goodput import TraceRequest, cluster_spec, make_trace, serving, trace_spec
 from vllm_disagg.bench.goodput_admission_report import (
     TARGET_ATTAINMENT,
     AdmissionPoint,
@@ -205,16 +205,9 @@ async def run_point(
 ) -> AdmissionPoint:
     """A fresh cluster for one arm, the labelled trace at ``rate`` through it (open loop)."""
     spec = admission_spec(arm, args)
-    cluster = QuietCluster(spec, log)
-    try:
-        await cluster.start()
-        if not await cluster.wait_ready(120.0):
-            raise RuntimeError(f"the benchmark cluster did not become ready (its output: {log.name})")
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            start = time.perf_counter()
-            outcomes = await asyncio.gather(*(one(session, spec.base_url, i, args, start) for i in items))
-    finally:
-        await cluster.stop()
+    async with serving(spec, log) as session:
+        start = time.perf_counter()
+        outcomes = await asyncio.gather(*(one(session, spec.base_url, i, args, start) for i in items))
     window = args.duration_s - args.warmup_s
     return summarise(
         arm, rate, multiplier, outcomes,

@@ -34,7 +34,7 @@ from vllm_disagg.orchestrator.admission.policy import (
     Verdict,
 )
 from vllm_disagg.orchestrator.admission.room import LOADED, find_room
-from vllm_disagg.orchestrator.gateway.admit import POLL_S, Pending
+from vllm_disagg.orchestrator.gateway.admit import POLL_S, Pending, check, tell_held
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.state.registry import Registry
 
@@ -109,27 +109,15 @@ class SimAdmission:
             self._settle(outcomes, now)
             if not any(verdict == ADMITTED for _, verdict in outcomes):
                 break
-        if self.on_held is not None:
-            held = {"prefill": 0, "decode": 0, "": 0}
-            for ticket in self.queue.waiting():
-                stage = self.queue.blocked(ticket.model)
-                held[stage] += 1
-                ticket.payload.held_by = stage or ticket.payload.held_by
-            self.on_held(held["prefill"], held["decode"])
+        tell_held(self.queue, self.on_held)
         self._drains += 1
         if self.queue.depth():
             drains = self._drains
             self._loop.after(POLL_S, lambda: self._poll(drains))
 
     def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
-        """A waiting request's pair, decided again on the registry as it is now, and whether it fits."""
         self.checks += 1
-        pending = ticket.payload
-        snapshot, waited = self._registry.snapshot(), now - ticket.arrival
-        room = find_room(self._scheduler, pending.scheduling, snapshot, now, waited, self.config)
-        # A refusal (none of the model's instances is ready) is admitted, to get that answer.
-        pending.decision, pending.error = room.decision, room.error
-        return room.fit
+        return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config)
 
     def _settle(self, outcomes: list[tuple[Ticket[Pending], Verdict]], now: float) -> None:
         for ticket, verdict in outcomes:

@@ -44,7 +44,7 @@ from vllm_disagg.cluster_sim.trace import Trace
 from vllm_disagg.cluster_sim.traces import DEFAULT_RATE_PER_S, SYNTHETIC, describe
 from vllm_disagg.config import AdmissionConfig, OrchestratorConfig
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.orchestrator.flags import ADMISSION_FLAGS
+from vllm_disagg.orchestrator.flags import ADMISSION_FLAGS, parse_tenant_weight
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, default_config, load_config_file
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -123,18 +123,6 @@ def _mix(parse: Callable[[str], Any]) -> Callable[[str], Any]:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
     return parsed
-
-
-def parse_tenant_weight(text: str) -> tuple[str, float]:
-    """``TENANT=WEIGHT``, a weight > 0."""
-    name, sep, value = text.partition("=")
-    try:
-        weight = float(value)
-    except ValueError:
-        weight = 0.0
-    if not sep or not name or not 0 < weight < math.inf:
-        raise argparse.ArgumentTypeError(f"expected TENANT=WEIGHT with a weight > 0, got {text!r}")
-    return name, weight
 
 
 # The orchestrator's admission flags that mean something here (no headers: requests carry their class).

@@ -115,7 +115,8 @@ ADMISSION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
 )
 
 
-def _weight(text: str) -> tuple[str, float]:
+def parse_tenant_weight(text: str) -> tuple[str, float]:
+    """``TENANT=WEIGHT``, a finite weight > 0 (``--tenant-weight``; the simulator's too)."""
     name, sep, value = text.partition("=")
     try:
         weight = float(value)
@@ -144,7 +145,7 @@ def add_shared_arguments(group: Any, *, forwarded: bool = False) -> None:
     group.add_argument(
         "--tenant-weight",
         dest="tenant_weights",
-        type=_weight,
+        type=parse_tenant_weight,
         action="append",
         default=None,
         metavar="TENANT=WEIGHT",

@@ -116,6 +116,10 @@ def test_faults_cause_retries_or_resumes(capsys: pytest.CaptureFixture[str]) -> 
             ["--role-change", "decode-0=leader@3"], "--role-change: 'decode-0=leader@3' is not", id="bad-role"
         ),
         pytest.param(["--role-switch", "magic"], "invalid choice: 'magic'", id="role-switch"),
+        pytest.param(["--priority-mix", "0.5:0"], "the shares add up to 0.5, not 1", id="mix-short"),
+        pytest.param(["--tenants", "a:0:1"], "a's weight must be a number > 0", id="tenant-weight"),
+        pytest.param(["--tenant-weight", "a=0"], "--tenant-weight: expected TENANT=WEIGHT", id="weight"),
+        pytest.param(["--admission", "maybe"], "invalid choice: 'maybe'", id="admission"),
     ],
 )
 def test_flags_argparse_refuses_exit_2_naming_the_flag(
@@ -261,24 +265,6 @@ def test_requests_without_targets_wait_for_room_at_most_the_longest_wait(
     # No target, so never out of reach: what is refused waited the longest wait, and no more.
     assert run["shed_by_reason"].get("queue_timeout", 0) > 0
     assert "deadline_unreachable" not in run["shed_by_reason"]
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        pytest.param(["--priority-mix", "0.5:0"], "the shares add up to 0.5, not 1", id="mix-short"),
-        pytest.param(["--tenants", "a:0:1"], "a's weight must be a number > 0", id="tenant-weight"),
-        pytest.param(["--tenant-weight", "a=0"], "--tenant-weight: expected TENANT=WEIGHT", id="weight"),
-        pytest.param(["--admission", "maybe"], "invalid choice: 'maybe'", id="admission"),
-    ],
-)
-def test_admission_flags_argparse_refuses(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
-) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main([*SMALL, *argv])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

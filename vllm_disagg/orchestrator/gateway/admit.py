@@ -36,6 +36,7 @@ from vllm_disagg.orchestrator.admission.room import LOADED, find_room
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.state.registry import GatewayRegistry
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,35 @@ class Pending:
     admitted_at: float | None = None
     held_by: str = ""  # the stage that held it back last ("prefill" or "decode"; "" if none did)
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def check(
+    ticket: Ticket[Pending],
+    now: float,
+    scheduler: Scheduler,
+    snapshot: RegistrySnapshot,
+    config: AdmissionConfig,
+) -> Fit:
+    """A waiting request's pair, decided again on the registry as it is now (``find_room``), and
+    whether it fits; its payload keeps the decision (or the scheduler's refusal, which is admitted to
+    get that answer). The gateway's pump and the simulator's both check this way."""
+    pending = ticket.payload
+    room = find_room(scheduler, pending.scheduling, snapshot, now, now - ticket.arrival, config)
+    pending.decision, pending.error = room.decision, room.error
+    return room.fit
+
+
+def tell_held(queue: AdmissionQueue[Pending], on_held: Callable[[int, int], None] | None) -> None:
+    """After a drain: how many wait for each stage, to ``on_held`` (the planner's window), and each
+    waiting request's ``held_by``."""
+    if on_held is None:
+        return
+    held = {"prefill": 0, "decode": 0, "": 0}
+    for ticket in queue.waiting():
+        stage = queue.blocked(ticket.model)
+        held[stage] += 1
+        ticket.payload.held_by = stage or ticket.payload.held_by
+    on_held(held["prefill"], held["decode"])
 
 
 def refusal(ticket: Ticket[Pending], shed: Shed) -> Overloaded:
@@ -196,22 +226,10 @@ class Admission:
         self._tell_held()
 
     def _tell_held(self) -> None:
-        if self.on_held is not None:
-            held = {"prefill": 0, "decode": 0, "": 0}
-            for ticket in self.queue.waiting():
-                stage = self.queue.blocked(ticket.model)
-                held[stage] += 1
-                ticket.payload.held_by = stage or ticket.payload.held_by
-            self.on_held(held["prefill"], held["decode"])
+        tell_held(self.queue, self.on_held)
 
     def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
-        """A waiting request's pair, decided again on the registry as it is now, and whether it fits."""
-        pending = ticket.payload
-        snapshot, waited = self._registry.snapshot(), now - ticket.arrival
-        room = find_room(self._scheduler, pending.scheduling, snapshot, now, waited, self.config)
-        # A refusal (none of the model's instances is ready) is admitted, to get that answer.
-        pending.decision, pending.error = room.decision, room.error
-        return room.fit
+        return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config)
 
     def _first_fit(self, pending: Pending, now: float) -> Fit:
         """On arrival: its pair as the gateway decided it, or another with room (``find_room``)."""

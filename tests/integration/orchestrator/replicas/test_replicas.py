@@ -156,7 +156,10 @@ async def test_status_shows_the_replicas_which_one_leads_and_since_when(
     assert out[0] == "no instances registered"
     assert out[2].startswith(f"cluster test: leader {leader_id} since 20")
     assert out[2].endswith(f"(epoch {epoch}); etcd ok; leader actions: {leader_id} leads them")
-    rows = {line.split()[0]: line.split() for line in out[4:]}
+    table = out[4:]
+    table = table[: table.index("")] if "" in table else table  # the admission section comes next
+    rows = {line.split()[0]: line.split() for line in table}
+    assert any(line.startswith("admission: 0 waiting") for line in out), out
     assert rows[leader_id][1:3] == ["leader", leader.url]
     assert rows[follower_id][1:5] == ["(this", "one)", "follower", follower.url]
     assert await asyncio.to_thread(main, [*argv, "--json"]) == 0
