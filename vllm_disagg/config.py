@@ -200,6 +200,11 @@ class AdmissionConfig:
     # A request without a TTFT target is admitted while the prefill its pair would run is predicted to
     # start within this long (the prefill stage's saturation point for it); also its ordering deadline.
     ttft_s: float = 5.0
+    # The share of a request's TTFT target (or of ``ttft_s``) that its prefill instance's queue and its
+    # own prefill may take: a pair is saturated past it. The rest is left for waiting here, where order,
+    # fairness and refusals are kept; an engine queue filled to the whole target gives every request
+    # admitted a TTFT at the target, and half of them miss it.
+    engine_share: float = 0.4
     # A decode instance at or above this KV usage is saturated: below the scheduler's kv-usage-filter
     # ceiling (0.95), so that requests wait here before the scheduler has no instance left to offer.
     kv_usage_high: float = 0.9
@@ -222,7 +227,10 @@ class AdmissionConfig:
             max_wait_s=self.max_wait_s,
             ttft_s=self.ttft_s,
             kv_usage_high=self.kv_usage_high,
+            engine_share=self.engine_share,
         )
+        if self.engine_share > 1:
+            raise ConfigError(f"admission.engine_share must be <= 1, got {self.engine_share}")
         _non_negative("admission", max_tenant_labels=self.max_tenant_labels)
         for tenant, weight in self.tenant_weights:
             if not TENANT_NAME.fullmatch(tenant):

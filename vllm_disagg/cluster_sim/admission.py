@@ -34,6 +34,7 @@ from vllm_disagg.orchestrator.admission.policy import (
     Verdict,
 )
 from vllm_disagg.orchestrator.admission.room import LOADED, find_room
+from vllm_disagg.orchestrator.admission.slack import Slack
 from vllm_disagg.orchestrator.gateway.admit import POLL_S, Pending, check, tell_held
 from vllm_disagg.orchestrator.scheduling.framework import Scheduler
 from vllm_disagg.orchestrator.state.registry import Registry
@@ -66,6 +67,7 @@ class SimAdmission:
         self._kicked = False
         self._drains = 0  # a poll scheduled after drain n runs only if no drain came since
         self.checks = 0  # heads decided again while draining (each a ``route_request`` and a ``fit``)
+        self.slack = Slack()  # fit's margin, fed by the cluster with each first token, as the gateway's
 
     @property
     def now(self) -> float:
@@ -81,7 +83,7 @@ class SimAdmission:
         first = LOADED
         if decision is not None:  # its pair, or another with room, as the gateway's ``_first_fit``
             room = find_room(self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, decision)
-            pending.decision, first = room.decision, room.fit
+            pending.decision, pending.predicted_s, first = room.decision, room.fit.predicted_s, room.fit
         self._settle(self.queue.offer(ticket, first, now), now)
         if ticket.state == "queued":
             pending.queued_at = now
@@ -117,7 +119,7 @@ class SimAdmission:
 
     def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
         self.checks += 1
-        return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config)
+        return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config, self.slack.value())
 
     def _settle(self, outcomes: list[tuple[Ticket[Pending], Verdict]], now: float) -> None:
         for ticket, verdict in outcomes:

@@ -136,6 +136,7 @@ class _Request:
         "held_by",
         "kv",
         "out",
+        "predicted_s",
         "prefill",
         "prefill_tries",
         "sched",
@@ -154,6 +155,7 @@ class _Request:
         self.kv = False  # a prefill's KV waits for the decode leg
         self.had = 0  # output tokens the client has from legs cut before (a resume goes on from them)
         self.held_by = ""  # the stage admission held it back for, if it waited ("prefill", "decode")
+        self.predicted_s: float | None = None  # admission's prediction of its TTFT, for its margin
 
 
 class Cluster:
@@ -379,7 +381,7 @@ class Cluster:
             self._error(out, pending.error)
             return
         assert pending.decision is not None  # no error: decided
-        self._start(out, tokens, pending.scheduling, pending.decision, pending.held_by)
+        self._start(out, tokens, pending.scheduling, pending.decision, pending.held_by, pending.predicted_s)
 
     def _refused(self, ticket: Ticket[Pending], shed: Shed) -> None:
         """Admission refused the request: the client's 429, with its reason."""
@@ -402,10 +404,11 @@ class Cluster:
         sched: SchedulingRequest,
         decision: Decision,
         held_by: str = "",
+        predicted_s: float | None = None,
     ) -> None:
         """The request's flow, from its first leg (``Flow.run``)."""
         r = _Request(out, tokens, sched)
-        r.held_by = held_by
+        r.held_by, r.predicted_s = held_by, predicted_s
         out.mode, out.prefill, out.decode = decision.mode, decision.prefill, decision.decode
         r.prefill, r.decode = decision.prefill, decision.decode
         if r.prefill is not None:
@@ -486,6 +489,8 @@ class Cluster:
         def first(leg: Leg, now: float) -> None:
             if out.ttft_s is None:
                 out.ttft_s = now - out.arrival_s
+                if self.admission is not None and r.predicted_s is not None:  # as the gateway measures
+                    self.admission.slack.observe(out.ttft_s, out.queued_s or 0.0, r.predicted_s)
                 if out.mode == "disaggregated":  # less a wait for its decode stage: not the prefill pool's
                     waited = out.queued_s if r.held_by == "decode" and out.queued_s else 0.0
                     self.window.ttft(out.ttft_s - waited)

@@ -99,6 +99,13 @@ ADMISSION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "requests without a TTFT target are admitted while their prefill is predicted to start within this",
     ),
     (
+        "--admission-engine-share",
+        "engine_share",
+        float,
+        "the share (0..1] of a request's TTFT target its prefill instance's queue may take; the rest is "
+        "for waiting in the gateway",
+    ),
+    (
         "--admission-kv-usage-high",
         "kv_usage_high",
         float,

@@ -139,7 +139,9 @@ async def test_a_burst_past_capacity_is_queued_or_refused_with_a_reason_and_neve
     so the pair takes one request at a time and the queue (three places) holds the rest of a burst;
     those it holds get their answers, the burst beyond it and the sheddable class get 429s that say
     why and when to come back, and no request gets a 5xx."""
-    admission = AdmissionConfig(ttft_s=0.001, max_queue=3, sheddable_priority=1)
+    # No limit on the wait that a slow machine could reach: each queued request waits for the ones
+    # before it to be computed on CPU, which took over the default 30 s under a full test run's load.
+    admission = AdmissionConfig(ttft_s=0.001, max_queue=3, sheddable_priority=1, max_wait_s=3600.0)
     config = orch_config(
         heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0, admission=admission
     )

@@ -1,12 +1,22 @@
 """Does a request's pair have room now? The admission queue's one question to the scheduler's world.
 
-The pair is the one the scheduler picked for the request (``Decision``); the predictions are the
-scheduler's own (``scheduling.predict``), so admission and routing never disagree about an instance.
+The pair is the one the scheduler picked for the request (``Decision``); the formulas are the
+scheduler's (``scheduling.predict``), so admission and routing read an instance alike.
 
 - **prefill stage** (the instance that computes the prompt: the prefill instance, or the decode
-  instance when colocated): with a TTFT target, it fits while the time already spent waiting plus the
-  predicted TTFT on it stays within the target; without one, while the predicted TTFT stays within
-  ``admission.ttft_s`` (the point past which an engine's queue only makes everyone later).
+  instance when colocated): it is saturated while the predicted TTFT on it exceeds
+  ``admission.engine_share`` of the request's TTFT target, or of ``admission.ttft_s`` without one.
+  The engine's queue only needs to be deep enough to keep it busy; the rest of the budget is for
+  waiting in the gateway, where order and refusals are kept. Filled to the whole target, it would
+  give every request admitted a TTFT at the target, and about half of them would miss it. On a
+  prefill instance the prediction is ``prefill_ttft_s`` (its backlog counted once); on a colocated
+  decode instance the scheduler's ``ttft_s``, whose in-flight count includes the requests decoding
+  there.
+- **late**: a request that waited, on a pair with room for one that just came but not for it (the
+  time waited plus the predicted TTFT, plus the margin by which predictions have recently fallen
+  short, exceeds its target), is out of reach: waiting longer cannot help, since the backlog ahead
+  of it drains no faster than its clock runs, and while it waited at the head of the queue it would
+  hold back the requests behind it that can still make their targets.
 - **decode stage**: it fits while the decode instance's KV usage is below ``admission.kv_usage_high``,
   its engine queues nothing (a full batch: ``max_num_seqs`` running, the rest waiting, while KV and
   TPOT still look fine) and, with a TPOT target, its predicted TPOT with this request in its batch
@@ -14,7 +24,7 @@ scheduler's own (``scheduling.predict``), so admission and routing never disagre
 - **room**: an instance the gateway has nothing in flight on is never saturated for it: waiting
   could not help, and the predictions, fed by scraped metrics, may lag an engine that has emptied.
 - **unreachable**: the time waited plus the prompt's own prefill (no backlog at all) already exceeds
-  the TTFT target: it cannot be met whatever is admitted.
+  the TTFT target: it cannot be met whatever is admitted; or the request is late (above).
 
 The two stages saturate separately (a prompt-heavy burst fills prefill while decode idles): ``stage``
 names the one that binds, prefill first where both do.
@@ -29,6 +39,7 @@ from vllm_disagg.orchestrator.admission.policy import FITS, Fit
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
+    predicted_prefill_ttft,
     predicted_tpot,
     predicted_ttft,
     prefill_rate,
@@ -44,10 +55,12 @@ def fit(
     waited_s: float,
     config: AdmissionConfig,
     admitted: Mapping[str, int] | None = None,
+    slack_s: float = 0.0,
 ) -> Fit:
     """Whether ``decision``'s pair has room for ``request`` after it waited ``waited_s``; ``admitted``:
     requests admitted to each instance that the snapshot does not count yet (admitted in this drain,
-    their legs not started)."""
+    their legs not started); ``slack_s``: how much later than predicted first tokens have recently
+    come (``slack.Slack``), added to the prediction before it is held against the request's target."""
     first = snapshot.by_id.get(decision.prefill or decision.decode)
     decode = snapshot.by_id.get(decision.decode)
     if first is None or decode is None:  # gone since the decision: the flow's recovery handles it
@@ -59,16 +72,21 @@ def fit(
     if target is not None:
         own = uncached_tokens(first, request) / prefill_rate(first.metrics, DEFAULT_PREFILL_TOKENS_PER_S)
         unreachable = waited_s + own > target
+    predict = predicted_prefill_ttft if decision.prefill else predicted_ttft
+    predicted = predict(first, request, busy)
     if busy:
-        predicted = predicted_ttft(first, request, busy)
-        budget = config.ttft_s if target is None else target - waited_s
-        if predicted > budget:
-            return Fit(False, "prefill", unreachable)
+        if predicted > (config.ttft_s if target is None else target) * config.engine_share:
+            return Fit(False, "prefill", unreachable, predicted)
+        # The margin never takes the gateway's share of the target: a request that has just come to a
+        # pair with room is never late, so admissions go on, and with them the measurements.
+        margin = min(slack_s, target * (1.0 - config.engine_share)) if target is not None else 0.0
+        if target is not None and waited_s + predicted + margin > target:
+            return Fit(False, "prefill", True, predicted)  # late: room for a newcomer, not for it
     d_busy = snapshot.in_flight_of(decode.agent_id) + extra.get(decode.agent_id, 0)
     if d_busy:
         if decode.metrics.kv_cache_usage >= config.kv_usage_high or decode.metrics.num_waiting > 0:
-            return Fit(False, "decode", unreachable)
+            return Fit(False, "decode", unreachable, predicted)
         tpot = request.slo_tpot_s
         if tpot is not None and predicted_tpot(decode, d_busy) > tpot:
-            return Fit(False, "decode", unreachable)
-    return Fit(True, "", unreachable)
+            return Fit(False, "decode", unreachable, predicted)
+    return Fit(True, "", unreachable, predicted)

@@ -62,6 +62,9 @@ class Fit:
     ok: bool
     stage: Stage = ""
     unreachable: bool = False
+    # The prefill stage's predicted TTFT on the pair (0 where none was made): kept with an admitted
+    # request, so that what its client then sees measures the prediction (``slack.py``).
+    predicted_s: float = field(default=0.0, compare=False)
 
 
 FITS = Fit(True)

@@ -56,12 +56,15 @@ def find_room(
     waited_s: float,
     config: AdmissionConfig,
     first: Decision | None = None,
+    slack_s: float = 0.0,
 ) -> Room:
     """The scheduler's pick for ``request`` (``first`` when already made) if it fits; else up to
     ``TRIES`` picks, each with the instance that bound the last left out; the first pick and its
-    verdict when none fits. A scheduler refusal of the first pick is answered as ``loaded`` says."""
+    verdict when none fits. A scheduler refusal of the first pick is answered as ``loaded`` says.
+    ``slack_s``: ``fit``'s margin."""
     excluded = set(request.exclude)
     found: Room | None = None
+    seen: list[Fit] = []
     for _ in range(TRIES):
         if first is None and found is None:
             try:
@@ -75,16 +78,27 @@ def find_room(
                     dataclasses.replace(request, exclude=frozenset(excluded)), snapshot, now
                 )
             except RequestError:
-                return found  # nothing else is left: wait for the first pick
+                return _none_fits(found, seen)  # nothing else is left: wait for the first pick
             # Another pair of the same kind only: colocating on a decode instance because the prefill
             # pool is saturated would move the prefill backlog into the decode pool's batches.
             if {first.prefill, first.decode} & excluded or first.mode != found.decision_mode:
-                return found
-        verdict = fit(request, first, snapshot, waited_s, config)
+                return _none_fits(found, seen)
+        verdict = fit(request, first, snapshot, waited_s, config, slack_s=slack_s)
         if verdict.ok:
             return Room(first, None, verdict)
+        seen.append(verdict)
         found = found or Room(first, None, verdict)
         excluded.add(first.prefill or first.decode if verdict.stage == "prefill" else first.decode)
         first = None
     assert found is not None
+    return _none_fits(found, seen)
+
+
+def _none_fits(found: Room, seen: list[Fit]) -> Room:
+    """The first pick's verdict when no pair fits; out of reach where it is late on one pair and
+    every other pair's prefill stage is saturated (later still there, since it waited)."""
+    if found.fit.unreachable or not any(v.unreachable for v in seen):
+        return found
+    if all(v.stage == "prefill" for v in seen):
+        return dataclasses.replace(found, fit=Fit(False, found.fit.stage, True, found.fit.predicted_s))
     return found

@@ -33,6 +33,7 @@ from vllm_disagg.orchestrator.admission.policy import (
     Verdict,
 )
 from vllm_disagg.orchestrator.admission.room import LOADED, find_room
+from vllm_disagg.orchestrator.admission.slack import Slack
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.state.registry import GatewayRegistry
@@ -63,6 +64,7 @@ class Pending:
     queued_at: float | None = None
     admitted_at: float | None = None
     held_by: str = ""  # the stage that held it back last ("prefill" or "decode"; "" if none did)
+    predicted_s: float = 0.0  # the prefill stage's predicted TTFT at its last check (``Fit.predicted_s``)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -72,13 +74,15 @@ def check(
     scheduler: Scheduler,
     snapshot: RegistrySnapshot,
     config: AdmissionConfig,
+    slack_s: float = 0.0,
 ) -> Fit:
     """A waiting request's pair, decided again on the registry as it is now (``find_room``), and
     whether it fits; its payload keeps the decision (or the scheduler's refusal, which is admitted to
-    get that answer). The gateway's pump and the simulator's both check this way."""
+    get that answer) and the prediction. The gateway's pump and the simulator's both check this way."""
     pending = ticket.payload
-    room = find_room(scheduler, pending.scheduling, snapshot, now, now - ticket.arrival, config)
-    pending.decision, pending.error = room.decision, room.error
+    waited = now - ticket.arrival
+    room = find_room(scheduler, pending.scheduling, snapshot, now, waited, config, slack_s=slack_s)
+    pending.decision, pending.error, pending.predicted_s = room.decision, room.error, room.fit.predicted_s
     return room.fit
 
 
@@ -133,6 +137,7 @@ class Admission:
         self.on_held: Callable[[int, int], None] | None = None
         self._tenant_weights = dict(config.tenant_weights)  # those set; any other tenant weighs 1.0
         self._counts: Counter[tuple[str, str, str]] = Counter()  # (model, outcome, reason), for operators
+        self.slack = Slack()  # how late first tokens came against their predictions: fit's margin
 
     # --- lifecycle --------------------------------------------------------------------------------
 
@@ -229,7 +234,7 @@ class Admission:
         tell_held(self.queue, self.on_held)
 
     def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
-        return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config)
+        return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config, self.slack.value())
 
     def _first_fit(self, pending: Pending, now: float) -> Fit:
         """On arrival: its pair as the gateway decided it, or another with room (``find_room``)."""
@@ -239,7 +244,7 @@ class Admission:
         room = find_room(
             self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, pending.decision
         )
-        pending.decision = room.decision
+        pending.decision, pending.predicted_s = room.decision, room.fit.predicted_s
         return room.fit
 
     def _settle(self, outcomes: list[tuple[Ticket[Pending], Verdict]]) -> None:

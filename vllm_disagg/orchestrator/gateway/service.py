@@ -388,7 +388,11 @@ class Gateway:
             flow.stamps["queued"] = pending.queued_at
             flow.stamps["admitted"] = pending.admitted_at
         if pending is not None:
-            flow.admission = {"priority": priority, "tenant": tenant}
+            flow.admission = {
+                "priority": priority,
+                "tenant": tenant,
+                "predicted_ttft_s": round(pending.predicted_s, 6),
+            }
             if pending.queued_at is not None and pending.admitted_at is not None:
                 flow.admission["queued_s"] = round(pending.admitted_at - pending.queued_at, 6)
                 flow.admission["held_by"] = pending.held_by
@@ -484,6 +488,10 @@ class Gateway:
         if target.slo_ttft_s is not None or target.slo_tpot_s is not None:
             label = slo_class(target.slo_ttft_s, target.slo_tpot_s)
             self.metrics.slo_request(label, attainment(target, status, ttft, tpot))
+        predicted = outcome.admission.get("predicted_ttft_s")
+        if self.admission is not None and status == 200 and ttft is not None and isinstance(predicted, float):
+            waited = outcome.admission.get("queued_s", 0.0)
+            self.admission.slack.observe(ttft, waited if isinstance(waited, float) else 0.0, predicted)
         window = self.slo_window
         if window is None or status != 200:
             return

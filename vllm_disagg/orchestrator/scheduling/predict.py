@@ -65,6 +65,20 @@ def ttft_s(
     return (m.queue_s or 0.0) + work / prefill_rate(m, default_tokens_per_s)
 
 
+def prefill_ttft_s(
+    m: MetricsSnapshot, in_flight: int, cached: int, prompt_len: int, default_tokens_per_s: float
+) -> float:
+    """``ttft_s`` as admission reads it on a prefill instance, as an absolute figure rather than a rank:
+    the backlog is the gateway's legs in flight on it, or the engine's waiting requests where more
+    (another gateway's), never both, and no measured queue time on top. The gateway's legs on a prefill
+    instance are the engine's waiting and running requests, and ``queue_s`` is what those same requests
+    waited: added together they counted the backlog twice or three times, a bias common to every
+    instance when ranking them, but one that held requests back from a pair with room when compared
+    with a target."""
+    backlog = max(m.num_waiting, in_flight) * (m.mean_prompt_tokens or prompt_len)
+    return (backlog + uncached(prompt_len, cached)) / prefill_rate(m, default_tokens_per_s)
+
+
 def tpot_s(m: MetricsSnapshot, in_flight: int, cached: int, prompt_len: int, default_tpot_s: float) -> float:
     """Seconds per output token on an instance with metrics ``m`` once the ``in_flight`` requests the
     gateway sent it and this one join its batch: the measured TPOT (else the default, where it is
@@ -83,6 +97,17 @@ def predicted_ttft(
     """``ttft_s`` of ``request`` on ``view``."""
     cached = request.cached_tokens.get(view.agent_id, 0)
     return ttft_s(view.metrics, in_flight, cached, prompt_tokens(request), default_tokens_per_s)
+
+
+def predicted_prefill_ttft(
+    view: InstanceView,
+    request: SchedulingRequest,
+    in_flight: int,
+    default_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+) -> float:
+    """``prefill_ttft_s`` of ``request`` on ``view``."""
+    cached = request.cached_tokens.get(view.agent_id, 0)
+    return prefill_ttft_s(view.metrics, in_flight, cached, prompt_tokens(request), default_tokens_per_s)
 
 
 def predicted_tpot(view: InstanceView, in_flight: int, default_tpot_s: float = DEFAULT_TPOT_S) -> float:

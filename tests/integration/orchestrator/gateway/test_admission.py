@@ -26,7 +26,8 @@ from vllm_disagg.protocol.messages import MetricsSnapshot
 # predicted TTFT (500 tokens at 500 tokens/s): 1 s idle, 2 s with one in flight, 3 s with two. With a
 # 2.5 s budget it takes two at a time, and the third waits.
 P_METRICS = MetricsSnapshot(prefill_tokens_per_s=500.0, mean_prompt_tokens=500.0)
-ADMISSION = AdmissionConfig(ttft_s=2.5, max_queue=4, sheddable_priority=1)
+# The engine may take the whole 2.5 s budget: two 1 s prefills on p0 at once, the third waits.
+ADMISSION = AdmissionConfig(ttft_s=2.5, max_queue=4, sheddable_priority=1, engine_share=1.0)
 # A prefill of about 1 s on the engines: long enough that a burst finds the pair busy.
 SLOW = SimTiming(prefill_s_per_token=0.002, decode_step_s=0.005)
 PROMPT = "word " * 100
@@ -107,6 +108,11 @@ async def test_a_burst_waits_in_the_gateway_and_every_request_is_answered(
         assert r["timeline"]["queued"] <= r["timeline"]["admitted"] <= r["timeline"]["scheduled"]
         assert r["stages"]["admission_s"] == pytest.approx(r["admission"]["queued_s"], abs=1e-5)
     assert {r["admission"]["tenant"] for r in records} == {"default"}
+    # Each record says what was predicted for it when it was admitted (a 1 s prefill at the least),
+    # and each answer measured that prediction for the margin admission keeps.
+    assert all(r["admission"]["predicted_ttft_s"] >= 1.0 for r in records)
+    admission = orch.app[GATEWAY_KEY].admission
+    assert admission is not None and len(admission.slack) == 4
 
     samples = await scrape(http, orch.url)
     counted = {"name": "vllm_disagg_admission_requests_total", "model": MODEL}

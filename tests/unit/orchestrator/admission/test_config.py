@@ -17,6 +17,8 @@ from vllm_disagg.errors import ConfigError
         ({"max_wait_s": 0.0}, "max_wait_s"),
         ({"ttft_s": -1.0}, "ttft_s"),
         ({"kv_usage_high": 0.0}, "kv_usage_high"),
+        ({"engine_share": 0.0}, "engine_share"),
+        ({"engine_share": 1.5}, "engine_share"),
         ({"max_tenant_labels": -1}, "max_tenant_labels"),
         ({"tenant_weights": (("a b", 1.0),)}, "tenant_weights"),
         ({"tenant_weights": (("a", 0.0),)}, "tenant_weights[a]"),

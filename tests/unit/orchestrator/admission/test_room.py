@@ -15,7 +15,7 @@ from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRe
 from vllm_disagg.orchestrator.state.views import RegistrySnapshot
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
-CONFIG = AdmissionConfig(ttft_s=1.5)
+CONFIG = AdmissionConfig(ttft_s=1.5, engine_share=1.0)  # the engine may take the whole budget
 RATE = MetricsSnapshot(prefill_tokens_per_s=1000.0, mean_prompt_tokens=1000.0)
 VIEWS = (
     view("p0", role="prefill", metrics=RATE),
@@ -71,6 +71,18 @@ def test_the_first_pick_and_its_verdict_when_no_pair_fits() -> None:
     busy = snapshot(*VIEWS, in_flight={"p0": 3, "p1": 3})
     room = find_room(InOrder(), request(), busy, 0.0, 0.0, CONFIG)
     assert (room.decision, room.fit) == (Decision("disaggregated", "p0", "d0"), Fit(False, "prefill"))
+
+
+def test_late_where_another_pair_has_room_and_saturated_elsewhere_is_out_of_reach() -> None:
+    # 1 s waited against a 2.5 s target: p0 is saturated (4 s), p1 has room for a newcomer (2 s)
+    # but not for it (1 s + 2 s): it cannot be served in time, so it is not left to hold the queue.
+    late = dataclasses.replace(request(), slo_ttft_s=2.5)
+    busy = snapshot(*VIEWS, in_flight={"p0": 3, "p1": 1})
+    room = find_room(InOrder(), late, busy, 0.0, 1.0, CONFIG)
+    assert (room.decision, room.fit) == (Decision("disaggregated", "p0", "d0"), Fit(False, "prefill", True))
+    # Just come, with both saturated, it waits like anyone else.
+    room = find_room(InOrder(), late, snapshot(*VIEWS, in_flight={"p0": 3, "p1": 3}), 0.0, 0.0, CONFIG)
+    assert room.fit == Fit(False, "prefill")
 
 
 def test_a_decision_already_made_is_not_asked_for_again() -> None:
