@@ -39,10 +39,11 @@ from vllm_disagg.orchestrator.admission.policy import FITS, Fit
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
-    predicted_prefill_ttft,
+    predicted_by,
     predicted_tpot,
-    predicted_ttft,
     prefill_rate,
+    prefill_ttft_s,
+    ttft_s,
     uncached_tokens,
 )
 from vllm_disagg.orchestrator.state.views import RegistrySnapshot
@@ -72,8 +73,7 @@ def fit(
     if target is not None:
         own = uncached_tokens(first, request) / prefill_rate(first.metrics, DEFAULT_PREFILL_TOKENS_PER_S)
         unreachable = waited_s + own > target
-    predict = predicted_prefill_ttft if decision.prefill else predicted_ttft
-    predicted = predict(first, request, busy)
+    predicted = predicted_by(prefill_ttft_s if decision.prefill else ttft_s, first, request, busy)
     if busy:
         if predicted > (config.ttft_s if target is None else target) * config.engine_share:
             return Fit(False, "prefill", unreachable, predicted)

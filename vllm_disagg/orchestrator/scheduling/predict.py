@@ -88,6 +88,18 @@ def tpot_s(m: MetricsSnapshot, in_flight: int, cached: int, prompt_len: int, def
     return (m.tpot_s or default_tpot_s) * (running + in_flight + 1) / (running if running > 1 else 1)
 
 
+def predicted_by(
+    formula: Prediction,
+    view: InstanceView,
+    request: SchedulingRequest,
+    in_flight: int,
+    default_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
+) -> float:
+    """``formula`` (``ttft_s``, ``prefill_ttft_s``) of ``request`` on ``view``."""
+    cached = request.cached_tokens.get(view.agent_id, 0)
+    return formula(view.metrics, in_flight, cached, prompt_tokens(request), default_tokens_per_s)
+
+
 def predicted_ttft(
     view: InstanceView,
     request: SchedulingRequest,
@@ -95,19 +107,7 @@ def predicted_ttft(
     default_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
 ) -> float:
     """``ttft_s`` of ``request`` on ``view``."""
-    cached = request.cached_tokens.get(view.agent_id, 0)
-    return ttft_s(view.metrics, in_flight, cached, prompt_tokens(request), default_tokens_per_s)
-
-
-def predicted_prefill_ttft(
-    view: InstanceView,
-    request: SchedulingRequest,
-    in_flight: int,
-    default_tokens_per_s: float = DEFAULT_PREFILL_TOKENS_PER_S,
-) -> float:
-    """``prefill_ttft_s`` of ``request`` on ``view``."""
-    cached = request.cached_tokens.get(view.agent_id, 0)
-    return prefill_ttft_s(view.metrics, in_flight, cached, prompt_tokens(request), default_tokens_per_s)
+    return predicted_by(ttft_s, view, request, in_flight, default_tokens_per_s)
 
 
 def predicted_tpot(view: InstanceView, in_flight: int, default_tpot_s: float = DEFAULT_TPOT_S) -> float:
