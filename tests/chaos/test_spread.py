@@ -12,11 +12,11 @@ import pytest
 from aiohttp import web
 
 from tests.chaos.test_chaos_parts import gateway_stub, planner
-from tests.helpers import free_port
+from tests.helpers import eventually, free_port
 from vllm_disagg.chaos.check import Checker
 from vllm_disagg.chaos.load import LoadConfig, LoadGenerator, Tally
 from vllm_disagg.chaos.report import RECOVERY_COUNTERS, ChaosReport, counter_growth
-from vllm_disagg.chaos.spread import NO_REPLICA, Targets, post_spread
+from vllm_disagg.chaos.spread import NO_REPLICA, Targets, health_check, post_spread
 from vllm_disagg.cli.commands import main
 
 
@@ -58,6 +58,37 @@ async def test_a_refused_connection_goes_to_the_next_replica_and_an_error_answer
         answer = await post_spread(http, Targets([refusing]), "/v1/completions", b"{}", {}, 5.0)
         assert (answer.replica, answer.status, answer.refused) == (NO_REPLICA, None, 1)
         assert "refused" in answer.error
+
+
+async def test_the_health_check_takes_a_failing_replica_out_and_puts_it_back_once_it_passes() -> None:
+    healthy = {"now": True}
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200 if healthy["now"] else 503)
+
+    app = web.Application()
+    app.router.add_get("/health/ready", health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    refusing = f"http://127.0.0.1:{free_port()}"  # nothing listens there: fails the check too
+    try:
+        targets = Targets([f"http://127.0.0.1:{runner.addresses[0][1]}", refusing])
+        targets.take_out(0)  # the check's verdict does not undo a take_out
+        checks = asyncio.ensure_future(health_check(targets, "/health/ready", 0.01))
+        try:
+            await eventually(lambda: targets.in_rotation == [], what="the refusing replica out")
+            targets.put_back(0)
+            assert targets.in_rotation == [0]
+            healthy["now"] = False
+            await eventually(lambda: targets.in_rotation == [], what="the failing replica out")
+            assert targets.pick(set()) is None
+            healthy["now"] = True
+            await eventually(lambda: targets.in_rotation == [0], what="the passing replica back")
+        finally:
+            checks.cancel()
+    finally:
+        await runner.cleanup()
 
 
 async def test_a_failure_on_a_replica_killed_while_the_request_ran_is_counted_apart() -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from vllm_disagg.chaos.check import Checker, Outcome, RequestSpec, Verdict
-from vllm_disagg.chaos.spread import NO_REPLICA, Targets, post_spread
+from vllm_disagg.chaos.spread import NO_REPLICA, Targets, health_check, post_spread
 
 HEAD_BYTES = 300  # of a failed or garbled response, kept as an example
 TAIL_BYTES = 300  # and its end, where an error event or a cut shows
@@ -297,6 +297,8 @@ class SpreadLoad:
     max_tokens: int = 48
     stream_fraction: float = 0.8
     request_timeout_s: float = 30.0
+    health_path: str = ""  # checked on every replica as a load balancer does ("": no check)
+    health_interval_s: float = 0.1
     results: list[Sent] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -329,7 +331,17 @@ class SpreadLoad:
         # closes as the client reuses it would fail a request that no replica failed.
         connector = aiohttp.TCPConnector(force_close=True, limit=self.concurrency)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout) as http:
-            await asyncio.gather(*(self._worker(http) for _ in range(self.concurrency)))
+            checks = None
+            if self.health_path:  # its own connections: never queued behind the workers' requests
+                checks = asyncio.ensure_future(
+                    health_check(self.targets, self.health_path, self.health_interval_s)
+                )
+            try:
+                await asyncio.gather(*(self._worker(http) for _ in range(self.concurrency)))
+            finally:
+                if checks is not None:
+                    checks.cancel()
+                    await asyncio.gather(checks, return_exceptions=True)
 
     async def _worker(self, http: aiohttp.ClientSession) -> None:
         while not self._stop.is_set():

@@ -7,6 +7,9 @@ only a request a replica accepted can fail. Whoever kills a replica takes it out
 (``take_out``: the load balancer's health check noticed), records the kill (``killed``), and puts it
 back once it is serving again (``put_back``); a request whose replica was killed while it was in
 flight failed *on a killed replica's connection*, every other failure is a live replica's.
+``HealthCheck`` is the load balancer's own check: a replica whose health path fails (an error status,
+no answer) is out of the rotation until it passes again; a replica that stops gracefully fails it
+first (``--shutdown-delay-s``), so no request reaches it as it stops listening.
 
 With one URL (a single orchestrator) this is just that URL.
 """
@@ -30,13 +33,14 @@ class Targets:
             raise ValueError("at least one target URL")
         self.urls = tuple(u.rstrip("/") for u in urls)
         self._out: set[int] = set()
+        self._unhealthy: set[int] = set()  # the health check's verdict, apart from take_out's
         self._next = 0
         self._kills: dict[int, list[float]] = {i: [] for i in range(len(self.urls))}
 
     @property
     def in_rotation(self) -> list[int]:
         """The replicas requests go to now."""
-        return [i for i in range(len(self.urls)) if i not in self._out]
+        return [i for i in range(len(self.urls)) if i not in self._out and i not in self._unhealthy]
 
     def take_out(self, index: int) -> None:
         """No new request goes to ``index`` (it is about to die, or is not serving yet)."""
@@ -45,6 +49,13 @@ class Targets:
     def put_back(self, index: int) -> None:
         """Requests go to ``index`` again."""
         self._out.discard(index)
+
+    def checked(self, index: int, healthy: bool) -> None:
+        """The health check's latest verdict on ``index``."""
+        if healthy:
+            self._unhealthy.discard(index)
+        else:
+            self._unhealthy.add(index)
 
     def killed(self, index: int, at: float) -> None:
         """``index`` was killed at monotonic time ``at``."""
@@ -59,10 +70,27 @@ class Targets:
         n = len(self.urls)
         for step in range(n):
             i = (self._next + step) % n
-            if i not in self._out and i not in tried:
+            if i not in self._out and i not in self._unhealthy and i not in tried:
                 self._next = (i + 1) % n
                 return i
         return None
+
+
+async def health_check(targets: Targets, path: str, interval_s: float, timeout_s: float = 1.0) -> None:
+    """Check every replica's ``path`` each ``interval_s``, as a load balancer does, until cancelled:
+    a 2xx passes, anything else (a 503, a refused connection, no answer in ``timeout_s``) fails."""
+
+    async def one(session: aiohttp.ClientSession, index: int) -> None:
+        try:
+            async with session.get(targets.urls[index] + path) as resp:
+                targets.checked(index, 200 <= resp.status < 300)
+        except (aiohttp.ClientError, TimeoutError):
+            targets.checked(index, False)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+        while True:
+            await asyncio.gather(*(one(session, i) for i in range(len(targets.urls))))
+            await asyncio.sleep(interval_s)
 
 
 @dataclass(frozen=True, slots=True)

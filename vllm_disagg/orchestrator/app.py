@@ -8,6 +8,7 @@ in-process on real sockets, for tests, the benchmark and ``main``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ ROLLOUTS_KEY = web.AppKey("rollouts", Rollouts)
 ROLES_KEY = web.AppKey("roles", RoleChanger)
 REPLICATION_KEY = web.AppKey("replication", Replication)  # only with --etcd
 FORWARDER_KEY = web.AppKey("forwarder", LeaderForwarder)  # only with --etcd
+ADMIN_KEY = web.AppKey("admin", Admin)
 
 
 def _log_crash(task: asyncio.Task[None]) -> None:
@@ -390,6 +392,7 @@ def _application(
         start_grace_s=config.heartbeat_timeout_s + HELLO_BACKOFF_MAX_S if replication is not None else 0.0,
         admission=gateway.admission,
     )
+    app[ADMIN_KEY] = admin
     _add_admin(app, admin, config)
     app.cleanup_ctx.extend((_control_ctx, _session_ctx))  # in this order: stopped in the reverse one
     return app
@@ -441,6 +444,7 @@ class OrchestratorServer:
         url: str,
         admin_url: str = "",
         shutdown_timeout_s: float = 10.0,
+        shutdown_delay_s: float = 0.0,
     ) -> None:
         self.app = app
         self.url = url
@@ -448,6 +452,7 @@ class OrchestratorServer:
         self._listener = listener
         self._runners = runners
         self._shutdown_timeout_s = shutdown_timeout_s
+        self._shutdown_delay_s = shutdown_delay_s
 
     @property
     def zmq_endpoint(self) -> str:
@@ -469,8 +474,15 @@ class OrchestratorServer:
         """Which instance caches which prompt prefix, fed by the agents' KV events."""
         return self.app[KV_INDEX_KEY]
 
-    async def close(self) -> None:
-        """Stop serving, wait for in-flight requests (bounded), release every socket and task."""
+    async def close(self, hurry: asyncio.Event | None = None) -> None:
+        """Fail the health checks and go on serving for ``shutdown_delay_s`` or until ``hurry`` is set
+        (a load balancer stops sending meanwhile: a connection still waiting to be accepted when the
+        listener closes is reset), then stop serving, wait for in-flight requests (bounded), release
+        every socket and task."""
+        self.app[ADMIN_KEY].stop_serving()
+        if self._shutdown_delay_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for((hurry or asyncio.Event()).wait(), self._shutdown_delay_s)
         replication = self.app.get(REPLICATION_KEY)
         if replication is not None:  # first: another replica leads at once, not after the lease's TTL
             await replication.close()
@@ -489,6 +501,7 @@ async def start_orchestrator(
     scheduler: Scheduler | None = None,
     *,
     shutdown_timeout_s: float = 10.0,
+    shutdown_delay_s: float = 0.0,
     kv_moves: KvMoveSettings | None = None,
 ) -> OrchestratorServer:
     """Build and start the orchestrator on ``config.host:config.port`` (port 0: any free port)."""
@@ -531,7 +544,7 @@ async def start_orchestrator(
         for r in reversed(runners):
             await r.cleanup()
         raise
-    return OrchestratorServer(app, listener, runners, url, admin_url, shutdown_timeout_s)
+    return OrchestratorServer(app, listener, runners, url, admin_url, shutdown_timeout_s, shutdown_delay_s)
 
 
 def _card(

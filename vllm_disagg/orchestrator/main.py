@@ -9,6 +9,7 @@ import logging
 import sys
 
 from vllm_disagg.config import OrchestratorConfig, ReplicaConfig
+from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.admin.auth import (
     ENV_ADMIN_TOKEN,
     ENV_ENGINE_API_KEY,
@@ -52,6 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="on SIGTERM, wait this long for in-flight requests",
+    )
+    parser.add_argument(
+        "--shutdown-delay-s",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, fail /health and /health/ready and go on serving this long before the listener"
+        " closes (a load balancer's health-check interval times its failure threshold)",
     )
     parser.add_argument(
         "--scheduler-config",
@@ -186,6 +194,8 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
 def run(args: argparse.Namespace) -> int:
     """Run until SIGINT/SIGTERM; returns the exit code."""
     config = config_from_args(args)  # before anything starts: a bad flag exits 2 via the CLI
+    if not 0 <= args.shutdown_delay_s < float("inf"):
+        raise ConfigError(f"--shutdown-delay-s must be >= 0, got {args.shutdown_delay_s}")
     load_server_curve(config)  # so do key files that will not do
     scheduler = PluginScheduler(load_scheduler_config(config))  # so is a bad scheduler config
     load_planner_config_file(config.planner_config)  # and a bad planner config
@@ -198,7 +208,10 @@ def run(args: argparse.Namespace) -> int:
 
     async def main(stop: asyncio.Event) -> int:
         server = await start_orchestrator(
-            config, scheduler=scheduler, shutdown_timeout_s=args.shutdown_timeout_s
+            config,
+            scheduler=scheduler,
+            shutdown_timeout_s=args.shutdown_timeout_s,
+            shutdown_delay_s=args.shutdown_delay_s,
         )
         # Everything alive now (imports, tokenizers, the app) lives as long as the process: out of
         # the collector's sight, a full collection no longer walks it, and the loop stalls less
@@ -219,8 +232,9 @@ def run(args: argparse.Namespace) -> int:
                     ENV_ADMIN_TOKEN,
                 )
             await stop.wait()
+            stop.clear()  # a second SIGTERM or Ctrl-C cuts --shutdown-delay-s short
         finally:
-            await server.close()
+            await server.close(hurry=stop)
         return 0
 
     return run_service(main)

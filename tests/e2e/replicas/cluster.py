@@ -45,6 +45,9 @@ TTL_S = 2  # the leader's lease: etcd's minimum, so failovers are as quick as th
 HEARTBEAT_INTERVAL_S = 0.25
 HEARTBEAT_TIMEOUT_S = 3.0  # generous: a 2-core machine running 11 processes must not lose an agent
 SHUTDOWN_TIMEOUT_S = 10.0  # a replica's SIGTERM: in-flight streams (about a second each) finish first
+# ... after this long failing its health checks while serving on: the load's check (every 0.1 s) has
+# taken it out of the rotation before its listener closes.
+SHUTDOWN_DELAY_S = 3.0
 READY_TIMEOUT_S = 90.0  # eleven Python processes starting on a busy 2-core machine
 # Streams of 24-48 tokens at 20 ms a step last 0.5-1 s: some are always in flight when a replica dies.
 SIM_TIMING = ("--decode-step-s", "0.02", "--prefill-s-per-token", "0.0001", "--max-num-seqs", "32")
@@ -204,7 +207,7 @@ class ReplicaCluster:
                 "--zmq-endpoint", f"tcp://{place.host}:{zmq_port}",
                 "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
                 "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
-                "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S),
+                "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S), "--shutdown-delay-s", str(SHUTDOWN_DELAY_S),
                 "--no-preload-tokenizer-libs",
                 "--etcd", self.etcd.url, "--cluster", self.cluster, "--replica-id", replica_id,
                 "--advertise-host", place.host, "--peer-port", str(peer_port),

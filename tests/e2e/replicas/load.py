@@ -26,8 +26,8 @@ from vllm_disagg.chaos.load import SpreadLoad as ChaosSpreadLoad
 class SpreadLoad(ChaosSpreadLoad):
     """The chaos harness's spread load on the cluster's model: 12 workers, mostly streams."""
 
-    def __init__(self, urls: Sequence[str], seed: int = 0) -> None:
-        super().__init__(urls, MODEL, seed=seed, prefix="e2e")
+    def __init__(self, urls: Sequence[str], seed: int = 0, health_path: str = "") -> None:
+        super().__init__(urls, MODEL, seed=seed, prefix="e2e", health_path=health_path)
 
     def since(self, t: float) -> list[Sent]:
         """Requests started at or after monotonic time ``t``."""
@@ -44,6 +44,16 @@ class SpreadLoad(ChaosSpreadLoad):
     def ended_since(self, t: float) -> list[Sent]:
         """Requests that ended at or after monotonic time ``t``."""
         return [s for s in self.results if s.ended >= t]
+
+
+async def all_ready(replicas: Sequence[Replica]) -> bool:
+    """Whether every replica passes its readiness check (``/health/ready``), as a load balancer asks."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as http:
+        for replica in replicas:
+            async with http.get(f"{replica.url}/health/ready") as resp:
+                if resp.status != 200:
+                    return False
+    return True
 
 
 def tally(sent: Sequence[Sent]) -> dict[int, Counter[str]]:

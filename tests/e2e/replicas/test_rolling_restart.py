@@ -1,14 +1,16 @@
 """Every replica restarted one by one under streaming load (issue 26): 0 failed. Every process real.
 
-**Rolling restart**: SIGTERM to one replica (graceful: it resigns leadership first, stops listening and
-lets its in-flight requests finish within ``--shutdown-timeout-s``), wait for it to exit, start it
-again with the same command line, wait until it is ready (every replica agrees on one leader, and it
-has every instance ready), then the next one; the leader is among them.
+**Rolling restart**: SIGTERM to one replica (graceful: it fails its health checks and serves on for
+``--shutdown-delay-s``, then resigns leadership, stops listening and lets its in-flight requests finish
+within ``--shutdown-timeout-s``), wait for it to exit, start it again with the same command line, wait
+until it is ready (every replica agrees on one leader, and it has every instance ready), then the next
+one; the leader is among them.
 
-**0 failed**: the load spreads streams over the three replicas' ports as a load balancer does. A
-connection refused before the request was sent (the replica stopped listening) goes to the next
-replica and is no failure; any error answer, broken stream or wrong byte is. While a replica is down
-it is out of the rotation (the load balancer's health check); it is put back once ready.
+**0 failed**: the load spreads streams over the three replicas' ports as a load balancer does, with
+its health check on ``/health/ready`` every 0.1 s: a stopping replica leaves the rotation when it fails
+the check, before its listener closes (a connection waiting to be accepted then would be reset). A
+connection refused before the request was sent goes to the next replica and is no failure; any error
+answer, reset, broken stream or wrong byte is. A restarted replica is put back once the cluster is ready.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 
 from tests.e2e.replicas.cluster import SHUTDOWN_TIMEOUT_S, ReplicaCluster
 from tests.e2e.replicas.commands import accepted, fencing_violations
-from tests.e2e.replicas.load import SpreadLoad, Toggler, not_completed, tally
+from tests.e2e.replicas.load import SpreadLoad, Toggler, all_ready, not_completed, tally
 from tests.helpers import eventually
 
 
@@ -26,7 +28,8 @@ async def test_restarting_every_replica_one_by_one_under_load_fails_no_request(
     cluster: ReplicaCluster,
 ) -> None:
     _, epoch = await cluster.ready(cluster.replicas)
-    load = SpreadLoad([r.url for r in cluster.replicas], seed=4)
+    await eventually(lambda: all_ready(cluster.replicas), timeout=30, what="every replica /health/ready")
+    load = SpreadLoad([r.url for r in cluster.replicas], seed=4, health_path="/health/ready")
     toggler = Toggler(cluster.replicas)  # the leader keeps commanding, whoever it is at the time
     load.start()
     toggler.start()

@@ -98,6 +98,7 @@ class Admin:
         admission: Admission | None = None,
     ) -> None:
         self._intent = intent  # replicas: operators' word goes to etcd before it is acted on
+        self._stopping = False  # shutting down: health and readiness fail, so load balancers move on
         self._admission = AdmissionAdmin(admission, workers, intent)  # the gateway's queue (None: off)
         # A replica is not ready before every agent has had the time to say Hello to it (the longest
         # Hello backoff, 2 s, past a heartbeat timeout), lest it route on part of the cluster.
@@ -123,8 +124,19 @@ class Admin:
         self._openapi = b"{}"
         self._patterns: list[tuple[re.Pattern[str], str]] = []
 
+    def stop_serving(self) -> None:
+        """Shutting down: ``/health`` and ``/health/ready`` answer 503 from now on, while requests are
+        still served, so that a load balancer's health check takes this process out of its rotation
+        before it stops listening (``--shutdown-delay-s``)."""
+        self._stopping = True
+
+    def _stopping_answer(self) -> web.Response:
+        return json_response({"status": "unavailable", "reason": "shutting down"}, status=503)
+
     async def health(self, request: web.Request) -> web.Response:
         """200 when at least one decode-capable instance is ready, else 503 with the reason."""
+        if self._stopping:
+            return self._stopping_answer()
         snap = self._registry.snapshot()
         ready = [v for v in snap.instances if v.state == "ready"]
         decode = sum(1 for v in ready if v.info.role in DECODE_ROLES)
@@ -152,6 +164,8 @@ class Admin:
         ready decode-capable instance, and, as a replica, has run long enough for every agent to have
         said Hello to it (``start_grace_s``), so it knows what its peers know. 503 with the reason
         otherwise."""
+        if self._stopping:
+            return self._stopping_answer()
         snap = self._registry.snapshot()
         decode = sum(1 for v in snap.instances if v.state == "ready" and v.info.role in DECODE_ROLES)
         body: dict[str, Any] = {"ready_decode": decode}
