@@ -205,6 +205,10 @@ class AdmissionConfig:
     # fairness and refusals are kept; an engine queue filled to the whole target gives every request
     # admitted a TTFT at the target, and half of them miss it.
     engine_share: float = 0.4
+    # A tenant offering more than its weighted share of the recent load (the last arrivals) may fill
+    # the engines only to this fraction of ``engine_share``: the headroom left is for the tenants within
+    # their share, whose requests then go in at once instead of queueing behind the flood.
+    over_share_fill: float = 0.25
     # A decode instance at or above this KV usage is saturated: below the scheduler's kv-usage-filter
     # ceiling (0.95), so that requests wait here before the scheduler has no instance left to offer.
     kv_usage_high: float = 0.9
@@ -228,9 +232,12 @@ class AdmissionConfig:
             ttft_s=self.ttft_s,
             kv_usage_high=self.kv_usage_high,
             engine_share=self.engine_share,
+            over_share_fill=self.over_share_fill,
         )
         if self.engine_share > 1:
             raise ConfigError(f"admission.engine_share must be <= 1, got {self.engine_share}")
+        if self.over_share_fill > 1:
+            raise ConfigError(f"admission.over_share_fill must be <= 1, got {self.over_share_fill}")
         _non_negative("admission", max_tenant_labels=self.max_tenant_labels)
         for tenant, weight in self.tenant_weights:
             if not TENANT_NAME.fullmatch(tenant):

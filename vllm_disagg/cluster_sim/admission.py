@@ -81,8 +81,12 @@ class SimAdmission:
         decision = pending.decision
         snapshot = self._registry.snapshot()
         first = LOADED
+        ticket.fill = self.queue.fill(ticket)
         if decision is not None:  # its pair, or another with room, as the gateway's ``_first_fit``
-            room = find_room(self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, decision)
+            config = self.config
+            room = find_room(
+                self._scheduler, pending.scheduling, snapshot, now, 0.0, config, decision, fill=ticket.fill
+            )
             pending.decision, pending.predicted_s, first = room.decision, room.fit.predicted_s, room.fit
         self._settle(self.queue.offer(ticket, first, now), now)
         if ticket.state == "queued":

@@ -392,7 +392,6 @@ def _application(
         start_grace_s=config.heartbeat_timeout_s + HELLO_BACKOFF_MAX_S if replication is not None else 0.0,
         admission=gateway.admission,
     )
-    app[ADMIN_KEY] = admin
     _add_admin(app, admin, config)
     app.cleanup_ctx.extend((_control_ctx, _session_ctx))  # in this order: stopped in the reverse one
     return app
@@ -420,6 +419,7 @@ def _rollouts(
 
 def _add_admin(app: web.Application, admin: Admin, config: OrchestratorConfig) -> None:
     """The admin API and dashboard: on the gateway's port, or on their own listener."""
+    app[ADMIN_KEY] = admin  # its health checks fail first when the server closes
     admin.add_public_routes(app)
     if config.admin_port is None:
         admin.add_admin_routes(app, config.admin_token)

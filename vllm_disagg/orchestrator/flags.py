@@ -106,6 +106,13 @@ ADMISSION_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "for waiting in the gateway",
     ),
     (
+        "--admission-over-share-fill",
+        "over_share_fill",
+        float,
+        "a tenant offering more than its weighted share of the recent load fills the engines only to this "
+        "fraction (0..1] of --admission-engine-share",
+    ),
+    (
         "--admission-kv-usage-high",
         "kv_usage_high",
         float,

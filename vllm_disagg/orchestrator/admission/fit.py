@@ -11,7 +11,8 @@ scheduler's (``scheduling.predict``), so admission and routing read an instance 
   give every request admitted a TTFT at the target, and about half of them would miss it. On a
   prefill instance the prediction is ``prefill_ttft_s`` (its backlog counted once); on a colocated
   decode instance the scheduler's ``ttft_s``, whose in-flight count includes the requests decoding
-  there.
+  there. A tenant offering more than its share of the load fills only ``admission.over_share_fill``
+  of that (``policy``'s standing).
 - **late**: a request that waited, on a pair with room for one that just came but not for it (the
   time waited plus the predicted TTFT, plus the margin by which predictions have recently fallen
   short, exceeds its target), is out of reach: waiting longer cannot help, since the backlog ahead
@@ -57,11 +58,13 @@ def fit(
     config: AdmissionConfig,
     admitted: Mapping[str, int] | None = None,
     slack_s: float = 0.0,
+    fill: float = 1.0,
 ) -> Fit:
     """Whether ``decision``'s pair has room for ``request`` after it waited ``waited_s``; ``admitted``:
     requests admitted to each instance that the snapshot does not count yet (admitted in this drain,
     their legs not started); ``slack_s``: how much later than predicted first tokens have recently
-    come (``slack.Slack``), added to the prediction before it is held against the request's target."""
+    come (``slack.Slack``), added to the prediction before it is held against the request's target;
+    ``fill``: the fraction of ``engine_share`` the request's tenant may fill (``Ticket.fill``)."""
     first = snapshot.by_id.get(decision.prefill or decision.decode)
     decode = snapshot.by_id.get(decision.decode)
     if first is None or decode is None:  # gone since the decision: the flow's recovery handles it
@@ -75,7 +78,7 @@ def fit(
         unreachable = waited_s + own > target
     predicted = predicted_by(prefill_ttft_s if decision.prefill else ttft_s, first, request, busy)
     if busy:
-        if predicted > (config.ttft_s if target is None else target) * config.engine_share:
+        if predicted > (config.ttft_s if target is None else target) * config.engine_share * fill:
             return Fit(False, "prefill", unreachable, predicted)
         # The margin never takes the gateway's share of the target: a request that has just come to a
         # pair with room is never late, so admissions go on, and with them the measurements.

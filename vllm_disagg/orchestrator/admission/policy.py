@@ -13,6 +13,14 @@ by a request's cost over its weight when one is admitted, and a tenant that was 
 system's virtual time, so it banks no credit); among tenants level with their share, the earliest
 deadline (arrival plus TTFT target). With one tenant this is earliest-deadline-first.
 
+Standing: a tenant offering more than its weighted share of the recent load (its part of the last
+``DEMAND_WINDOW`` arrivals, past its weight's part by ``OVER_SHARE_TOLERANCE``) may fill the engines
+only to ``over_share_fill`` of the usual depth (``Ticket.fill``, set before each check). The headroom
+left is for the tenants within their share: a request of theirs goes in at once instead of queueing
+behind the flood, and, where the head of the queue is an over-share tenant's request held back at its
+lower fill, the best of theirs in the same priority is checked next (it may go before the head; a
+request of another priority never does).
+
 Refusals (``Shed``), each with the reason a client reads in ``X-Disagg-Shed-Reason``:
 
 - ``sheddable``: a request of the sheddable class that cannot go at once (its pair is saturated, or
@@ -31,7 +39,8 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Generic, Literal, TypeAlias, TypeVar
 
@@ -52,6 +61,12 @@ SHED_REASONS: tuple[ShedReason, ...] = (
 )
 Stage = Literal["prefill", "decode", ""]
 MAX_RETRY_AFTER_S = 60
+DEMAND_WINDOW = 256  # arrivals per model that a tenant's share of the offered load is measured over
+# Over its share only past this multiple of it: tenants offering equal loads do not flap in and out.
+OVER_SHARE_TOLERANCE = 1.2
+# The headroom kept from over-share tenants, per part of the load the tenants within their share offer:
+# their requests need room in proportion to how many come (a quarter of the load: the floor).
+RESERVE_PER_LOAD = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +110,9 @@ class Ticket(Generic[P]):
     deadline: float  # arrival plus the TTFT target (or the default budget): the order in a priority
     has_target: bool  # the deadline is its own TTFT target: past it the request misses its SLO
     cost: float = 1.0  # what admitting it adds to its tenant's virtual time, times the tenant's weight
+    # The fraction of the engines' usual depth it may fill (``over_share_fill`` while its tenant offers
+    # more than its share, else 1): set by the queue before each check, read by the check.
+    fill: float = 1.0
     seq: int = 0
     state: Literal["new", "queued", "admitted", "shed", "withdrawn"] = "new"
 
@@ -116,6 +134,8 @@ class _ModelQueue(Generic[P]):
     blocked: Stage = ""  # the stage that held the head back at the last drain ("" when none did)
     interval_s: float | None = None  # moving mean of the time between admissions from the queue
     last_admit: float | None = None
+    recent: deque[str] = field(default_factory=lambda: deque(maxlen=DEMAND_WINDOW))  # arrivals' tenants
+    offered: Counter[str] = field(default_factory=Counter)  # ... counted by tenant
 
 
 class AdmissionQueue(Generic[P]):
@@ -152,9 +172,8 @@ class AdmissionQueue(Generic[P]):
             raise ValueError(f"ticket of {ticket.model!r} offered twice")
         self._seq += 1
         ticket.seq = self._seq
-        mq = self._models.get(ticket.model)
-        if mq is None:
-            mq = self._models[ticket.model] = _ModelQueue()
+        mq = self._model(ticket.model)
+        self._arrived(mq, ticket.tenant)
         if mq.size == 0 and fit.ok:
             self._admit(mq, ticket, now, from_queue=False)
             return [(ticket, ADMITTED)]
@@ -195,17 +214,45 @@ class AdmissionQueue(Generic[P]):
         self._expire(mq, now, out)
         mq.blocked = ""
         while budget[0] and (head := self._head(mq)) is not None:
-            fit = check(head)
-            if fit.ok:
-                self._dequeue(mq, head)
-                self._admit(mq, head, now, from_queue=True)
-                out.append((head, ADMITTED))
+            fit = self._try(mq, head, now, check, out)
+            if fit is None:
                 budget[0] -= 1
-            elif head.has_target and fit.unreachable:
-                out.append((head, self._shed(mq, head, "deadline_unreachable", fit.stage)))
-            else:
-                mq.blocked = fit.stage
-                return
+                continue
+            if fit.ok or (head.has_target and fit.unreachable):
+                continue
+            # Held back at its tenant's lower fill: the best request of a tenant within its share goes
+            # next if it fits (the same priority only: no inversion of priorities).
+            within = self._best_within(mq, head.priority) if head.fill < 1 else None
+            if within is not None:
+                other = self._try(mq, within, now, check, out)
+                if other is None:
+                    budget[0] -= 1
+                    continue
+                if other.ok or (within.has_target and other.unreachable):
+                    continue
+            mq.blocked = fit.stage
+            return
+
+    def _try(
+        self,
+        mq: _ModelQueue[P],
+        ticket: Ticket[P],
+        now: float,
+        check: Callable[[Ticket[P]], Fit],
+        out: list[tuple[Ticket[P], Verdict]],
+    ) -> Fit | None:
+        """Check a waiting ticket at its tenant's fill: None when admitted; its verdict otherwise (ok
+        here never: that is admitted), shed if its deadline is out of reach."""
+        ticket.fill = self._fill(mq, ticket.tenant)
+        fit = check(ticket)
+        if fit.ok:
+            self._dequeue(mq, ticket)
+            self._admit(mq, ticket, now, from_queue=True)
+            out.append((ticket, ADMITTED))
+            return None
+        if ticket.has_target and fit.unreachable:
+            out.append((ticket, self._shed(mq, ticket, "deadline_unreachable", fit.stage)))
+        return fit
 
     def withdraw(self, ticket: Ticket[P]) -> None:
         """Take a waiting ticket out (its client left, or the gateway stops): it ends ``withdrawn``."""
@@ -213,6 +260,44 @@ class AdmissionQueue(Generic[P]):
             raise ValueError(f"only a waiting ticket can be withdrawn, not one {ticket.state}")
         self._dequeue(self._models[ticket.model], ticket)
         ticket.state = "withdrawn"
+
+    # --- standing --------------------------------------------------------------------------------
+
+    def fill(self, ticket: Ticket[P]) -> float:
+        """The fraction of the engines' usual depth ``ticket`` may fill now (``Ticket.fill``): the
+        caller's first check, before ``offer``, reads it; the queue sets it before its own checks."""
+        mq = self._models.get(ticket.model)
+        return self._fill(mq, ticket.tenant) if mq is not None else 1.0
+
+    def _fill(self, mq: _ModelQueue[P], tenant: str) -> float:
+        """1, or less for a tenant over its share: the more of the load the tenants within theirs
+        offer, the more headroom is kept for them, down to ``over_share_fill``."""
+        if not self._over_share(mq, tenant):
+            return 1.0
+        within = sum(n for t, n in mq.offered.items() if not self._over_share(mq, t)) / len(mq.recent)
+        return max(self.config.over_share_fill, 1.0 - RESERVE_PER_LOAD * within)
+
+    def _over_share(self, mq: _ModelQueue[P], tenant: str) -> bool:
+        """Does ``tenant`` offer more than its weighted share of the recent load (among the tenants
+        that offered any of it)?"""
+        if len(mq.offered) < 2 or not mq.offered[tenant]:
+            return False
+        share = self.weight(tenant) / sum(self.weight(t) for t in mq.offered)
+        return mq.offered[tenant] / len(mq.recent) > share * OVER_SHARE_TOLERANCE
+
+    def _arrived(self, mq: _ModelQueue[P], tenant: str) -> None:
+        if len(mq.recent) == DEMAND_WINDOW:
+            gone = mq.recent[0]
+            mq.offered[gone] -= 1
+            if not mq.offered[gone]:
+                del mq.offered[gone]
+        mq.recent.append(tenant)
+        mq.offered[tenant] += 1
+
+    def _best_within(self, mq: _ModelQueue[P], priority: int) -> Ticket[P] | None:
+        """The best-ranked waiting ticket of ``priority`` whose tenant is within its share."""
+        tenants = mq.classes.get(priority, {}).items()
+        return self._best(mq, ((t, heap) for t, heap in tenants if not self._over_share(mq, t)))
 
     # --- what the gateway shows -------------------------------------------------------------------
 
@@ -252,6 +337,12 @@ class AdmissionQueue(Generic[P]):
 
     # --- the queue itself -------------------------------------------------------------------------
 
+    def _model(self, model: str) -> _ModelQueue[P]:
+        mq = self._models.get(model)
+        if mq is None:
+            mq = self._models[model] = _ModelQueue()
+        return mq
+
     def _enqueue(self, mq: _ModelQueue[P], ticket: Ticket[P]) -> None:
         ticket.state = "queued"
         heap = mq.classes.setdefault(ticket.priority, {}).setdefault(ticket.tenant, [])
@@ -290,10 +381,15 @@ class AdmissionQueue(Generic[P]):
         """The best-ranked waiting ticket: top priority, then the tenant furthest behind, then deadline."""
         if not mq.size:
             return None
-        tenants = mq.classes[min(mq.classes)]
+        return self._best(mq, mq.classes[min(mq.classes)].items())
+
+    def _best(
+        self, mq: _ModelQueue[P], tenants: Iterable[tuple[str, list[tuple[float, int, Ticket[P]]]]]
+    ) -> Ticket[P] | None:
+        """The best-ranked head of these tenants' heaps: the tenant furthest behind, then deadline."""
         best: Ticket[P] | None = None
         best_key: tuple[float, float, int] | None = None
-        for tenant, heap in tenants.items():
+        for tenant, heap in tenants:
             head = self._head_of(heap)
             key = (max(mq.vt.get(tenant, mq.v), mq.v), head.deadline, head.seq)
             if best_key is None or key < best_key:

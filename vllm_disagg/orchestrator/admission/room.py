@@ -57,11 +57,12 @@ def find_room(
     config: AdmissionConfig,
     first: Decision | None = None,
     slack_s: float = 0.0,
+    fill: float = 1.0,
 ) -> Room:
     """The scheduler's pick for ``request`` (``first`` when already made) if it fits; else up to
     ``TRIES`` picks, each with the instance that bound the last left out; the first pick and its
     verdict when none fits. A scheduler refusal of the first pick is answered as ``loaded`` says.
-    ``slack_s``: ``fit``'s margin."""
+    ``slack_s``: ``fit``'s margin; ``fill``: its share of the engines' depth."""
     excluded = set(request.exclude)
     found: Room | None = None
     seen: list[Fit] = []
@@ -83,7 +84,7 @@ def find_room(
             # pool is saturated would move the prefill backlog into the decode pool's batches.
             if {first.prefill, first.decode} & excluded or first.mode != found.decision_mode:
                 return _none_fits(found, seen)
-        verdict = fit(request, first, snapshot, waited_s, config, slack_s=slack_s)
+        verdict = fit(request, first, snapshot, waited_s, config, slack_s=slack_s, fill=fill)
         if verdict.ok:
             return Room(first, None, verdict)
         seen.append(verdict)

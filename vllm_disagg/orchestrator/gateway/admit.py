@@ -81,7 +81,9 @@ def check(
     get that answer) and the prediction. The gateway's pump and the simulator's both check this way."""
     pending = ticket.payload
     waited = now - ticket.arrival
-    room = find_room(scheduler, pending.scheduling, snapshot, now, waited, config, slack_s=slack_s)
+    room = find_room(
+        scheduler, pending.scheduling, snapshot, now, waited, config, slack_s=slack_s, fill=ticket.fill
+    )
     pending.decision, pending.error, pending.predicted_s = room.decision, room.error, room.fit.predicted_s
     return room.fit
 
@@ -171,7 +173,8 @@ class Admission:
         to act on. Raises ``Overloaded`` when it is refused, or what the scheduler raised for it."""
         pending = ticket.payload
         now = self._clock.monotonic()
-        first = self._first_fit(pending, now)
+        ticket.fill = self.queue.fill(ticket)
+        first = self._first_fit(pending, now, ticket.fill)
         self._settle(self.queue.offer(ticket, first, now))
         if ticket.state == "queued":
             pending.queued_at = now
@@ -236,13 +239,13 @@ class Admission:
     def _check(self, ticket: Ticket[Pending], now: float) -> Fit:
         return check(ticket, now, self._scheduler, self._registry.snapshot(), self.config, self.slack.value())
 
-    def _first_fit(self, pending: Pending, now: float) -> Fit:
+    def _first_fit(self, pending: Pending, now: float, fill: float) -> Fit:
         """On arrival: its pair as the gateway decided it, or another with room (``find_room``)."""
         if pending.decision is None:
             return LOADED
         snapshot = self._registry.snapshot()
         room = find_room(
-            self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, pending.decision
+            self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, pending.decision, fill=fill
         )
         pending.decision, pending.predicted_s = room.decision, room.fit.predicted_s
         return room.fit

@@ -119,3 +119,11 @@ def test_a_colocated_pair_is_judged_on_its_one_instance_for_both_stages() -> Non
 
 def test_a_pair_gone_from_the_snapshot_is_left_to_the_flow() -> None:
     assert fit(slo(ttft=0.001), PAIR, snapshot(D), 9.0, CONFIG) == Fit(True)
+
+
+@pytest.mark.parametrize(("fill", "ok"), [(1.0, True), (0.5, False)])
+def test_a_tenant_s_fill_scales_the_depth_its_request_may_find(fill: float, ok: bool) -> None:
+    """2 s predicted against a 3 s target: room at the full depth, none at half of it (a tenant over
+    its share: ``Ticket.fill``)."""
+    snap = snapshot(P, D, in_flight={"p": 1})
+    assert fit(slo(ttft=3.0), PAIR, snap, 0.0, CONFIG, fill=fill).ok is ok
