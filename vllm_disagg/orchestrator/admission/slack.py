@@ -33,6 +33,8 @@ class Slack:
     def observe(self, seen_ttft_s: float, waited_s: float, predicted_s: float) -> None:
         """One request's first token, ``seen_ttft_s`` after it arrived, having waited ``waited_s`` in
         the queue with ``predicted_s`` predicted for it when it was admitted."""
+        if not predicted_s > 0:  # none was made (its pair was gone at the check): nothing to measure
+            return
         residual = seen_ttft_s - waited_s - predicted_s
         if residual != residual:  # NaN: a broken figure teaches nothing
             return

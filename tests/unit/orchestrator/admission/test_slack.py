@@ -45,3 +45,12 @@ def test_a_figure_that_is_not_a_number_is_left_out() -> None:
     slack = Slack()
     slack.observe(float("nan"), 0.0, 1.0)
     assert len(slack) == 0
+
+
+def test_a_request_without_a_prediction_is_left_out() -> None:
+    """Its pair was gone at the check (``fit`` answered without predicting): its whole TTFT is no error
+    of a prediction."""
+    slack = Slack()
+    slack.observe(2.0, 0.0, 0.0)
+    slack.observe(2.0, 0.0, -1.0)
+    assert len(slack) == 0
