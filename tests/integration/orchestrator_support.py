@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -37,6 +39,31 @@ from vllm_disagg.protocol.messages import (
 from vllm_disagg.protocol.transport import DealerTransport
 
 MODEL = "sim-model"
+
+
+START_S = 300.0  # a deadline for a stuck start, not a speed bound
+
+
+async def spawn_orchestrator(*argv: str) -> tuple[asyncio.subprocess.Process, str]:
+    """``vllm-disagg orchestrator ARGV`` in its own process, once it listens: the process and the
+    line it printed then (waited for: a start on a loaded machine takes what it takes)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
+        "orchestrator", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        async with asyncio.timeout(START_S):
+            first = (await proc.stdout.readline()).decode()
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    if not first:
+        raise AssertionError(f"it exited before it listened: {(await proc.communicate())[1].decode()}")
+    return proc, first
 
 
 def registered(orch: OrchestratorServer, agent_id: str) -> InstanceView:

@@ -17,7 +17,15 @@ import pytest
 
 from tests.helpers import ADMIN, ADMIN_TOKEN, eventually, free_port
 from tests.integration.conftest import AgentFactory, EngineFactory
-from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, registered, sample, scrape
+from tests.integration.orchestrator_support import (
+    MODEL,
+    FakeAgent,
+    orch_config,
+    registered,
+    sample,
+    scrape,
+    spawn_orchestrator,
+)
 from vllm_disagg import jsonutil
 from vllm_disagg.cli.commands import main as cli_main
 from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
@@ -497,38 +505,15 @@ async def test_status_command_reports_an_unreachable_orchestrator(capsys: pytest
     assert "cannot reach the orchestrator" in capsys.readouterr().err
 
 
-START_S = 300.0  # a deadline for a stuck start, not a speed bound
-
-
 async def test_orchestrator_subcommand_serves_and_stops_cleanly_on_sigterm(
     http: aiohttp.ClientSession,
 ) -> None:
     port, zmq_port = free_port(), free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
-        "orchestrator",
-        "--port",
-        str(port),
-        "--zmq-endpoint",
-        f"tcp://127.0.0.1:{zmq_port}",
-        "--heartbeat-interval-s",
-        "0.1",
-        "--heartbeat-timeout-s",
-        "1",
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
-    )
+    proc, first = await spawn_orchestrator(
+        "--port", str(port), "--zmq-endpoint", f"tcp://127.0.0.1:{zmq_port}",
+        "--heartbeat-interval-s", "0.1", "--heartbeat-timeout-s", "1",
+    )  # fmt: skip
     try:
-        # It says where it listens once it does: wait for that line (a process start on a loaded
-        # machine takes what it takes; this test is about serving and stopping, not start-up speed).
-        assert proc.stdout is not None
-        async with asyncio.timeout(START_S):
-            first = (await proc.stdout.readline()).decode()
-        if not first:
-            raise AssertionError(f"it exited before it listened: {(await proc.communicate())[1].decode()}")
         assert f"http http://127.0.0.1:{port}  agents tcp://127.0.0.1:{zmq_port}" in first, first
         async with http.get(f"http://127.0.0.1:{port}/health") as resp:
             assert resp.status == 503  # serving, no instance yet

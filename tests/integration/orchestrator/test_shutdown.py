@@ -9,9 +9,7 @@ request the client sees fail. A second SIGTERM (or Ctrl-C) cuts the delay short.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -20,12 +18,11 @@ import pytest
 
 from tests.helpers import eventually, free_port
 from tests.integration.conftest import EngineFactory
-from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
+from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, spawn_orchestrator
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import start_orchestrator
 from vllm_disagg.sim_engine.textgen import expected_text
 
-START_S = 300.0  # a deadline for a stuck start, not a speed bound
 LONG_DELAY_S = 600.0  # longer than any test: the delay ends because the test says so
 STOPPING = (503, {"status": "unavailable", "reason": "shutting down"})
 
@@ -47,20 +44,12 @@ async def refused(url: str) -> bool:
 async def spawned() -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
     """``vllm-disagg orchestrator --shutdown-delay-s 600`` in its own process, once it listens."""
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-c", "from vllm_disagg.cli.commands import main; raise SystemExit(main())",
-        "orchestrator", "--port", str(port), "--zmq-endpoint", f"tcp://127.0.0.1:{free_port()}",
+    proc, _ = await spawn_orchestrator(
+        "--port", str(port), "--zmq-endpoint", f"tcp://127.0.0.1:{free_port()}",
         "--heartbeat-interval-s", "0.1", "--heartbeat-timeout-s", "1",
         "--shutdown-delay-s", str(LONG_DELAY_S),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONPATH": os.getcwd()},
     )  # fmt: skip
     try:
-        assert proc.stdout is not None
-        async with asyncio.timeout(START_S):
-            first = (await proc.stdout.readline()).decode()
-        if not first:
-            raise AssertionError(f"it exited before it listened: {(await proc.communicate())[1].decode()}")
         yield proc, f"http://127.0.0.1:{port}"
     finally:
         if proc.returncode is None:

@@ -214,22 +214,14 @@ class AdmissionQueue(Generic[P]):
         self._expire(mq, now, out)
         mq.blocked = ""
         while budget[0] and (head := self._head(mq)) is not None:
-            fit = self._try(mq, head, now, check, out)
-            if fit is None:
-                budget[0] -= 1
-                continue
-            if fit.ok or (head.has_target and fit.unreachable):
+            fit = self._try(mq, head, now, check, out, budget)
+            if fit is None:  # admitted or refused: the next head
                 continue
             # Held back at its tenant's lower fill: the best request of a tenant within its share goes
             # next if it fits (the same priority only: no inversion of priorities).
             within = self._best_within(mq, head.priority) if head.fill < 1 else None
-            if within is not None:
-                other = self._try(mq, within, now, check, out)
-                if other is None:
-                    budget[0] -= 1
-                    continue
-                if other.ok or (within.has_target and other.unreachable):
-                    continue
+            if within is not None and self._try(mq, within, now, check, out, budget) is None:
+                continue
             mq.blocked = fit.stage
             return
 
@@ -240,18 +232,21 @@ class AdmissionQueue(Generic[P]):
         now: float,
         check: Callable[[Ticket[P]], Fit],
         out: list[tuple[Ticket[P], Verdict]],
+        budget: list[int],
     ) -> Fit | None:
-        """Check a waiting ticket at its tenant's fill: None when admitted; its verdict otherwise (ok
-        here never: that is admitted), shed if its deadline is out of reach."""
+        """Check a waiting ticket at its tenant's fill: admitted if it fits (one of ``budget``),
+        refused if its deadline is out of reach (None for both); else the verdict that held it."""
         ticket.fill = self._fill(mq, ticket.tenant)
         fit = check(ticket)
         if fit.ok:
             self._dequeue(mq, ticket)
             self._admit(mq, ticket, now, from_queue=True)
             out.append((ticket, ADMITTED))
+            budget[0] -= 1
             return None
         if ticket.has_target and fit.unreachable:
             out.append((ticket, self._shed(mq, ticket, "deadline_unreachable", fit.stage)))
+            return None
         return fit
 
     def withdraw(self, ticket: Ticket[P]) -> None:
