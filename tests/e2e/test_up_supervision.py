@@ -258,7 +258,12 @@ async def test_an_agent_crashing_again_and_again_is_given_up_on_and_the_cluster_
         await eventually(lambda: said(running, give_up), timeout=RECOVERY_S, what="up gives up")
         assert said(running, "up: agent decode-0 exited (code -9); restarting in 0.5 s (restart 1)")
         assert said(running, "up: agent decode-0 exited (code 1); restarting in 1 s (restart 2)")
-        events = [e for e in supervisor_events(running) if e["process"] == "agent decode-0"]
+
+        def agent_events() -> list[dict[str, Any]] | None:  # up posts each after it says it
+            events = [e for e in supervisor_events(running) if e["process"] == "agent decode-0"]
+            return events if any(e["action"] == "gave_up" for e in events) else None
+
+        events = await eventually(agent_events, timeout=RECOVERY_S, what="the give-up event posted")
         assert [(e["action"], e["exit_code"], e["restarts"]) for e in events] == [
             ("restarted", -9, 1),
             ("restarted", 1, 2),

@@ -125,7 +125,7 @@ async def probe_capabilities(
     """Ask the engine at ``base`` (serving ``model``); its capabilities and what the operator should
     read about them. ``ProbeUnanswered`` when a probe gets no answer."""
 
-    async def post(path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    async def post(path: str, body: dict[str, Any], retried: bool = False) -> tuple[int, bytes]:
         try:
             async with http.post(
                 base + path,
@@ -136,6 +136,12 @@ async def probe_capabilities(
                 return resp.status, await resp.read()
         except TimeoutError:
             raise ProbeUnanswered(f"POST {base}{path}: no answer in {timeout_s:g} s") from None
+        except aiohttp.ServerDisconnectedError:
+            # A kept-alive connection the engine's server closed as it was reused: the probes change
+            # nothing, so one more try, on a new connection, is safe; a second drop is an answer.
+            if retried:
+                raise ProbeUnanswered(f"POST {base}{path}: Server disconnected") from None
+            return await post(path, body, retried=True)
         except aiohttp.ClientError as exc:
             raise ProbeUnanswered(f"POST {base}{path}: {exc or type(exc).__name__}") from None
 
