@@ -251,7 +251,9 @@ class Leader:
 
 
 def leader_of(described: Any) -> Leader | None:
-    """The leader in a ``GET /admin/v1/replicas`` answer; None while none is known."""
+    """The leader in a ``GET /admin/v1/replicas`` answer; None while none is known, or while the
+    answering replica has not yet read the leader's card (where it serves): a leader is told with
+    its URL or not at all."""
     if not isinstance(described, dict):
         return None
     leader, epoch = described.get("leader"), described.get("epoch")
@@ -260,7 +262,7 @@ def leader_of(described: Any) -> Leader | None:
     replicas = described.get("replicas")
     cards = [r for r in replicas if isinstance(r, dict)] if isinstance(replicas, list) else []
     http = next((str(r.get("http", "")) for r in cards if r.get("id") == leader), "")
-    return Leader(leader, epoch, http)
+    return Leader(leader, epoch, http) if http else None
 
 
 class LeaderWatch:

@@ -194,7 +194,7 @@ DESCRIBED: dict[str, Any] = {
         (DESCRIBED, Leader("replica-1", 12, "http://127.0.0.1:8001")),
         ({**DESCRIBED, "leader": None, "epoch": 0}, None),
         ({**DESCRIBED, "epoch": 0}, None),
-        ({**DESCRIBED, "replicas": []}, Leader("replica-1", 12, "")),
+        ({**DESCRIBED, "replicas": []}, None),  # told with its URL or not at all
         ([], None),
     ],
     ids=["known", "an-election-under-way", "no-term-yet", "leader-not-listed-yet", "not-an-object"],
