@@ -205,9 +205,10 @@ class AdmissionConfig:
     # fairness and refusals are kept; an engine queue filled to the whole target gives every request
     # admitted a TTFT at the target, and half of them miss it.
     engine_share: float = 0.4
-    # A tenant offering more than its weighted share of the recent load (the last arrivals) may fill
-    # the engines only to this fraction of ``engine_share``: the headroom left is for the tenants within
-    # their share, whose requests then go in at once instead of queueing behind the flood.
+    # A tenant offering more than its weighted share of the recent load (the last arrivals) fills the
+    # engines less deep, the more so the more of the load the tenants within their share offer, and
+    # never below this fraction of ``engine_share``: the headroom left is theirs, so their requests go
+    # in at once instead of queueing behind the flood (``admission.policy``, "Standing").
     over_share_fill: float = 0.25
     # A decode instance at or above this KV usage is saturated: below the scheduler's kv-usage-filter
     # ceiling (0.95), so that requests wait here before the scheduler has no instance left to offer.

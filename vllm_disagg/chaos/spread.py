@@ -7,7 +7,7 @@ only a request a replica accepted can fail. Whoever kills a replica takes it out
 (``take_out``: the load balancer's health check noticed), records the kill (``killed``), and puts it
 back once it is serving again (``put_back``); a request whose replica was killed while it was in
 flight failed *on a killed replica's connection*, every other failure is a live replica's.
-``HealthCheck`` is the load balancer's own check: a replica whose health path fails (an error status,
+``health_check`` is the load balancer's own check: a replica whose health path fails (an error status,
 no answer) is out of the rotation until it passes again; a replica that stops gracefully fails it
 first (``--shutdown-delay-s``), so no request reaches it as it stops listening.
 

@@ -83,10 +83,10 @@ class SimAdmission:
         first = LOADED
         ticket.fill = self.queue.fill(ticket)
         if decision is not None:  # its pair, or another with room, as the gateway's ``_first_fit``
-            config = self.config
             room = find_room(
-                self._scheduler, pending.scheduling, snapshot, now, 0.0, config, decision, fill=ticket.fill
-            )
+                self._scheduler, pending.scheduling, snapshot, now, 0.0, self.config, decision,
+                fill=ticket.fill,
+            )  # fmt: skip
             pending.decision, pending.predicted_s, first = room.decision, room.fit.predicted_s, room.fit
         self._settle(self.queue.offer(ticket, first, now), now)
         if ticket.state == "queued":

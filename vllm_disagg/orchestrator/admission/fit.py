@@ -11,8 +11,8 @@ scheduler's (``scheduling.predict``), so admission and routing read an instance 
   give every request admitted a TTFT at the target, and about half of them would miss it. On a
   prefill instance the prediction is ``prefill_ttft_s`` (its backlog counted once); on a colocated
   decode instance the scheduler's ``ttft_s``, whose in-flight count includes the requests decoding
-  there. A tenant offering more than its share of the load fills only ``admission.over_share_fill``
-  of that (``policy``'s standing).
+  there. A tenant offering more than its share of the load fills only part of that (``fill``: the
+  policy's standing, at least ``admission.over_share_fill``).
 - **late**: a request that waited, on a pair with room for one that just came but not for it (the
   time waited plus the predicted TTFT, plus the margin by which predictions have recently fallen
   short, exceeds its target), is out of reach: waiting longer cannot help, since the backlog ahead

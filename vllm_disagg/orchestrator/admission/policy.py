@@ -15,7 +15,8 @@ deadline (arrival plus TTFT target). With one tenant this is earliest-deadline-f
 
 Standing: a tenant offering more than its weighted share of the recent load (its part of the last
 ``DEMAND_WINDOW`` arrivals, past its weight's part by ``OVER_SHARE_TOLERANCE``) may fill the engines
-only to ``over_share_fill`` of the usual depth (``Ticket.fill``, set before each check). The headroom
+only to 1 - ``RESERVE_PER_LOAD`` x (the within-share tenants' part of those arrivals) of the usual
+depth, never below ``over_share_fill`` (``Ticket.fill``, set before each check). The headroom
 left is for the tenants within their share: a request of theirs goes in at once instead of queueing
 behind the flood, and, where the head of the queue is an over-share tenant's request held back at its
 lower fill, the best of theirs in the same priority is checked next (it may go before the head; a
@@ -110,8 +111,8 @@ class Ticket(Generic[P]):
     deadline: float  # arrival plus the TTFT target (or the default budget): the order in a priority
     has_target: bool  # the deadline is its own TTFT target: past it the request misses its SLO
     cost: float = 1.0  # what admitting it adds to its tenant's virtual time, times the tenant's weight
-    # The fraction of the engines' usual depth it may fill (``over_share_fill`` while its tenant offers
-    # more than its share, else 1): set by the queue before each check, read by the check.
+    # The fraction of the engines' usual depth it may fill (below 1 while its tenant offers more than
+    # its share: ``_fill``): set by the queue before each check, read by the check.
     fill: float = 1.0
     seq: int = 0
     state: Literal["new", "queued", "admitted", "shed", "withdrawn"] = "new"
