@@ -52,6 +52,7 @@ from vllm_disagg.protocol.messages import (
     Message,
     Refuse,
     Welcome,
+    label_problem,
 )
 from vllm_disagg.protocol.transport import RouterTransport
 
@@ -231,7 +232,9 @@ def expect_for_message(msg: Message) -> Expect:
     if isinstance(msg, Hello):
         if msg.protocol_version != PROTOCOL_VERSION:
             return Expect(refuse="version_mismatch")
-        return Expect(refuse="invalid_hello") if not msg.agent_id else Expect(welcome=msg.agent_id)
+        if not msg.agent_id or label_problem(msg.instance.labels) is not None:
+            return Expect(refuse="invalid_hello")
+        return Expect(welcome=msg.agent_id)
     if isinstance(msg, Heartbeat | KvEvents):
         return Expect(refuse="unknown_agent")
     if isinstance(msg, Welcome | Command):

@@ -52,6 +52,7 @@ from vllm_disagg.protocol.messages import (
     InstanceInfo,
     KvEvent,
     KvEvents,
+    KvLayout,
     Message,
     MetricsSnapshot,
     Refuse,
@@ -78,7 +79,11 @@ PROTOCOL_FIELDS: dict[type[Any], tuple[str, ...]] = {
     KvEvents: ("seq", "events", "missed"),
     InstanceInfo: (
         "url", "role", "model", "engine", "revision", "block_size", "kv_connector", "max_model_len",
-        "tokenizer", "tensor_parallel_size", "kv_pool_endpoint", "capabilities",
+        "tokenizer", "tensor_parallel_size", "kv_pool_endpoint", "capabilities", "labels", "layout",
+    ),
+    KvLayout: (
+        "tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dp_rank", "dtype", "kv_cache_dtype",
+        "kv_layout", "attention_backend", "vllm_version", "model_path", "max_num_seqs",
     ),
     EngineCapabilities: ("known", "completions_token_ids", "chat_token_ids", "chat_prompt_ids"),
     MetricsSnapshot: (
@@ -118,6 +123,8 @@ SINCE_MINOR = {
     (Command, "payload"): 5,
     (Command, "epoch"): 6,
     (Ack, "result"): 5,
+    (InstanceInfo, "labels"): 7,
+    (InstanceInfo, "layout"): 7,
 }
 
 

@@ -40,8 +40,9 @@ PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # (``kv_grant``/``kv_fetch`` commands, ``Ack.detail``, ``InstanceInfo.kv_pool_endpoint``, ``KvEvent.medium``).
 # 4: ``InstanceInfo.capabilities`` (what the engine's streamed answers carry). 5: typed payloads
 # (``Command.payload``, ``Ack.result``) in place of the string maps ``args`` and ``detail``. 6: fencing
-# (``Command.epoch``: the term of the leader that sent it; ``STALE_EPOCH`` refusals).
-PROTOCOL_MINOR = 6
+# (``Command.epoch``: the term of the leader that sent it; ``STALE_EPOCH`` refusals). 7: where an
+# instance runs and how it lays out its KV (``InstanceInfo.labels``, ``InstanceInfo.layout``).
+PROTOCOL_MINOR = 7
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
@@ -50,6 +51,7 @@ SINCE_MINOR_3 = {"since_minor": 3}
 SINCE_MINOR_4 = {"since_minor": 4}
 SINCE_MINOR_5 = {"since_minor": TYPED_MINOR}
 SINCE_MINOR_6 = {"since_minor": 6}
+SINCE_MINOR_7 = {"since_minor": 7}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
 # orchestrator drains the instance, then asks again with ``SetRole.restart`` (1.4: ``args["restart"]``).
 RESTART_REQUIRED = "restart_required"
@@ -127,6 +129,52 @@ VLLM_CAPABILITIES = EngineCapabilities(
     known=True, completions_token_ids=True, chat_token_ids=True, chat_prompt_ids=True
 )
 
+# Bounds on ``InstanceInfo.labels`` (1.7): a Hello past them is refused (``invalid_hello``).
+MAX_LABELS = 16
+LABEL_KEY = re.compile(r"[a-z0-9]([a-z0-9_.-]{0,61}[a-z0-9])?")
+MAX_LABEL_VALUE = 128
+# The topology labels the scheduler reads (docs/scheduler.md, topology): the machine, the rack or zone,
+# and the transfer domain (an NVLink island, say) within which KV moves fastest.
+LABEL_NODE = "node"
+LABEL_ZONE = "zone"
+LABEL_DOMAIN = "domain"
+
+
+def label_problem(labels: Mapping[str, str]) -> str | None:
+    """Why these labels break the bounds, or None where they keep them."""
+    if len(labels) > MAX_LABELS:
+        return f"{len(labels)} labels, at most {MAX_LABELS}"
+    for key, value in labels.items():
+        if not LABEL_KEY.fullmatch(key):
+            return f"label key {key[:64]!r} is not 1-63 lower-case letters, digits, '_', '.' or '-'"
+        if not 1 <= len(value) <= MAX_LABEL_VALUE:
+            return f"label {key!r}: its value must be 1 to {MAX_LABEL_VALUE} characters"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class KvLayout:
+    """How the engine runs and lays out its KV cache, as far as its agent could tell (1.7).
+
+    A launched engine's come from its command line and environment, an attached one's from what its
+    server says (``/server_info`` in dev mode, ``vllm:cache_config_info``, ``/version``). 0 and "" mean
+    not known: an unknown field is never held against a pair (``orchestrator/state/compat.py``).
+    """
+
+    tp_size: int = 0
+    tp_rank: int = 0
+    pp_size: int = 0
+    pp_rank: int = 0
+    dp_size: int = 0
+    dp_rank: int = 0
+    dtype: str = ""  # the model's (e.g. bfloat16)
+    kv_cache_dtype: str = ""  # "auto" resolved where known (e.g. bfloat16, fp8_e4m3)
+    kv_layout: str = ""  # e.g. NHD, HND, or the CPU backend's LBHNC
+    attention_backend: str = ""  # e.g. FLASH_ATTN, CPU_ATTN
+    vllm_version: str = ""
+    model_path: str = ""  # the engine's --model
+    max_num_seqs: int = 0  # the engine's batch: decode requests it runs at once
+
 
 @dataclass(frozen=True, slots=True)
 class InstanceInfo:
@@ -145,6 +193,9 @@ class InstanceInfo:
     # ``tcp://host:port`` where the agent serves its KV pool's blocks to other agents; "" without a pool.
     kv_pool_endpoint: str = field(default="", metadata=SINCE_MINOR_3)
     capabilities: EngineCapabilities = field(default_factory=EngineCapabilities, metadata=SINCE_MINOR_4)
+    # Where it runs (``LABEL_NODE``, ``LABEL_ZONE``, ``LABEL_DOMAIN`` and the operator's own), bounded.
+    labels: dict[str, str] = field(default_factory=dict, metadata=SINCE_MINOR_7)
+    layout: KvLayout = field(default_factory=KvLayout, metadata=SINCE_MINOR_7)
 
 
 @dataclass(frozen=True, slots=True)

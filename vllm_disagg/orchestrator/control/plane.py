@@ -61,6 +61,7 @@ from vllm_disagg.protocol.messages import (
     Message,
     Refuse,
     Welcome,
+    label_problem,
 )
 from vllm_disagg.protocol.transport import Incoming, RouterTransport
 
@@ -325,6 +326,10 @@ class ControlPlane:
             return True
         if not msg.agent_id:
             self._refuse(peer, "invalid_hello", "agent_id must not be empty")
+            return True
+        labels = label_problem(msg.instance.labels)
+        if labels is not None:
+            self._refuse(peer, "invalid_hello", f"instance labels: {labels}")
             return True
         refusal = self._hello_refusal(peer, msg, user)
         if refusal is None:

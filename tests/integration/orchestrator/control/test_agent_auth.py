@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import aiohttp
@@ -201,3 +201,32 @@ async def test_a_hello_that_would_change_a_models_tokenizer_is_refused_not_appli
 
 def test_a_keypair_never_shows_its_secret() -> None:
     assert "s" * 40 not in repr(Keypair(b"p" * 40, b"s" * 40))
+
+
+@pytest.mark.parametrize(
+    ("labels", "says"),
+    [
+        ({f"k{i}": "v" for i in range(17)}, "17 labels, at most 16"),
+        ({"Node": "a"}, "label key 'Node'"),
+        ({"node": ""}, "1 to 128 characters"),
+        ({"node": "x" * 129}, "1 to 128 characters"),
+    ],
+)
+async def test_a_hello_with_labels_past_their_bounds_is_refused_with_the_reason(
+    labels: dict[str, str], says: str
+) -> None:
+    server = await start_orchestrator(orch_config(), shutdown_timeout_s=1.0)
+    info = InstanceInfo("http://127.0.0.1:10", "decode", MODEL, engine="sim", labels=labels)
+    agent = FakeAgent(server.zmq_endpoint, "d0", "", "decode", info=info)
+    bounded = FakeAgent(server.zmq_endpoint, "d1", "", "decode", info=replace(info, labels={"node": "n1"}))
+    try:
+        answer = await agent.hello()
+        assert isinstance(answer, Refuse) and answer.code == "invalid_hello", answer
+        assert says in answer.reason and server.registry.get("d0") is None
+        assert isinstance(await bounded.hello(), Welcome), "labels within their bounds are welcomed"
+        view = server.registry.get("d1")
+        assert view is not None and view.info.labels == {"node": "n1"}
+    finally:
+        await bounded.close()
+        await agent.close()
+        await server.close()
