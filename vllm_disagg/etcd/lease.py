@@ -152,7 +152,10 @@ class KeptLease:
 
     async def _keep_alive(self, lose: Callable[[str], None]) -> None:
         interval = self.timer.ttl_s / 3
-        next_at = self._clock.monotonic() + interval
+        # A grant answered late (etcd just restarted, say) may leave less trust than one interval: the
+        # first keepalive then goes at once, or the lease would be given up before it was ever renewed.
+        now = self._clock.monotonic()
+        next_at = now if self.timer.safe_until - now < interval else now + interval
         while True:
             await self._clock.sleep(next_at - self._clock.monotonic())
             sent_at = self._clock.monotonic()

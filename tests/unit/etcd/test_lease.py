@@ -122,6 +122,26 @@ async def test_keepalives_every_third_of_the_ttl_keep_the_lease(clock: FakeClock
     await held.stop()
 
 
+async def test_a_grant_answered_late_is_renewed_at_once_not_lost_before_its_first_keepalive(
+    clock: FakeClock,
+) -> None:
+    """etcd just restarted answers the grant 4.3 s after it was asked: of the 4.5 s of trust (a 6 s TTL less
+    its margin) 0.2 s are left, less than the 2 s to the next keepalive, so that keepalive goes at once."""
+    etcd = FakeEtcd(clock, timeout_s=10.0)
+    held = Held(etcd, clock, ttl_s=6)
+    etcd.freeze()
+    starting = asyncio.ensure_future(held.start())
+    await clock.run_for(4.3)
+    etcd.thaw()
+    await clock.settle()
+    await starting
+    await clock.run_for(10.0)
+    assert held.losses == [], "the lease was renewed before the trust the late grant left ran out"
+    keepalives = [at for what, at in etcd.calls if what == "keepalive"]
+    assert keepalives[0] == pytest.approx(104.3), "the first keepalive went as soon as the grant came"
+    await held.stop()
+
+
 async def test_an_unanswered_lease_is_lost_at_its_deadline_not_before(clock: FakeClock) -> None:
     etcd = FakeEtcd(clock)
     held = Held(etcd, clock, ttl_s=6)
