@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.protocol.messages import ROLES, Role
+from vllm_disagg.protocol.messages import ROLES, Role, label_problem
 
 
 def _positive(owner: str, **values: float) -> None:
@@ -419,10 +419,14 @@ class AgentConfig:
     kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
+    # Topology labels said in the Hello (``InstanceInfo.labels``; ``agent/labels.py``), sorted by key.
+    labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.agent_id:
             raise ConfigError("agent.agent_id must not be empty")
+        if (problem := label_problem(dict(self.labels))) is not None:
+            raise ConfigError(f"agent.labels: {problem}")
         if self.role not in ROLES:
             raise ConfigError(f"agent.role must be one of {list(ROLES)}, got {self.role!r}")
         if self.engine not in ("sim", "vllm"):

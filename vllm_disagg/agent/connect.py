@@ -17,6 +17,7 @@ import aiohttp
 
 from vllm_disagg.agent import main as agent_main
 from vllm_disagg.agent.discover import DiscoveryError, EngineFacts, check_role, discover
+from vllm_disagg.agent.labels import add_label_arguments, labels_from_args
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.messages import ROLES, Role, default_agent_id
 
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--curve-secret-key", default="", help="this agent's .key_secret (vllm-disagg keys)")
     parser.add_argument("--orchestrator-key", default="", help="the orchestrator's public .key file")
     parser.add_argument("--discover-timeout-s", type=float, default=10.0, help="each question to the engine")
+    add_label_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -69,6 +71,7 @@ def config_for(args: argparse.Namespace, facts: EngineFacts) -> AgentConfig:
         kv_events_endpoint=args.kv_events_endpoint or facts.kv_events_endpoint,
         curve_secret_key_file=args.curve_secret_key,
         orchestrator_key_file=args.orchestrator_key,
+        labels=labels_from_args(args),
     )
 
 

@@ -33,11 +33,12 @@ import yarl
 
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.engine_kinds import tokenizer_source
+from vllm_disagg.agent.layout import attached_layout
 from vllm_disagg.agent.probe import ProbeUnanswered, probe_capabilities
 from vllm_disagg.agent.session import AgentSession, RoleSwitch
 from vllm_disagg.agent.vllm_command import KV_ROLES, uses_pool
 from vllm_disagg.config import AgentConfig
-from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, Role
+from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, KvLayout, Role
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ class EngineFacts:
     dev_mode: bool = False
     notes: tuple[str, ...] = field(default=())  # what could not be learned, for the operator's log
     capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)  # what its answers carry
+    layout: KvLayout = field(default_factory=KvLayout)  # agent/layout.py ``attached_layout``
 
     @property
     def role(self) -> Role | None:
@@ -144,6 +146,8 @@ def attached_instance_info(cfg: AgentConfig, facts: EngineFacts) -> tuple[Instan
         tokenizer=tokenizer_source(cfg),
         tensor_parallel_size=facts.tensor_parallel_size,
         capabilities=facts.capabilities,
+        layout=facts.layout,
+        labels=dict(cfg.labels),
     )
     return info, notes
 
@@ -247,8 +251,7 @@ async def discover(
     4xx is an answer: a 404 on ``/server_info`` says dev mode is off.
 
     ``/server_info`` has its own, longer budget (at least ``server_info_timeout_s``): vLLM 0.32 answers
-    its first one only after ``collect_env``, which shells out to pip and nvidia-smi (3.5 s on an idle
-    2-core box, past 10 s beside a busy engine).
+    its first one only after ``collect_env``, which shells out to pip and nvidia-smi (3.5 s idle, 10+ s busy).
 
     ``known``: what an earlier look found. An engine that says the same version and serves the same
     models keeps its capabilities without being probed again: the probes are real requests, and
@@ -292,6 +295,17 @@ async def discover(
         dev_mode=bool(dev),
         notes=tuple(notes),
         capabilities=capabilities,
+        layout=_layout(root, said_version, (x_status, metrics), (s_status, server)),
+    )
+
+
+def _layout(root: str, version: str, metrics: tuple[int, bytes], server: tuple[int, bytes]) -> KvLayout:
+    exposition = metrics[1].decode(errors="replace") if metrics[0] == 200 else ""
+    return attached_layout(
+        root=root,
+        version=version,
+        cache_info=metric_labels(exposition, CACHE_CONFIG_INFO),
+        server_info=_json(server[1]) if server[0] == 200 else None,
     )
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from vllm_disagg.config import AgentConfig, SimEngineConfig
-from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, KvLayout
 from vllm_disagg.runtime import SELF_ARGV
 
 KV_EVENTS_PORT_OFFSET = 2000  # an engine publishes KV cache events on its port + 2000 unless told
@@ -88,4 +88,5 @@ class SimEngineCommand(EngineCommand):
             block_size=sim.timing.block_size,
             max_model_len=sim.max_model_len,
             capabilities=VLLM_CAPABILITIES,  # the simulator speaks vLLM 0.32
+            layout=KvLayout(max_num_seqs=sim.timing.max_num_seqs),  # its batch; no layout to speak of
         )

@@ -44,4 +44,4 @@ def instance_info(cfg: AgentConfig) -> InstanceInfo:
     """What the agent tells the orchestrator about its engine."""
     command = engine_command(cfg)
     info = command.instance_info(cfg) if command is not None else configured_instance_info(cfg)
-    return dataclasses.replace(info, tokenizer=tokenizer_source(cfg))
+    return dataclasses.replace(info, tokenizer=tokenizer_source(cfg), labels=dict(cfg.labels))

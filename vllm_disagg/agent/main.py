@@ -20,6 +20,7 @@ from vllm_disagg.agent.engine_kinds import instance_info
 from vllm_disagg.agent.kv.agent_pool import KvPool
 from vllm_disagg.agent.kv.arena import Capacity
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
+from vllm_disagg.agent.labels import add_label_arguments, labels_from_args
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.agent.session import EXIT_REFUSED, SessionEnd
 from vllm_disagg.agent.sessions import Sessions
@@ -145,6 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     sim = parser.add_argument_group("simulated engine (--engine sim)")
     add_sim_timing_arguments(sim, defaults=True)
+    add_label_arguments(parser)
     parser.add_argument("--log-level", default="INFO", help="logging level")
 
 
@@ -157,6 +159,7 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
         engine=args.engine,
         sim=timing,
         extra_engine_args=tuple(shlex.split(args.engine_args)),
+        labels=labels_from_args(args),
         **{name: getattr(args, name) for _, name, _, _ in (*_AGENT_FLAGS, *_VLLM_FLAGS)},
     )
 

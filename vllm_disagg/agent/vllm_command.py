@@ -25,6 +25,7 @@ from vllm_disagg.agent.kv.local import (
     CONNECTOR_NAME,
     local_endpoint,
 )
+from vllm_disagg.agent.layout import launched_layout
 from vllm_disagg.agent.vllm_plugin import NIXL_PROGRESS_NICE_ENV
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
@@ -249,6 +250,9 @@ class VllmEngineCommand(EngineCommand):
     def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
         """Served name, block size and connector as the launched engine will use them."""
         _require_model_path(cfg)
+        device = self.device(cfg)
+        env = {**os.environ, **self.env(cfg)}
+        layout = launched_layout(self.argv(cfg), env, cpu=device == "cpu", connector=cfg.kv_connector)
         return InstanceInfo(
             url=cfg.engine_url,
             role=cfg.role,
@@ -259,4 +263,6 @@ class VllmEngineCommand(EngineCommand):
             max_model_len=cfg.max_model_len,
             # The agent launches vLLM 0.32 with 0.32's flags (scripts/setup_engine.sh installs it).
             capabilities=VLLM_CAPABILITIES,
+            layout=layout,
+            tensor_parallel_size=layout.tp_size,
         )

@@ -411,6 +411,7 @@ class Cluster:
         r.held_by, r.predicted_s = held_by, predicted_s
         out.mode, out.prefill, out.decode = decision.mode, decision.prefill, decision.decode
         r.prefill, r.decode = decision.prefill, decision.decode
+        self.registry.hold(r.decode)  # D counts it from the decision on (``Flow.held``)
         if r.prefill is not None:
             self._prefill(r)
         else:
@@ -472,14 +473,14 @@ class Cluster:
         """One decode attempt on ``r.decode`` (``Flow._decode``): KV pulled first when prefilled."""
         d, p = r.decode, r.prefill
         engine = self.engines[d]
+        if not r.decode_tries:  # the decision's hold gives way to its first leg
+            self.registry.unhold(d)
         r.decode_tries += 1
         if not engine.alive or not self._usable(d):
             self._decode_failed(r, d, 0, connected=False)
             return
         self.registry.acquire(d)
-        out = r.out
-        external = 0
-        delay = 0.0
+        out, external, delay = r.out, 0, 0.0
         if r.kv and p is not None:
             external = len(r.tokens)
             delay = self.spec.profile.transfer_s(
@@ -535,7 +536,7 @@ class Cluster:
             self._resume(r, produced)
             return
         picked = None
-        if may_retry_decode(r.decode_tries, self.config):
+        if may_retry_decode(r.decode_tries, False, self.config):
             picked = next_decode(self.scheduler, self._excluding(r), self.registry.snapshot(), now, r.prefill)
         if picked is None:
             self._fail(r, "no decode instance could serve it")
@@ -555,7 +556,7 @@ class Cluster:
         """A stream cut after its first token goes on colocated elsewhere (``Flow._resume``)."""
         out = r.out
         had = r.had + produced
-        if not may_resume(out.resumes, self.config) or had >= out.output_tokens:
+        if not may_resume(out.resumes, False, self.config) or had >= out.output_tokens:
             self._fail(r, "stream cut")
             return
         nxt = resume_pick(self.scheduler, self._excluding(r), self.registry.snapshot(), self.clock.now)

@@ -32,6 +32,7 @@ from vllm_disagg.protocol.messages import (
     Heartbeat,
     Hello,
     InstanceInfo,
+    KvLayout,
     Message,
     Refuse,
     Welcome,
@@ -209,6 +210,8 @@ async def test_attached_agent_says_hello_with_its_instance_and_heartbeats_follow
             block_size=32,
             max_model_len=2048,
             capabilities=VLLM_CAPABILITIES,  # asked of the engine: it says its streams' token ids
+            # What its server says of its layout (/version, /v1/models root); the rest is not known.
+            layout=KvLayout(vllm_version="0.32.0+sim", model_path="sim-model"),
         ),
         incarnation=hello.incarnation,
         protocol_minor=PROTOCOL_MINOR,

@@ -41,6 +41,7 @@ from referencing import Registry, Resource
 
 from vllm_disagg.agent import main as agent_main
 from vllm_disagg.agent.engine_kinds import instance_info
+from vllm_disagg.agent.labels import resolve_labels
 from vllm_disagg.cli.commands import build_parser
 from vllm_disagg.orchestrator import main as orchestrator_main
 from vllm_disagg.orchestrator.control.plane import load_server_curve
@@ -71,6 +72,7 @@ SECRETS = frozenset(
 )
 MODELS_CLAIM = "vllm-disagg-models"
 POD_IP = "10.1.2.3"  # status.podIP, as the kubelet would give it
+NODE_NAME = "gpu-node-7"  # spec.nodeName, the node the pod was scheduled on
 SUBCOMMAND = {"orchestrator": "orchestrator", "agent": "agent"}  # container name -> what it runs
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer", "both": "kv_both"}
 SECRET_FLAGS = ("admin_token_file", "curve_secret_key_file", "agent_keys_dir", "orchestrator_key_file")
@@ -197,7 +199,12 @@ class Pod:
     def env(self, container: Obj) -> dict[str, str]:
         """The container's variables in order, each expanded with those before it."""
         assert "envFrom" not in container, "envFrom: this test reads env entries only"
-        fields = {"metadata.name": self.name, "status.podIP": POD_IP, "metadata.namespace": "ns"}
+        fields = {
+            "metadata.name": self.name,
+            "status.podIP": POD_IP,
+            "metadata.namespace": "ns",
+            "spec.nodeName": NODE_NAME,
+        }
         env: dict[str, str] = {}
         for var in container.get("env", []):
             source = var.get("valueFrom", {})
@@ -368,6 +375,8 @@ def test_each_engine_pod_is_one_vllm_and_one_agent_attached_to_it(path: str) -> 
         assert events["endpoint"] == f"tcp://*:{port}"  # bound (engine.md): the agent connects
         assert args.kv_events_endpoint == f"tcp://127.0.0.1:{port}"
         assert (args.model, args.model_path) == (flag(vllm_args, "--served-model-name"), vllm_args[2])
+        # The agent labels its instance with the node the pod runs on (docs/kubernetes.md, topology).
+        assert resolve_labels(args.labels, pod.env(agent)) == (("node", NODE_NAME),)
 
 
 @pytest.mark.parametrize("path", CLUSTERS)

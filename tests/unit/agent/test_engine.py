@@ -12,7 +12,7 @@ from vllm_disagg.agent.engine_command import SimEngineCommand
 from vllm_disagg.agent.engine_kinds import engine_command, instance_info
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, KvLayout
 
 STARTUP_TIMEOUT_S = 60.0
 
@@ -165,6 +165,7 @@ def test_instance_info_of_a_launched_sim_engine() -> None:
         block_size=32,
         max_model_len=4096,
         capabilities=VLLM_CAPABILITIES,  # it speaks vLLM 0.32: streams say their token ids
+        layout=KvLayout(max_num_seqs=SimTiming().max_num_seqs),  # its batch, and no KV layout to speak of
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import pytest
@@ -22,7 +23,7 @@ from vllm_disagg.agent.vllm_command import (
 from vllm_disagg.agent.vllm_plugin import NIXL_PROGRESS_NICE_ENV
 from vllm_disagg.config import AgentConfig, SimTiming
 from vllm_disagg.errors import ConfigError
-from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo
+from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, KvLayout
 
 
 def agent(**changes: object) -> AgentConfig:
@@ -233,7 +234,11 @@ def test_instance_info_reports_vllm_its_block_size_and_connector(
 ) -> None:
     cfg = agent(role="decode", served_model_name="public", extra_engine_args=extra)
     info = VllmEngineCommand(device).instance_info(cfg)  # type: ignore[arg-type]
-    assert info == InstanceInfo(
+    # Its KV layout as its command line says (NixlConnector asks for LBHNC; tests/unit/agent/test_layout.py).
+    assert (info.tensor_parallel_size, info.layout.tp_size, info.layout.kv_layout) == (1, 1, "LBHNC")
+    assert info.layout.model_path == cfg.model_path
+    assert info.layout.attention_backend == ("CPU_ATTN" if device == "cpu" else info.layout.attention_backend)
+    assert dataclasses.replace(info, layout=KvLayout(), tensor_parallel_size=0) == InstanceInfo(
         url="http://127.0.0.1:8101",
         role="decode",
         model="public",

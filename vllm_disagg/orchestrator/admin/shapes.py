@@ -64,6 +64,8 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "tensor_parallel_size": info.tensor_parallel_size,
         "kv_pool_endpoint": info.kv_pool_endpoint,
         "capabilities": dataclasses.asdict(info.capabilities),  # what its streams say (docs/engines.md)
+        "labels": dict(info.labels),  # topology: node, zone, domain (docs/scheduler.md, "Topology")
+        "layout": dataclasses.asdict(info.layout),  # as its agent could tell (docs/agent.md); 0/"": unknown
         "session": view.session,
         "protocol": view.protocol,
         "role_pinned": view.role_pinned,

@@ -20,8 +20,9 @@ scheduler's (``scheduling.predict``), so admission and routing read an instance 
   hold back the requests behind it that can still make their targets.
 - **decode stage**: it fits while the decode instance's KV usage is below ``admission.kv_usage_high``,
   its engine queues nothing (a full batch: ``max_num_seqs`` running, the rest waiting, while KV and
-  TPOT still look fine) and, with a TPOT target, its predicted TPOT with this request in its batch
-  meets the target.
+  TPOT still look fine; the scraped queue less the gateway's requests there that ended since the
+  scrape, ``predict.queued_now``: a scrape from the last burst must not hold back the next) and,
+  with a TPOT target, its predicted TPOT with this request in its batch meets the target.
 - **room**: an instance the gateway has nothing in flight on is never saturated for it: waiting
   could not help, and the predictions, fed by scraped metrics, may lag an engine that has emptied.
 - **unreachable**: the time waited plus the prompt's own prefill (no backlog at all) already exceeds
@@ -44,6 +45,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     predicted_tpot,
     prefill_rate,
     prefill_ttft_s,
+    queued_now,
     ttft_s,
     uncached_tokens,
 )
@@ -87,7 +89,7 @@ def fit(
             return Fit(False, "prefill", True, predicted)  # late: room for a newcomer, not for it
     d_busy = snapshot.in_flight_of(decode.agent_id) + extra.get(decode.agent_id, 0)
     if d_busy:
-        if decode.metrics.kv_cache_usage >= config.kv_usage_high or decode.metrics.num_waiting > 0:
+        if decode.metrics.kv_cache_usage >= config.kv_usage_high or queued_now(decode, snapshot) > 0:
             return Fit(False, "decode", unreachable, predicted)
         tpot = request.slo_tpot_s
         if tpot is not None and predicted_tpot(decode, d_busy) > tpot:

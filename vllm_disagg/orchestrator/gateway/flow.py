@@ -9,6 +9,8 @@
 - **Decode fails mid-stream**: the client's stream ends with an error event and ``[DONE]``, and the
   request counts as failed (502), never as a 200.
 - An engine's own 4xx goes back to the client as it is: another engine would refuse it too.
+- **A decode instance the client pinned** is neither retried elsewhere nor resumed on another: the
+  client gets its error (a failed leg's 502, or a cut stream's error event).
 - **KV pools** (engines of the ``vllm-disagg`` connector): before a decode leg that should load blocks
   another agent's pool holds (the prefill instance's, after its leg; the decision's ``kv_source``, for
   a request sent straight to decode), the gateway has D's agent fetch them (``kv_moves``). A move that
@@ -57,6 +59,7 @@ from vllm_disagg.orchestrator.scheduling.recovery import (
     next_decode,
     resume_pick,
 )
+from vllm_disagg.orchestrator.state.in_flight import Held
 from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
@@ -91,7 +94,9 @@ class Flow:
         self.explanation = decision.explanation
         self.prefill_id = decision.prefill
         self.decode_id = decision.decode
+        self.held = Held(gateway.registry, decision.decode)  # D counts it from now: the next pick sees it
         self.pinned = scheduling.pinned_prefill is not None
+        self.pinned_decode = scheduling.pinned_decode is not None  # never retried nor resumed elsewhere
         self.stamps: dict[str, float] = {}
         self.admission: dict[str, object] = {}  # priority, tenant, queued_s: set by the gateway
         self.timing = LegTiming()
@@ -244,7 +249,7 @@ class Flow:
                 fault = self.prefill_id is None or exc.cause != "status"
                 gw.registry.leg_failed(d, gw.clock.monotonic(), self.prefill_id, instance_fault=fault)
                 self.failed.add(d)
-                if not may_retry_decode(tries, gw.config) or not self._next_decode():
+                if not may_retry_decode(tries, self.pinned_decode, gw.config) or not self._next_decode():
                     raise
                 gw.metrics.retry("decode", exc.cause)
                 if self.prefill_id is None:
@@ -479,8 +484,8 @@ class Flow:
 
     async def _resume(self, out: ClientStream) -> bool:
         """Go on with a cut stream on other instances (``max_resumes`` in all); True once complete."""
-        gw, state, timing = self.gw, self.state, self.timing
-        while state is not None and state.can_resume() and may_resume(state.resumes, gw.config):
+        gw, state, timing, pinned = self.gw, self.state, self.timing, self.pinned_decode
+        while state is not None and state.can_resume() and may_resume(state.resumes, pinned, gw.config):
             cause = timing.cut_cause
             body = state.resume_body(self.parsed.body)
             if body is None:
@@ -548,6 +553,7 @@ class Flow:
         gw = self.gw
         target = gw.target("decode", d, self.route)
         timing = self.timing
+        self.held.end()  # its leg counts itself from here
         gw.registry.acquire(d)
         started = self.stamps["decode_start"] = gw.clock.monotonic()
         self.stamps.setdefault("dispatched", started)

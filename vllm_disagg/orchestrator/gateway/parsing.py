@@ -3,7 +3,8 @@
 Everything wrong with a request that the client can fix is found here and raised as the error the
 client sees (``vllm_disagg.http_errors`` answers it): a body over ``max_body_bytes`` is a 413; malformed
 JSON, a non-object, a missing ``prompt``/``messages``, a wrongly typed field or a pin the header and the
-body disagree on is a 400 whose reason names the field. (An unknown model is the scheduler's 404: only
+body disagree on is a 400 whose reason names the field. (Whether a pinned instance can serve is the
+scheduler's 400: ``scheduling/pins.py``.) (An unknown model is the scheduler's 404: only
 the registry knows which models are served.) Nothing here reads the gateway's state, so the rules are
 tested on bytes alone (``tests/unit/orchestrator/gateway/test_validation.py``).
 """
@@ -26,6 +27,8 @@ PIN_FIELD = "prefill_endpoint"  # body field pinning the prefill instance
 PIN_HEADER = (
     "X-Disagg-Prefill"  # request header pinning it (the response header of the same name says where it ran)
 )
+DECODE_PIN_FIELD = "decode_endpoint"  # body field pinning the decode instance (both pins: the pair)
+DECODE_PIN_HEADER = "X-Disagg-Decode"  # request header pinning it (as the response header says)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,7 @@ class ParsedRequest:
     prompt_len: int  # token estimate for the scheduler
     pinned_prefill: str | None = None  # the body's ``prefill_endpoint``, removed from ``body``
     max_tokens: int | None = None
+    pinned_decode: str | None = None  # the body's ``decode_endpoint``, removed from ``body``
 
 
 _MAX_DEPTH = 8  # the estimate stops counting below this depth: a hostile body may nest 1,000 levels
@@ -111,19 +115,31 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
         raise BadRequest(f"'stream' must be a boolean, got {_quote(stream)}", param="stream")
     _check_optional_int(body, "max_tokens")
     _check_optional_int(body, "max_completion_tokens")
-    pinned = body.pop(PIN_FIELD, None)
-    if pinned is not None and (not isinstance(pinned, str) or not pinned):
-        raise BadRequest(f"'{PIN_FIELD}' must be a non-empty string, got {_quote(pinned)}", param=PIN_FIELD)
+    pinned, pinned_decode = _pop_pin(body, PIN_FIELD), _pop_pin(body, DECODE_PIN_FIELD)
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-    return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens)
+    return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens, pinned_decode)
+
+
+def _pop_pin(body: dict[str, Any], name: str) -> str | None:
+    """The body's pin field ``name``, removed: an engine would refuse a field it does not know."""
+    pinned = body.pop(name, None)
+    if pinned is not None and (not isinstance(pinned, str) or not pinned):
+        raise BadRequest(f"'{name}' must be a non-empty string, got {_quote(pinned)}", param=name)
+    return pinned
+
+
+def _pin(request: ClientRequest, header: str, name: str, in_body: str | None) -> str | None:
+    pin = request.headers.get(header) or None
+    if pin and in_body and pin != in_body:
+        raise BadRequest(f"the {header} header ({pin!r}) and '{name}' ({in_body!r}) disagree", param=name)
+    return pin or in_body
 
 
 def pinned_prefill(request: ClientRequest, parsed: ParsedRequest) -> str | None:
     """The prefill instance the client pinned, by header or body field (``BadRequest`` if they differ)."""
-    pin = request.headers.get(PIN_HEADER) or None
-    if pin and parsed.pinned_prefill and pin != parsed.pinned_prefill:
-        raise BadRequest(
-            f"the {PIN_HEADER} header ({pin!r}) and '{PIN_FIELD}' ({parsed.pinned_prefill!r}) disagree",
-            param=PIN_FIELD,
-        )
-    return pin or parsed.pinned_prefill
+    return _pin(request, PIN_HEADER, PIN_FIELD, parsed.pinned_prefill)
+
+
+def pinned_decode(request: ClientRequest, parsed: ParsedRequest) -> str | None:
+    """The decode instance the client pinned, by header or body field (``BadRequest`` if they differ)."""
+    return _pin(request, DECODE_PIN_HEADER, DECODE_PIN_FIELD, parsed.pinned_decode)

@@ -10,8 +10,9 @@ OpenAI-style JSON as ``vllm_disagg.http_errors`` builds them. Every request carr
 Before scheduling, the prompt is tokenized with the model's tokenizer (cached) and its full blocks
 are looked up in the KV index, so the scheduler knows how much of it each instance has cached. A
 client may pin the prefill instance with the ``X-Disagg-Prefill`` request header or a
-``prefill_endpoint`` body field (an agent id, an engine URL, or host:port); the field is removed
-before the body goes to an engine.
+``prefill_endpoint`` body field (an agent id, an engine URL, or host:port), the decode instance with
+``X-Disagg-Decode`` or ``decode_endpoint``, or both (the pair); the fields are removed before the body
+goes to an engine, and a pin that cannot be used is a 400 saying why (``scheduling/pins.py``).
 
 Everything the gateway works with is built by its owner (``app.build_app``, or a gateway worker's
 ``Worker.build``) and handed to the constructor; the gateway itself makes only its per-request
@@ -50,6 +51,7 @@ from vllm_disagg.orchestrator.gateway.parsing import (
     ParsedRequest,
     Route,
     parse_request,
+    pinned_decode,
     pinned_prefill,
     read_body,
 )
@@ -291,6 +293,7 @@ class Gateway:
         tokens: list[int] | None,
         pin: str | None,
         slo: tuple[float | None, float | None] = (None, None),
+        pin_decode: str | None = None,
     ) -> SchedulingRequest:
         """What the scheduler needs: the exact prompt tokens (None: the estimate), and the cache maps
         (engines' prefix caches; agents' KV pools, where any holds anything)."""
@@ -310,6 +313,7 @@ class Gateway:
             slo_ttft_s=slo[0],
             slo_tpot_s=slo[1],
             pooled_tokens=pooled,
+            pinned_decode=pin_decode,
         )
 
     async def serve(self, request: ClientRequest, route: Route) -> Answer:
@@ -340,6 +344,7 @@ class Gateway:
             if flow is None:  # refused before it was scheduled
                 self._record(Outcome(request_id, route, model, stream, status, error, t0))
             else:
+                flow.held.end()  # a request that ended before its decode leg
                 self._live.discard(flow)
                 self._record(flow.outcome(status, error))
                 if self.admission is not None:
@@ -359,13 +364,15 @@ class Gateway:
         prompt's exact token ids where its tokenizer is loaded) and where it goes (a prefill instance
         serves colocated, as a last resort, when no decode instance can)."""
         slo = request_slo(request.headers, self.config.slo_ttft_ms, self.config.slo_tpot_ms)
-        pin = pinned_prefill(request, parsed)
+        pin, pin_decode = pinned_prefill(request, parsed), pinned_decode(request, parsed)
         admission = self.config.admission
         priority = priority_of(parsed.body, request.headers, admission)
         tenant = tenant_of(request.headers, admission) if self.admission is not None else ""
         if "priority" in parsed.body and not admission.forward_priority:
             del parsed.body["priority"]  # vLLM refuses it unless run with --scheduling-policy priority
             raw = dumps_leg(parsed.body)
+        elif parsed.pinned_prefill is not None or parsed.pinned_decode is not None:
+            raw = dumps_leg(parsed.body)  # without the pin fields: a colocated leg sends ``raw`` as it is
         snapshot, now = self.registry.snapshot(), t0
         population = snapshot.model_ids.get(parsed.model)
         if population and parsed.model not in self._tokenizer_of:
@@ -376,7 +383,7 @@ class Gateway:
             tokens = await tokens
             # The registry and the clock moved on meanwhile.
             snapshot, now = self.registry.snapshot(), self.clock.monotonic()
-        scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo)
+        scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo, pin_decode)
         decision, snapshot, pending = await self._decide(scheduling, snapshot, now, t0, priority, tenant)
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))

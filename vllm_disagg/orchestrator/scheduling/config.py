@@ -186,8 +186,8 @@ def _profile(
             filters.append(ref)
         elif kind == "scorer":
             weight = _want(ref_entry.get("weight", 1.0), float, f"{at}.weight")
-            if not weight > 0:
-                raise ConfigError(f"{at}.weight: must be > 0, got {weight}")
+            if not weight >= 0:  # 0: listed but off (not run nor shown), for the admin API to set
+                raise ConfigError(f"{at}.weight: must be >= 0, got {weight}")
             scorers.append((ref, weight))
         elif kind == "picker":
             pickers.append(ref)

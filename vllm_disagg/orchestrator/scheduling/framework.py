@@ -54,6 +54,8 @@ class SchedulingRequest:
     # instance id -> how many leading prompt tokens its agent's KV pool holds (protocol 1.3 pools, kept
     # apart from ``cached_tokens``); empty where no agent runs a pool.
     pooled_tokens: Mapping[str, int] = field(default_factory=lambda: NO_CACHE)
+    # The client's decode instance (as ``pinned_prefill``): never retried nor resumed elsewhere.
+    pinned_decode: str | None = None
 
 
 class Explanation(Protocol):
@@ -82,7 +84,8 @@ class Scheduler(Protocol):
 
     Raises ``vllm_disagg.errors.ModelNotFound`` when no instance in any state serves the model,
     ``vllm_disagg.errors.NoCapacity`` when none that could decode it is ready, and
-    ``vllm_disagg.errors.BadRequest`` when the client pinned a prefill instance that cannot be used.
+    ``vllm_disagg.errors.BadRequest`` when the client pinned a prefill or decode instance (or a pair)
+    that cannot be used.
     """
 
     def decide(self, request: SchedulingRequest, snapshot: RegistrySnapshot, now: float) -> Decision:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
-from vllm_disagg.orchestrator.state.views import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 # (metrics, in-flight count, cached prompt tokens, prompt length >= 0, default) -> seconds
@@ -118,3 +118,11 @@ def predicted_tpot(view: InstanceView, in_flight: int, default_tpot_s: float = D
 def uncached_tokens(view: InstanceView, request: SchedulingRequest) -> int:
     """The prompt's tokens ``view`` would compute: those past the prefix its cache holds."""
     return uncached(prompt_tokens(request), request.cached_tokens.get(view.agent_id, 0))
+
+
+def queued_now(view: InstanceView, snapshot: RegistrySnapshot) -> int:
+    """The engine's queue as its newest scrape saw it, less the gateway's requests on it that have
+    ended since (``ended_since_scrape``): each one that left took one from the queue into the batch.
+    A scrape taken during the last burst thus no longer shows a queue the engine has drained."""
+    ended = snapshot.ended_since_scrape.get(view.agent_id, 0)
+    return max(0, view.metrics.num_waiting - ended)

@@ -20,14 +20,16 @@ def may_retry_prefill(tries: int, pinned: bool, config: OrchestratorConfig) -> b
     return not pinned and tries < config.prefill_attempts
 
 
-def may_retry_decode(tries: int, config: OrchestratorConfig) -> bool:
-    """Another decode instance after ``tries`` legs failed before their first byte?"""
-    return tries < config.decode_attempts
+def may_retry_decode(tries: int, pinned: bool, config: OrchestratorConfig) -> bool:
+    """Another decode instance after ``tries`` legs failed before their first byte? Never for a
+    client's pinned one (the client gets the error); else up to ``decode_attempts`` in all."""
+    return not pinned and tries < config.decode_attempts
 
 
-def may_resume(resumes: int, config: OrchestratorConfig) -> bool:
-    """Another instance for a stream cut after ``resumes`` resumes?"""
-    return resumes < config.max_resumes
+def may_resume(resumes: int, pinned: bool, config: OrchestratorConfig) -> bool:
+    """Another instance for a stream cut after ``resumes`` resumes? Never when the client pinned the
+    decode instance: the stream ends with the error rather than move; else up to ``max_resumes``."""
+    return not pinned and resumes < config.max_resumes
 
 
 def colocated_pick(

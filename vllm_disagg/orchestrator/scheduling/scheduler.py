@@ -12,7 +12,9 @@ A profile turns the model's instances into one pick:
 4. each scorer rates the candidates in [0, 1]; the weighted sum goes to the picker.
 
 A client may pin the prefill instance; then the decode profile's partner is that instance, so only a
-D that can exchange KV with it is picked, and the mode is disaggregated. Nothing here does I/O or
+D that can exchange KV with it is picked, and the mode is disaggregated. A client may pin the decode
+instance too (or instead): it is D, and the decode profile does not run (``pins.py`` checks the pins,
+and that a pinned pair can exchange KV). Nothing here does I/O or
 keeps state beyond a memo of step 1 keyed by membership version, so ``decide`` is pure.
 """
 
@@ -25,7 +27,13 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
-from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, build_plugins, default_config
+from vllm_disagg.orchestrator.scheduling import pins
+from vllm_disagg.orchestrator.scheduling.config import (
+    REQUIRED_FILTER,
+    SchedulerConfig,
+    build_plugins,
+    default_config,
+)
 from vllm_disagg.orchestrator.scheduling.framework import (
     Decider,
     Decision,
@@ -38,13 +46,14 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     Scorer,
 )
 from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
+from vllm_disagg.orchestrator.scheduling.plugins.filters.topology import TYPE as TOPOLOGY_FILTER
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     predicted_ttft,
     prefill_rate,
     uncached_tokens,
 )
-from vllm_disagg.orchestrator.state.views import PREFILL_ROLES, InstanceView, RegistrySnapshot
+from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
 NAME = "plugins"
 _MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation
@@ -57,6 +66,7 @@ class _Stage:
     filter: str
     kept_in: Sequence[InstanceView] | Sequence[str]
     kept_out: Sequence[InstanceView] | Sequence[str]
+    reasons: Mapping[str, str] | None = None  # filtered id -> why, from a filter's ``reasons``
 
 
 def _id(item: InstanceView | str) -> str:
@@ -115,8 +125,11 @@ class ProfileTrace:
         filtered: list[dict[str, str]] = []
         for stage in self.stages:
             kept = {_id(v) for v in stage.kept_out}
+            why = stage.reasons or {}
             filtered.extend(
-                {"id": _id(v), "filter": stage.filter} for v in stage.kept_in if _id(v) not in kept
+                {"id": _id(v), "filter": stage.filter} | ({"reason": why[_id(v)]} if _id(v) in why else {})
+                for v in stage.kept_in
+                if _id(v) not in kept
             )
         return {
             "population": self.population,
@@ -142,6 +155,7 @@ class PluginExplanation:
     decider: str
     prefill: ProfileTrace | None
     pinned: str | None
+    pinned_decode: str | None = None  # the client's decode instance: then ``decode`` holds it alone
 
     def to_json(self) -> dict[str, object]:
         """The explanation the admin API returns."""
@@ -164,6 +178,7 @@ class PluginExplanation:
                 "cached_tokens": dict(top),
                 "pooled_tokens": dict(pooled),
                 "pinned_prefill": req.pinned_prefill,
+                "pinned_decode": req.pinned_decode,
                 "slo_ttft_s": req.slo_ttft_s,
                 "slo_tpot_s": req.slo_tpot_s,
             },
@@ -171,6 +186,7 @@ class PluginExplanation:
             "decider": decider,
             "prefill": self.prefill.to_json() if self.prefill is not None else None,
             "pinned_prefill": self.pinned,
+            "pinned_decode": self.pinned_decode,
         }
 
 
@@ -199,14 +215,12 @@ class _Profile:
 
     def set_weights(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
         """Replace the scorers' weights (one assignment: a decision sees all old or all new ones)."""
-        self.scorers, self.weights, self._scoring = (
+        live = [(s, w) for s, w in scorers if w]  # a scorer of weight 0 is neither run nor shown
+        self.scorers, self.weights, self._shown, self._scoring = (
             tuple(scorers),
             tuple((s.name, w) for s, w in scorers),
-            (
-                tuple(s for s, _ in scorers),
-                weighted_sum([float(w) for _, w in scorers]),
-                fused_totals(scorers),
-            ),
+            tuple((s.name, w) for s, w in live),
+            (tuple(s for s, _ in live), weighted_sum([float(w) for _, w in live]), fused_totals(live)),
         )
 
     def _eligible(
@@ -278,7 +292,7 @@ class _Profile:
                 len(eligible),
                 sampled,
                 (),
-                self.weights,
+                self._shown,
                 (),
                 self.picker.name,
                 -1,
@@ -298,7 +312,7 @@ class _Profile:
             len(eligible),
             sampled,
             candidates,
-            self.weights,
+            self._shown,
             totals,
             self.picker.name,
             picked,
@@ -317,7 +331,11 @@ class _Profile:
             if applies is not None and not applies(request):
                 continue
             kept = f.filter(ctx, current)
-            stages.append(_Stage(f.name, current, kept))
+            why = getattr(f, "reasons", None) if len(kept) < len(current) else None
+            if why is not None:
+                out = {v.agent_id for v in kept}
+                why = why(ctx, [v for v in current if v.agent_id not in out])
+            stages.append(_Stage(f.name, current, kept, why))
             current = kept
         return current, tuple(stages)
 
@@ -330,27 +348,9 @@ def _in_flight_only(in_flight: Mapping[str, int]) -> RegistrySnapshot:
 _NONE: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
 
-def _resolve_pin(pin: str, snapshot: RegistrySnapshot, model: str) -> InstanceView:
-    """The instance a client pinned (by agent id, engine URL, or host:port), checked usable for prefill."""
-    view = snapshot.by_id.get(pin)
-    if view is None:
-        wanted = pin.rstrip("/")
-        if "://" not in wanted:
-            wanted = f"http://{wanted}"
-        view = next((v for v in snapshot.instances if v.info.url.rstrip("/") == wanted), None)
-    param = "prefill_endpoint"
-    if view is None:
-        raise BadRequest(f"the pinned prefill instance {pin!r} is not registered", param=param)
-    problem = ""
-    if view.info.model != model:
-        problem = f"serves model {view.info.model!r}, not {model!r}"
-    elif view.info.role not in PREFILL_ROLES:
-        problem = f"has role {view.info.role!r} and cannot prefill"
-    elif view.state != "ready":
-        problem = f"is {view.state}, not ready"
-    if problem:
-        raise BadRequest(f"the pinned prefill instance {view.agent_id!r} {problem}", param=param)
-    return view
+def _pinned_trace(population: int, d: InstanceView) -> ProfileTrace:
+    """The decode profile's trace for a decode instance the client pinned: it alone, the client's pick."""
+    return ProfileTrace("decode", population, (), 1, False, (d,), (), (1.0,), "client", 0)
 
 
 def _no_decode(model: str, trace: ProfileTrace, pinned: InstanceView | None) -> Exception:
@@ -386,6 +386,13 @@ class PluginScheduler:
             for name, p in config.profiles.items()
         }
         self._decider: Decider = plugins[config.decider]
+        decode = self._profiles["decode"]
+        # What a pinned pair must pass (``pins.check_pair``): the decode profile's KV and topology filters.
+        self._kv_filters = tuple(
+            f
+            for f in (*decode.static, *(f for f, _ in decode.dynamic))
+            if f.TYPE in (REQUIRED_FILTER, TOPOLOGY_FILTER)
+        )
         # (ctx, decode) -> a final choice before the prefill profile, or None: see ``Decider``.
         self._shortcut: Callable[[ProfileContext, InstanceView], ModeChoice | None] | None = getattr(
             self._decider, "shortcut", None
@@ -397,23 +404,34 @@ class PluginScheduler:
         population = snapshot.model_ids.get(model)
         if not population:
             raise ModelNotFound(f"the model '{model}' does not exist", param="model")
-        pinned = _resolve_pin(request.pinned_prefill, snapshot, model) if request.pinned_prefill else None
+        pin_p, pin_d = request.pinned_prefill, request.pinned_decode
+        pinned = pins.resolve(pin_p, snapshot, model, "prefill") if pin_p else None
+        pinned_d = pins.resolve(pin_d, snapshot, model, "decode") if pin_d else None
         dctx = ProfileContext(request, snapshot, now, "decode", pinned)
-        dtrace = self._profiles["decode"].run(dctx, population, request.exclude)
-        if dtrace.picked < 0:
-            raise _no_decode(model, dtrace, pinned)
+        if pinned_d is None:
+            dtrace = self._profiles["decode"].run(dctx, population, request.exclude)
+            if dtrace.picked < 0:
+                raise _no_decode(model, dtrace, pinned)
+        else:
+            if pinned is not None:
+                pins.check_pair(dctx, pinned, pinned_d, self._kv_filters)
+            dtrace = _pinned_trace(len(population), pinned_d)
         d = dtrace.candidates[dtrace.picked]
+        d_pin = pinned_d.agent_id if pinned_d is not None else None
         if pinned is not None:
-            choice = ModeChoice("disaggregated", f"the client pinned prefill instance {pinned.agent_id!r}")
+            also = f" and decode instance {d_pin!r}" if d_pin is not None else ""
+            choice = ModeChoice(
+                "disaggregated", f"the client pinned prefill instance {pinned.agent_id!r}{also}"
+            )
             explanation = PluginExplanation(
-                self.config.source, request, dtrace, choice, "client", None, pinned.agent_id
+                self.config.source, request, dtrace, choice, "client", None, pinned.agent_id, d_pin
             )
             return Decision("disaggregated", pinned.agent_id, d.agent_id, explanation)
         if request.pooled_tokens and self._shortcut is not None:
             early = self._shortcut(dctx, d)
             if early is not None:  # straight to decode: D loads the prompt from a KV pool
                 explanation = PluginExplanation(
-                    self.config.source, request, dtrace, early, self._decider.name, None, None
+                    self.config.source, request, dtrace, early, self._decider.name, None, None, d_pin
                 )
                 return Decision("colocated", None, d.agent_id, explanation, early.kv_source)
         pctx = ProfileContext(request, snapshot, now, "prefill", d)
@@ -422,7 +440,7 @@ class PluginScheduler:
         if choice.mode == "disaggregated" and ptrace.picked >= 0 and request.slo_ttft_s is not None:
             choice = _colocate_for_ttft(request, snapshot, ptrace.candidates[ptrace.picked], d) or choice
         explanation = PluginExplanation(
-            self.config.source, request, dtrace, choice, self._decider.name, ptrace, None
+            self.config.source, request, dtrace, choice, self._decider.name, ptrace, None, d_pin
         )
         if choice.mode == "colocated" or ptrace.picked < 0:
             return Decision("colocated", None, d.agent_id, explanation)

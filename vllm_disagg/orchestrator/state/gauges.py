@@ -12,6 +12,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
+from vllm_disagg.orchestrator.state.compat import IncompatiblePairs
 from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
 
 _BREAKER_VALUE = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -29,6 +30,7 @@ class InstanceCollector(Collector):
         self._snapshot = snapshot
         self._kv_blocks = kv_blocks
         self._pool_blocks = pool_blocks
+        self._pairs = IncompatiblePairs()  # recounted when the membership changes, not per scrape
 
     def describe(self) -> list[Metric]:
         # Empty: stops prometheus_client from calling collect() at registration.
@@ -82,7 +84,14 @@ class InstanceCollector(Collector):
         )
         for p, d in sorted(snap.blocked_links):
             links.add_metric([p, d], 1.0)
-        yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, links)
+        incompatible = GaugeMetricFamily(
+            "vllm_disagg_kv_incompatible_pairs",
+            "(prefill, decode) pairs of live instances of a model that cannot exchange KV, by reason",
+            labels=["model", "reason"],
+        )
+        for (model, reason), n in sorted(self._pairs.counts(snap).items()):
+            incompatible.add_metric([model, reason], float(n))
+        yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, links, incompatible)
         if self._kv_blocks is not None:
             yield blocks
         if self._pool_blocks is not None:

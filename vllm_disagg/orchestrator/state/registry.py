@@ -142,10 +142,8 @@ class Registry(SnapshotSource):
         self._suspect_after = suspect_after_s if suspect_after_s is not None else float("inf")
         self._policy = breaker or BreakerPolicy()
         self._instances: dict[str, _Instance] = {}
-        self._in_flight: dict[str, int] = {}
-        # In-flight counts elsewhere, summed, as last pushed: the gateway workers' (``--gateway-workers``),
-        # the other replicas' (``orchestrator/replicas``).
-        self._remote_in_flight: dict[RemoteSource, dict[str, int]] = {}
+        # ``_flight`` (the base class's) sums in-flight counts pushed from elsewhere by source: the gateway
+        # workers' (``--gateway-workers``), the other replicas' (``orchestrator/replicas``).
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._intent: dict[str, InstanceIntent] = {}  # operators' word by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
@@ -246,6 +244,8 @@ class Registry(SnapshotSource):
         lost = hb.engine_state in _ENGINE_LOST and inst.engine_state not in _ENGINE_LOST
         inst.last_heartbeat = now
         inst.heartbeats += 1
+        if hb.metrics.scraped_at != inst.metrics.scraped_at:  # a new scrape: what was in flight then
+            self._scraped(agent_id)
         inst.metrics = hb.metrics
         inst.engine_state = hb.engine_state
         inst.agent_draining = hb.draining
@@ -428,6 +428,7 @@ class Registry(SnapshotSource):
         self._intent.pop(agent_id, None)  # forgotten: an agent that comes back starts afresh
         view = self._own_views().pop(agent_id)
         self._requests_total.pop(agent_id, None)
+        self._flight.forget(agent_id)
         self._version += 1
         self._membership += 1
         self._cached = None
@@ -514,7 +515,7 @@ class Registry(SnapshotSource):
 
     def acquire(self, agent_id: str) -> None:
         """The gateway sends a request to ``agent_id``; pair with ``release`` in a ``finally``."""
-        self._in_flight[agent_id] = self._in_flight.get(agent_id, 0) + 1
+        self._flight.add(agent_id)
         self._cached_in_flight = None
         self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + 1
         self.probe_sent(agent_id)
@@ -533,13 +534,24 @@ class Registry(SnapshotSource):
 
     def release(self, agent_id: str) -> None:
         """A request sent to ``agent_id`` is over (success, failure or cancellation)."""
-        count = self._in_flight.get(agent_id, 0)
-        if count <= 1:
-            self._in_flight.pop(agent_id, None)
-        else:
-            self._in_flight[agent_id] = count - 1
-        self._cached_in_flight = None
+        self._less(agent_id)
         self.probe_ended(agent_id)
+
+    def hold(self, agent_id: str) -> None:
+        """A decision sends a request to ``agent_id`` later (its decode leg, after the prefill): it counts
+        there from now, so that the next pick sees it (``in_flight``); ``unhold`` as its leg starts."""
+        self._flight.add(agent_id)
+        self._cached_in_flight = None
+        if self._watch.flight:
+            self._watch.notify_in_flight()
+
+    def unhold(self, agent_id: str) -> None:
+        """A ``hold`` ends: its leg starts (and counts itself), or its request ended first."""
+        self._less(agent_id)
+
+    def _less(self, agent_id: str) -> None:
+        self._flight.remove(agent_id)
+        self._cached_in_flight = None
         if self._watch.flight:
             self._watch.notify_in_flight()
 
@@ -554,32 +566,25 @@ class Registry(SnapshotSource):
 
     def own_in_flight(self) -> dict[str, int]:
         """This process's gateway requests outstanding per instance (a copy)."""
-        return dict(self._in_flight)
+        return self._flight.own()
 
     def set_remote_in_flight(self, counts: dict[str, int], source: RemoteSource = "workers") -> None:
         """Outstanding requests per instance elsewhere, summed: this replica's gateway workers', or
         the other replicas' (``orchestrator/replicas``). Snapshots add them to this process's own."""
-        if counts != self._remote_in_flight.get(source, {}):
-            self._remote_in_flight[source] = counts
+        if self._flight.set_remote(source, counts):
             self._cached_in_flight = None
             if self._watch.flight:
                 self._watch.notify_in_flight()
 
     def remote_in_flight(self, source: RemoteSource) -> dict[str, int]:
         """What ``set_remote_in_flight`` last said for ``source`` (a copy)."""
-        return dict(self._remote_in_flight.get(source, {}))
+        return self._flight.remote(source)
 
     def local_in_flight(self) -> dict[str, int]:
         """This replica's outstanding requests per instance: its own and its gateway workers'."""
-        return sum_counts(self._in_flight, self._remote_in_flight.get("workers", {}))
+        return self._flight.counts("workers")
 
     def count_sent(self, counts: Mapping[str, int]) -> None:
         """Requests the gateway workers sent per instance since they last said (``requests_total``)."""
         for agent_id, n in counts.items():
             self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + n
-
-    def _in_flight_counts(self) -> dict[str, int]:
-        counts = dict(self._in_flight)  # a snapshot keeps it: never the live dict
-        for remote in self._remote_in_flight.values():
-            counts = sum_counts(counts, remote)
-        return counts

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from vllm_disagg.orchestrator.state import health
 from vllm_disagg.orchestrator.state.health import CLOSED, Breaker, InstanceState
+from vllm_disagg.orchestrator.state.in_flight import InFlight
 from vllm_disagg.protocol.messages import EngineState, InstanceInfo, MetricsSnapshot, Role
 
 # Roles that may serve each leg of a request.
@@ -63,6 +64,8 @@ class GatewayRegistry(Protocol):
     def get(self, agent_id: str) -> InstanceView | None: ...
     def acquire(self, agent_id: str) -> None: ...
     def release(self, agent_id: str) -> None: ...
+    def hold(self, agent_id: str) -> None: ...
+    def unhold(self, agent_id: str) -> None: ...
     def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None: ...
     def leg_failed(
         self, agent_id: str, now: float, partner: str | None = None, *, instance_fault: bool = True
@@ -98,6 +101,9 @@ class RegistrySnapshot:
     blocked_links: frozenset[tuple[str, str]] = frozenset()
     # The view tuples built so far, shared by the snapshots that differ only in in-flight counts.
     _built: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # Gateway requests on an instance that have ended since its newest metrics were scraped (at least;
+    # ``in_flight.InFlight.ended``): what its scraped queue has lost since (``predict.queued_now``).
+    ended_since_scrape: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def instances(self) -> tuple[InstanceView, ...]:
@@ -159,6 +165,8 @@ class SnapshotSource:
         self._blocked: frozenset[tuple[str, str]] = frozenset()
         self._cached: RegistrySnapshot | None = None
         self._cached_in_flight: dict[str, int] | None = None
+        # Gateway requests per instance: this process's (legs and held decisions) and others' as told.
+        self._flight = InFlight()
 
     def _own_views(self) -> dict[str, InstanceView]:
         """``_views``, copied first if a snapshot shares it."""
@@ -167,9 +175,10 @@ class SnapshotSource:
             self._views_shared = False
         return self._views
 
-    def _in_flight_counts(self) -> dict[str, int]:
-        """Outstanding gateway requests per instance, a new dict (only ever read by snapshots)."""
-        raise NotImplementedError
+    def _scraped(self, agent_id: str) -> None:
+        """``agent_id``'s metrics come from a new scrape: its ``ended_since_scrape`` starts over."""
+        self._flight.scraped(agent_id)
+        self._cached_in_flight = None
 
     def snapshot(self) -> RegistrySnapshot:
         """An immutable view; the instance part is rebuilt only when something changed."""
@@ -178,8 +187,9 @@ class SnapshotSource:
             cached = self._cached = self._build()
             self._cached_in_flight = None
         if self._cached_in_flight is None:
-            self._cached_in_flight = self._in_flight_counts()
-            cached = self._cached = with_in_flight(cached, self._cached_in_flight)
+            self._cached_in_flight = self._flight.counts()  # a new dict: the snapshot keeps it
+            ended = self._flight.ended()
+            cached = self._cached = with_in_flight(cached, self._cached_in_flight, ended)
         return cached
 
     def _build(self) -> RegistrySnapshot:
@@ -241,7 +251,9 @@ class IdGroups:
         )
 
 
-def with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> RegistrySnapshot:
+def with_in_flight(
+    snap: RegistrySnapshot, in_flight: dict[str, int], ended: dict[str, int] | None = None
+) -> RegistrySnapshot:
     # A new outer object sharing the (immutable) instance indexes: O(1) apart from the count copy.
     return RegistrySnapshot(
         version=snap.version,
@@ -255,4 +267,5 @@ def with_in_flight(snap: RegistrySnapshot, in_flight: dict[str, int]) -> Registr
         decode_ids=snap.decode_ids,
         blocked_links=snap.blocked_links,
         _built=snap._built,
+        ended_since_scrape=MappingProxyType(ended or {}),
     )

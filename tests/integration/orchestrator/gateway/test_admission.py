@@ -155,8 +155,14 @@ async def test_a_request_whose_target_passes_while_it_waits_is_refused(
     busy = MetricsSnapshot(prefill_tokens_per_s=500.0, mean_prompt_tokens=500.0, num_waiting=3)
     await one_p_one_d(orch, fake_agent, sim_engine, busy)
     await eventually(lambda: registered(orch, "d0").metrics.num_waiting == 3, what="d0's queue seen")
+    admission = orch.app[GATEWAY_KEY].admission
+    assert admission is not None
     hold = [asyncio.create_task(complete(http, orch.url, f"hold-{i}")) for i in range(2)]
-    await eventually(lambda: orch.registry.snapshot().in_flight_of("p0") == 2, what="the pair full")
+    # The first holds d0 from its decision on, and d0 reports a queue: the second waits for decode.
+    await eventually(
+        lambda: orch.registry.snapshot().in_flight_of("p0") == 1 and admission.queue.depth(MODEL) == 1,
+        what="the pair full",
+    )
     # Its own prefill takes 1 s: once it has waited 0.3 s, 1.3 s cannot be met.
     status, headers, body = await complete(http, orch.url, "tight", {"x-slo-ttft-ms": "1300"})
     assert status == 429

@@ -103,7 +103,9 @@ DELETE = object()
             _edit("profiles.0.name", "middle"), "profiles[0].name: expected one of", id="unknown-profile"
         ),
         pytest.param(
-            _edit("profiles.0.plugins.9", DELETE), "a profile needs exactly one picker, got 0", id="no-picker"
+            _edit("profiles.0.plugins.11", DELETE),
+            "a profile needs exactly one picker, got 0",
+            id="no-picker",
         ),
         pytest.param(
             _edit("profiles.0.plugins.0", {"pluginRef": "max-score-picker"}),
@@ -126,9 +128,9 @@ DELETE = object()
             id="weight-on-filter",
         ),
         pytest.param(
-            _edit("profiles.0.plugins.5", {"pluginRef": "queue-scorer", "weight": 0}),
-            "weight: must be > 0",
-            id="zero-weight",
+            _edit("profiles.0.plugins.5", {"pluginRef": "queue-scorer", "weight": -1}),
+            "weight: must be >= 0",
+            id="negative-weight",
         ),
         pytest.param(
             _edit("profiles.0.plugins.5", {"pluginRef": "queue-scorer", "weight": "heavy"}),
@@ -159,8 +161,8 @@ def test_a_bad_config_is_refused_naming_the_problem(text: str, message: str) -> 
 
 
 def test_parameters_may_be_camel_or_snake_case() -> None:
-    camel = load_config(_edit("plugins.5.parameters", {"maxQueue": 8}), "t")
-    snake = load_config(_edit("plugins.5.parameters", {"max_queue": 8}), "t")
+    camel = load_config(_edit("plugins.6.parameters", {"maxQueue": 8}), "t")
+    snake = load_config(_edit("plugins.6.parameters", {"max_queue": 8}), "t")
     assert camel.plugins["queue-scorer"].params == snake.plugins["queue-scorer"].params
     assert camel.plugins["queue-scorer"].params.max_queue == 8.0
 

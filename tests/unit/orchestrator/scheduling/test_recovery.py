@@ -65,7 +65,7 @@ def test_may_a_failed_prefill_leg_go_to_another_instance(
     ],
 )
 def test_may_a_decode_leg_that_failed_before_its_first_byte_go_elsewhere(tries: int, retry: bool) -> None:
-    assert may_retry_decode(tries, CONFIG) is retry
+    assert may_retry_decode(tries, False, CONFIG) is retry
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_may_a_decode_leg_that_failed_before_its_first_byte_go_elsewhere(tries: 
     ],
 )
 def test_may_a_cut_stream_resume(resumes: int, resume: bool) -> None:
-    assert may_resume(resumes, CONFIG) is resume
+    assert may_resume(resumes, False, CONFIG) is resume
 
 
 @pytest.mark.parametrize(

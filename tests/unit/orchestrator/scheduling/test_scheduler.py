@@ -535,7 +535,8 @@ def test_new_weights_change_the_very_next_decision_and_its_explanation() -> None
     expected = 5 * scores["queue-scorer"] + scores["tpot-scorer"] + scores["prefix-scorer"]
     assert total == pytest.approx(expected, abs=1e-5)
     assert scheduler.weights()["decode"] == {
-        "queue-scorer": 5.0, "kv-usage-scorer": 0.0, "tpot-scorer": 1.0, "prefix-scorer": 1.0
+        "queue-scorer": 5.0, "kv-usage-scorer": 0.0, "tpot-scorer": 1.0, "prefix-scorer": 1.0,
+        "topology-scorer": 0.0,
     }  # fmt: skip
 
 

@@ -4,11 +4,11 @@ The gateway asks it what it asks the ``Registry`` (``GatewayRegistry``). Reads c
 ``State``; what changes state is forwarded (``forward``) to the orchestrator, which owns breakers and
 the KV audit, and comes back in a later ``State`` like any other change.
 
-In-flight counts: the worker's own are exact (``acquire``/``release`` here); the other processes'
-arrive with each ``State`` (they push theirs every few milliseconds), so a decision sees the others'
-load a few milliseconds late. At the loads where balance matters (hundreds of requests in flight)
-that lag is a small share of each count; the scorers read counts through a smooth score, so a few
-requests of lag move a total by little.
+In-flight counts: the worker's own are exact (``acquire``/``release``, and ``hold``/``unhold`` for
+decisions, here); the other processes' arrive with each ``State`` (they push theirs every few
+milliseconds), so a decision sees the others' load a few milliseconds late. At the loads where
+balance matters (hundreds of requests in flight) that lag is a small share of each count; the scorers
+read counts through a smooth score, so a few requests of lag move a total by little.
 """
 
 from __future__ import annotations
@@ -31,9 +31,7 @@ class RegistryReplica(SnapshotSource):
         self.index = index
         self._forward = forward
         self._audited: frozenset[str] = frozenset()
-        self._own: dict[str, int] = {}
         self._sent: dict[str, int] = {}  # since the last ``take_counts``
-        self._others: dict[str, int] = {}
         self._probing: set[str] = set()  # instances this worker sent a half-open breaker's probe
         self._keys = itertools.count(_KEY_SPACE * (index + 1))
         self.counts_changed = False
@@ -52,6 +50,7 @@ class RegistryReplica(SnapshotSource):
 
     def apply(self, state: State) -> list[InstanceView]:
         """Take the orchestrator's news; the views of instances that joined or came back."""
+        scraped: list[str] = []  # instances whose metrics come from a new scrape
         if state.full:
             self._views, self._views_shared = dict(state.views), False
             joined = list(state.views.values())
@@ -63,6 +62,8 @@ class RegistryReplica(SnapshotSource):
                     old = views.get(agent_id)
                     if old is None or old.session != view.session:
                         joined.append(view)
+                    elif old.metrics.scraped_at != view.metrics.scraped_at:
+                        scraped.append(agent_id)
                     views[agent_id] = view
                 for agent_id in state.removed:
                     views.pop(agent_id, None)
@@ -82,45 +83,49 @@ class RegistryReplica(SnapshotSource):
         for index, counts in state.in_flight.items():
             if index != self.index:
                 others = sum_counts(others, counts)
-        if others != self._others:
-            self._others = others
+        if self._flight.set_remote("others", others):
             self._cached_in_flight = None
+        for agent_id in scraped:  # after the counts of the same instant: what ended since, from here on
+            self._scraped(agent_id)
         return joined
 
     def take_counts(self) -> tuple[dict[str, int], dict[str, int]]:
         """(own in-flight counts, requests sent since the last call) for the orchestrator."""
         sent, self._sent = self._sent, {}
         self.counts_changed = False
-        return dict(self._own), sent
-
-    def _in_flight_counts(self) -> dict[str, int]:
-        return sum_counts(self._others, self._own)
+        return self._flight.own(), sent
 
     # --- the GatewayRegistry surface (``snapshot`` is the base class's) ---
     def get(self, agent_id: str) -> InstanceView | None:
         return self._views.get(agent_id)
 
     def acquire(self, agent_id: str) -> None:
-        self._own[agent_id] = self._own.get(agent_id, 0) + 1
+        self._flight.add(agent_id)
+        self._counted()
         self._sent[agent_id] = self._sent.get(agent_id, 0) + 1
-        self._cached_in_flight = None
-        self.counts_changed = True
         view = self._views.get(agent_id)
         if view is not None and view.breaker.state == "half_open" and not view.breaker.probing:
             self._probing.add(agent_id)
             self._forward(Call("probe_sent", (agent_id,)))
 
     def release(self, agent_id: str) -> None:
-        count = self._own.get(agent_id, 0)
-        if count <= 1:
-            self._own.pop(agent_id, None)
-        else:
-            self._own[agent_id] = count - 1
-        self._cached_in_flight = None
-        self.counts_changed = True
+        self._flight.remove(agent_id)
+        self._counted()
         if agent_id in self._probing:
             self._probing.discard(agent_id)
             self._forward(Call("probe_ended", (agent_id,)))
+
+    def hold(self, agent_id: str) -> None:
+        self._flight.add(agent_id)
+        self._counted()
+
+    def unhold(self, agent_id: str) -> None:
+        self._flight.remove(agent_id)
+        self._counted()
+
+    def _counted(self) -> None:
+        self._cached_in_flight = None
+        self.counts_changed = True
 
     def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None:
         self._forward(Call("leg_succeeded", (agent_id, partner)))
