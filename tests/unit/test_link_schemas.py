@@ -53,6 +53,7 @@ from vllm_disagg.protocol.messages import (
     KvEvent,
     KvEvents,
     KvLayout,
+    KvLinkCount,
     Message,
     MetricsSnapshot,
     Refuse,
@@ -90,8 +91,10 @@ PROTOCOL_FIELDS: dict[type[Any], tuple[str, ...]] = {
         "scraped_at", "num_running", "num_waiting", "kv_cache_usage", "ttft_s", "tpot_s",
         "prefix_cache_hit_rate", "window_s", "requests_finished", "prompt_tokens", "generation_tokens",
         "queue_s", "prefill_tokens_per_s", "mean_prompt_tokens", "prompt_tokens_computed",
-        "prompt_tokens_cached", "prompt_tokens_transferred", "age_s", "sent_at",
+        "prompt_tokens_cached", "prompt_tokens_transferred", "age_s", "sent_at", "kv_in_bytes",
+        "kv_in_seconds", "kv_in_links",
     ),
+    KvLinkCount: ("source", "nbytes", "seconds", "transfers"),
     KvEvent: ("kind", "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"),
     commands.Drain: (),
     commands.Undrain: (),
@@ -125,6 +128,9 @@ SINCE_MINOR = {
     (Ack, "result"): 5,
     (InstanceInfo, "labels"): 7,
     (InstanceInfo, "layout"): 7,
+    (MetricsSnapshot, "kv_in_bytes"): 7,
+    (MetricsSnapshot, "kv_in_seconds"): 7,
+    (MetricsSnapshot, "kv_in_links"): 7,
 }
 
 

@@ -41,7 +41,8 @@ PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # 4: ``InstanceInfo.capabilities`` (what the engine's streamed answers carry). 5: typed payloads
 # (``Command.payload``, ``Ack.result``) in place of the string maps ``args`` and ``detail``. 6: fencing
 # (``Command.epoch``: the term of the leader that sent it; ``STALE_EPOCH`` refusals). 7: where an
-# instance runs and how it lays out its KV (``InstanceInfo.labels``, ``InstanceInfo.layout``).
+# instance runs and how it lays out its KV (``InstanceInfo.labels``, ``InstanceInfo.layout``), and
+# the KV an engine pulled in (``MetricsSnapshot.kv_in_bytes``, ``kv_in_seconds``, ``kv_in_links``).
 PROTOCOL_MINOR = 7
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
@@ -198,6 +199,19 @@ class InstanceInfo:
     layout: KvLayout = field(default_factory=KvLayout, metadata=SINCE_MINOR_7)
 
 
+MAX_KV_LINKS = 64  # sources a heartbeat reports KV fetches from (``MetricsSnapshot.kv_in_links``)
+
+
+@dataclass(frozen=True, slots=True)
+class KvLinkCount:
+    """KV an agent's pool fetched from one other agent's pool, lifetime (1.7)."""
+
+    source: str  # the source pool's endpoint (``InstanceInfo.kv_pool_endpoint`` of its instance)
+    nbytes: int = 0
+    seconds: float = 0.0  # summed wall time of the fetches, request to last byte
+    transfers: int = 0
+
+
 @dataclass(frozen=True, slots=True)
 class MetricsSnapshot:
     """The engine's state as the agent scraped it; windowed values are over the last ``window_s``."""
@@ -223,6 +237,14 @@ class MetricsSnapshot:
     prompt_tokens_transferred: int | None = None
     age_s: float = 0.0  # seconds from the start of the scrape to the heartbeat that carries it
     sent_at: float = 0.0  # agent's wall clock when the heartbeat carrying it was made (0: unknown)
+    # KV this engine pulled in, lifetime (1.7): the ``_sum``s of vLLM's NIXL histograms
+    # ``vllm:nixl_bytes_transferred`` and ``vllm:nixl_xfer_time_seconds`` (no source: the gateway knows
+    # which P each pull came from). None where the engine exports neither.
+    kv_in_bytes: float | None = field(default=None, metadata=SINCE_MINOR_7)
+    kv_in_seconds: float | None = field(default=None, metadata=SINCE_MINOR_7)
+    # KV this agent's pool fetched from other agents' pools, lifetime, per source (1.7; the project's
+    # connector), at most ``MAX_KV_LINKS`` sources.
+    kv_in_links: list[KvLinkCount] = field(default_factory=list, metadata=SINCE_MINOR_7)
 
 
 @dataclass(frozen=True, slots=True)
