@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from vllm_disagg.orchestrator.state import health
 from vllm_disagg.orchestrator.state.health import CLOSED, Breaker, InstanceState
 from vllm_disagg.orchestrator.state.in_flight import InFlight
+from vllm_disagg.orchestrator.state.link_table import EMPTY_LINKS, LinkTable
 from vllm_disagg.protocol.messages import EngineState, InstanceInfo, MetricsSnapshot, Role
 
 # Roles that may serve each leg of a request.
@@ -104,6 +105,7 @@ class RegistrySnapshot:
     # Gateway requests on an instance that have ended since its newest metrics were scraped (at least;
     # ``in_flight.InFlight.ended``): what its scraped queue has lost since (``predict.queued_now``).
     ended_since_scrape: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    links: LinkTable = EMPTY_LINKS  # learned P->D transfer rates (``link_table``)
 
     @property
     def instances(self) -> tuple[InstanceView, ...]:
