@@ -43,6 +43,9 @@ class SimTiming:
     max_num_seqs: int = 8  # the batch: more requests wait in the queue
     num_blocks: int = 4096  # KV cache capacity in blocks
     block_size: int = 16  # tokens per KV block
+    # Real bytes a KV pull carries per pulled token (0: only the token ids), so a slow or shaped network
+    # between engines really slows the pull; it takes no delay of its own, as the others do.
+    kv_bytes_per_token: int = 0
 
     def __post_init__(self) -> None:
         _non_negative(
@@ -51,6 +54,7 @@ class SimTiming:
             decode_step_s=self.decode_step_s,
             decode_step_s_per_seq=self.decode_step_s_per_seq,
             kv_transfer_s_per_token=self.kv_transfer_s_per_token,
+            kv_bytes_per_token=self.kv_bytes_per_token,
         )
         _positive(
             "sim", max_num_seqs=self.max_num_seqs, num_blocks=self.num_blocks, block_size=self.block_size
@@ -75,6 +79,7 @@ _SIM_TIMING_HELP = {
     "max_num_seqs": "batch size; more requests wait",
     "num_blocks": "KV cache capacity in blocks",
     "block_size": "tokens per KV block",
+    "kv_bytes_per_token": "real bytes a KV pull carries per pulled token (0: only the token ids)",
 }
 
 

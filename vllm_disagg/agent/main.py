@@ -215,7 +215,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             cfg.agent_id,
             info,
             engine_state=lambda: engine.state,
-            metrics=scraper.latest,
+            metrics=pool.metrics(scraper.latest) if pool else scraper.latest,
             kv_plane=pool.transfer if pool else None,
             command_log=command_log,
         )

@@ -6,7 +6,8 @@ it handwritten expositions; ``MetricsScraper`` is the thin adapter that fetches 
 Windowed values (TTFT, TPOT, queue time, prefill throughput, prompt length, prefix-cache hit rate)
 are differences between the oldest and newest scrape in the window, so they describe the last
 ``metrics_window_s`` rather than the engine's lifetime. A counter that goes down means the engine
-restarted: the window starts afresh.
+restarted: the window starts afresh. The KV pulled in (``kv_in_bytes``, ``kv_in_seconds``: the sums of
+vLLM's NIXL histograms) is lifetime, as the orchestrator learns links from its differences.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ COMPUTED = f"{BY_SOURCE}:local_compute"
 CACHED = f"{BY_SOURCE}:local_cache_hit"
 TRANSFERRED = f"{BY_SOURCE}:external_kv_transfer"
 _PER_REQUEST = (QUEUE_TIME, PREFILL_TIME, PROMPT_LENGTH)
+# vLLM's NixlConnector, on the engine that pulls: one sample per transfer, per engine (no source label).
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+NIXL_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
 
 HISTOGRAM_SERIES = tuple(
     f"{h}{suffix}" for h in (*TTFT, *TPOT, *_PER_REQUEST) for suffix in ("_sum", "_count")
@@ -66,6 +70,8 @@ COUNTERS = frozenset(
         COMPUTED,
         CACHED,
         TRANSFERRED,
+        NIXL_BYTES,
+        NIXL_SECONDS,
     )
 )
 WANTED = frozenset((RUNNING, WAITING, *KV_USAGE, *COUNTERS, BY_SOURCE))
@@ -225,6 +231,7 @@ def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
     queries = _first_present(last, PREFIX_QUERIES)
     hits = _first_present(last, PREFIX_HITS)
     queried = last.value(queries) - first.value(queries)
+    kv_in_bytes, kv_in_seconds = _kv_in(last)
     return MetricsSnapshot(
         scraped_at=last.wall,
         num_running=int(last.value(RUNNING)),
@@ -243,7 +250,16 @@ def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
         prompt_tokens_computed=_lifetime(last, COMPUTED),
         prompt_tokens_cached=_lifetime(last, CACHED),
         prompt_tokens_transferred=_lifetime(last, TRANSFERRED),
+        kv_in_bytes=kv_in_bytes,
+        kv_in_seconds=kv_in_seconds,
     )
+
+
+def _kv_in(scrape: Scrape) -> tuple[float | None, float | None]:
+    """The KV the engine pulled in, lifetime: NIXL's byte and time sums; None where it exports neither."""
+    if NIXL_BYTES not in scrape.series and NIXL_SECONDS not in scrape.series:
+        return None, None
+    return scrape.value(NIXL_BYTES), scrape.value(NIXL_SECONDS)
 
 
 def _lifetime(scrape: Scrape, name: str) -> int | None:

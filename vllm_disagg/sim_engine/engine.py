@@ -35,6 +35,11 @@ from vllm_disagg.wire.kv_transfer import RemotePrefill
 
 SIM_VERSION = "0.32.0+sim"
 KV_PULL_PATH = "/sim/kv/pull"
+# With ``kv_bytes_per_token``, a pull's answer is its JSON (this header says how many bytes) and then
+# that many zero bytes per token: what a real KV transfer would move over the same link.
+KV_JSON_BYTES = "X-Sim-KV-JSON-Bytes"
+_ZEROS = memoryview(bytes(1 << 20))  # the payload, written in slices of one buffer
+_READ_CHUNK = 1 << 20
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 
 
@@ -77,6 +82,7 @@ class SimEngine:
         }
         reason = ""
         tokens: list[int] = []
+        moved: int | None = None
         assert self.session is not None, "the KV client session is created on startup"
         try:
             async with self.session.post(
@@ -84,15 +90,16 @@ class SimEngine:
                 data=jsonutil.dumps(body),
                 headers={"Content-Type": "application/json"},
             ) as resp:
-                payload = await resp.read()
+                payload, moved = await _read_pull(resp)
             if resp.status != 200:
                 reason = f"HTTP {resp.status}: {_error_message(payload)}"
             else:
                 tokens = jsonutil.loads(payload)["token_ids"]
                 if not isinstance(tokens, list):
                     reason = "the answer carries no token_ids list"
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
+        except (aiohttp.ClientError, TimeoutError, EOFError, ValueError, KeyError, TypeError) as exc:
+            reason = f"{type(exc).__name__}: {exc}"  # EOFError: a body cut short of its JSON
+        finished = self.clock.monotonic()  # the last byte: the perf model's delay below is not the link's
         if not reason:
             n = len(tokens)
             if n > len(prompt.token_ids) or tokens != list(prompt.token_ids[:n]):
@@ -102,8 +109,9 @@ class SimEngine:
             if self.config.kv_load_failure_policy == "recompute":
                 return 0  # vLLM's "recompute" policy: the prompt is computed here instead
             raise RequestError(f"KV transfer failed from {where}: {reason}")
-        m.nixl_bytes_transferred += 4 * len(tokens)
-        m.nixl_xfer_time.observe(self.clock.monotonic() - started)
+        # The payload that moved; without one, the 4 bytes of each token id (the sim's old figure).
+        m.nixl_bytes_transferred.observe(4 * len(tokens) if moved is None else moved)
+        m.nixl_xfer_time.observe(finished - started)
         delay = perf_model.kv_transfer_duration(self.config.timing, len(tokens))
         if delay > 0:
             await self.clock.sleep(delay)
@@ -111,6 +119,18 @@ class SimEngine:
 
 
 ENGINE_KEY = web.AppKey("sim_engine", SimEngine)
+
+
+async def _read_pull(resp: aiohttp.ClientResponse) -> tuple[bytes, int | None]:
+    """A pull's JSON, and how many payload bytes came after it (read and dropped); None: no payload."""
+    json_bytes = resp.headers.get(KV_JSON_BYTES)
+    if resp.status != 200 or json_bytes is None:
+        return await resp.read(), None
+    head = await resp.content.readexactly(int(json_bytes))
+    moved = 0
+    while chunk := await resp.content.read(_READ_CHUNK):
+        moved += len(chunk)
+    return head, moved
 
 
 def _error_message(payload: bytes) -> str:
@@ -328,7 +348,7 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def kv_pull(request: web.Request) -> web.Response:
+async def kv_pull(request: web.Request) -> web.StreamResponse:
     """``POST /sim/kv/pull``: a decoder takes held blocks (200 ``{"token_ids"}``) or learns why not (404)."""
     engine = request.app[ENGINE_KEY]
     try:
@@ -351,9 +371,24 @@ async def kv_pull(request: web.Request) -> web.Response:
     outcome = engine.core.serve_pull(block_ids, request_id)
     if outcome.token_ids is None:
         return error_response(NotFound(outcome.reason), {})
-    return web.Response(
-        body=jsonutil.dumps({"token_ids": outcome.token_ids}), content_type="application/json"
-    )
+    answer = jsonutil.dumps({"token_ids": outcome.token_ids})
+    per_token = engine.config.timing.kv_bytes_per_token
+    if not per_token:
+        return web.Response(body=answer, content_type="application/json")
+    return await _send_pull(request, answer, per_token * len(outcome.token_ids))
+
+
+async def _send_pull(request: web.Request, answer: bytes, payload: int) -> web.StreamResponse:
+    """The pull's JSON and then ``payload`` zero bytes, streamed: a long prompt's KV is never in memory."""
+    resp = web.StreamResponse(headers={KV_JSON_BYTES: str(len(answer))})
+    resp.content_type = "application/octet-stream"
+    resp.content_length = len(answer) + payload
+    await resp.prepare(request)
+    await resp.write(answer)
+    for offset in range(0, payload, len(_ZEROS)):
+        await resp.write(_ZEROS[: min(len(_ZEROS), payload - offset)])
+    await resp.write_eof()
+    return resp
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:

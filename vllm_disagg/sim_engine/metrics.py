@@ -30,15 +30,24 @@ REQUEST_LATENCY_BUCKETS = (
     120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 )  # fmt: skip
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
-XFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# vLLM 0.32's NixlConnector (nixl/stats.py): seconds per transfer, and bytes per transfer (2 KiB to 8 GiB).
+XFER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 5.0)
+NIXL_BYTES_BUCKETS = tuple(2 ** (10 + i) for i in range(1, 25, 2))
 
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 def _le(bound: float) -> str:
-    # The spelling prometheus_client uses for bucket bounds ("1.0", "+Inf").
-    return "+Inf" if bound == float("inf") else repr(float(bound))
+    # The spelling prometheus_client (so vLLM) uses for bucket bounds: "1.0", "+Inf", and Go's exponent
+    # from seven integer digits on ("2.097152e+06"); its own floatToGoString is untyped.
+    if bound == float("inf"):
+        return "+Inf"
+    s = repr(float(bound))
+    dot = s.find(".")
+    if bound > 0 and dot > 6:
+        return f"{s[0]}.{s[1:dot]}{s[dot + 1 :]}".rstrip("0.") + f"e+{dot - 1:02d}"
+    return s
 
 
 class Histogram:
@@ -99,7 +108,6 @@ class EngineMetrics:
         self.request_success = dict.fromkeys(FINISHED_REASONS, 0)
         self.num_preemptions = 0
         self.nixl_num_failed_transfers = 0
-        self.nixl_bytes_transferred = 0
         self.sim_kv_pulls_served = 0  # blocks handed to decoders
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(TOKEN_LATENCY_BUCKETS)
@@ -112,6 +120,7 @@ class EngineMetrics:
         self.request_prompt_tokens = Histogram(TOKEN_COUNT_BUCKETS)
         self.request_generation_tokens = Histogram(TOKEN_COUNT_BUCKETS)
         self.nixl_xfer_time = Histogram(XFER_BUCKETS)
+        self.nixl_bytes_transferred = Histogram(NIXL_BYTES_BUCKETS)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_Collector(self))
 
@@ -164,7 +173,7 @@ def _gauge_families(g: GaugeValues, labels: list[str], values: list[str]) -> Ite
 
 
 def _counter_families(m: EngineMetrics, labels: list[str], values: list[str]) -> Iterable[Metric]:
-    """The token, prefix cache, preemption and KV transfer counters."""
+    """The token, prefix cache, preemption and KV transfer failure counters."""
     for name, doc, count in (
         ("vllm:prompt_tokens", "Number of prefill tokens processed.", m.prompt_tokens),
         ("vllm:generation_tokens", "Number of generation tokens processed.", m.generation_tokens),
@@ -176,7 +185,6 @@ def _counter_families(m: EngineMetrics, labels: list[str], values: list[str]) ->
         ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of tokens.", m.prefix_cache_hits),
         ("vllm:num_preemptions", "Cumulative number of preemptions.", m.num_preemptions),
         ("vllm:nixl_num_failed_transfers", "Failed KV transfers.", m.nixl_num_failed_transfers),
-        ("vllm:nixl_bytes_transferred", "KV bytes pulled from remote engines.", m.nixl_bytes_transferred),
         ("vllm:sim_kv_pulls_served", "KV blocks this engine handed to decoders.", m.sim_kv_pulls_served),
     ):
         counter = CounterMetricFamily(name, doc, labels=labels)
@@ -207,7 +215,7 @@ def _counters_by_label(m: EngineMetrics, labels: list[str], values: list[str]) -
 
 
 def _histogram_families(m: EngineMetrics, labels: list[str], values: list[str]) -> Iterable[Metric]:
-    """The latency, phase time, request size and KV transfer time histograms."""
+    """The latency, phase time, request size and KV transfer time and size histograms."""
     for name, doc, hist in (
         ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", m.ttft),
         ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", m.itl),
@@ -227,7 +235,16 @@ def _histogram_families(m: EngineMetrics, labels: list[str], values: list[str]) 
             "Number of generation tokens processed.",
             m.request_generation_tokens,
         ),
-        ("vllm:nixl_xfer_time_seconds", "KV transfer time in seconds.", m.nixl_xfer_time),
+        (
+            "vllm:nixl_xfer_time_seconds",
+            "Histogram of transfer duration for NIXL KV Cache transfers.",
+            m.nixl_xfer_time,
+        ),
+        (
+            "vllm:nixl_bytes_transferred",
+            "Histogram of bytes transferred per NIXL KV Cache transfers.",
+            m.nixl_bytes_transferred,
+        ),
     ):
         family = HistogramMetricFamily(name, doc, labels=labels)
         family.add_metric(values, hist.buckets(), sum_value=hist.sum)

@@ -47,6 +47,7 @@ def test_sim_engine_argv_reproduces_the_config() -> None:
             max_num_seqs=3,
             num_blocks=100,
             block_size=8,
+            kv_bytes_per_token=4096,
         ),
     )
     parser = argparse.ArgumentParser()

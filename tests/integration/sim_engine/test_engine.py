@@ -23,6 +23,7 @@ from tests.integration.sim_support import (
     sse_events,
     value,
 )
+from vllm_disagg.agent.scraper import Scrape, parse_exposition, snapshot
 from vllm_disagg.config import SimEngineConfig, SimTiming
 from vllm_disagg.sim_engine import textgen
 from vllm_disagg.sim_engine.engine import SimServer, build_app
@@ -98,11 +99,33 @@ async def test_prefill_then_decode_moves_the_whole_prompt_and_answers_like_coloc
 
     assert grew("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == prompt_len
     assert grew("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
-    assert grew("vllm:nixl_bytes_transferred_total") == 4 * prompt_len
+    assert grew("vllm:nixl_bytes_transferred_sum") == 4 * prompt_len
     assert value(after, "vllm:nixl_num_failed_transfers_total") == 0
     assert value(after, "vllm:request_params_max_tokens_bucket", le="1.0") == 0, "the decode leg ran on D"
     assert await metric(http, p, "vllm:kv_cache_usage_perc") == 0, "a pull frees the held blocks"
     assert await metric(http, p, "vllm:sim_kv_pulls_served_total") == blocks
+
+
+@pytest.mark.parametrize("per_token", [1, 70_000], ids=["a-byte-a-token", "more-than-a-write-buffer"])
+async def test_with_kv_bytes_per_token_the_pull_moves_that_payload_and_d_reports_it_as_nixl_does(
+    http: aiohttp.ClientSession, engines: StartEngine, per_token: int
+) -> None:
+    timing = SimTiming(block_size=BLOCK, kv_bytes_per_token=per_token)
+    p, d = await engines(timing, engine_id="prefill-0"), await engines(timing)
+    prompt_len = len(textgen.tokenize(LONG_PROMPT))
+    params = await prefill(http, p, LONG_PROMPT, "pd-payload")
+    status, payload = await decode(http, d, LONG_PROMPT, params, "pd-payload")
+    assert status == 200, payload
+    assert payload["choices"][0]["text"] == textgen.expected_text(LONG_PROMPT, 12), "the KV still checks"
+    after = await scrape(http, d)
+    assert value(after, "vllm:nixl_bytes_transferred_count") == 1
+    assert value(after, "vllm:nixl_xfer_time_seconds_count") == 1
+    async with http.get(d.url + "/metrics") as r:
+        text = await r.text()
+    seen = snapshot((Scrape(1.0, 1.0, parse_exposition(text)),))  # as D's agent reads it
+    assert seen.kv_in_bytes == per_token * prompt_len, "the payload bytes that crossed the link"
+    assert seen.kv_in_seconds is not None and seen.kv_in_seconds > 0
+    assert value(after, "vllm:nixl_num_failed_transfers_total") == 0
 
 
 async def test_streamed_decode_after_remote_prefill(
@@ -135,7 +158,7 @@ async def test_a_prompt_shorter_than_a_block_moves_its_one_partial_block(
 
     assert grew("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == prompt_len
     assert grew("vllm:prompt_tokens_by_source_total", source="local_compute") == 0
-    assert grew("vllm:nixl_bytes_transferred_total") == 4 * prompt_len
+    assert grew("vllm:nixl_bytes_transferred_sum") == 4 * prompt_len
     assert value(after, "vllm:nixl_num_failed_transfers_total") == 0
     assert await metric(http, p, "vllm:kv_cache_usage_perc") == 0, "the pull freed the held block"
 

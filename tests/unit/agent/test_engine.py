@@ -118,13 +118,15 @@ def agent(**changes: object) -> AgentConfig:
 
 
 def test_sim_engine_command_runs_the_sim_engine_subcommand_with_the_agents_settings() -> None:
-    cfg = agent(model="m1", engine_port=8123, sim=SimTiming(block_size=32, decode_step_s=0.5))
+    timing = SimTiming(block_size=32, decode_step_s=0.5, kv_bytes_per_token=2048)
+    cfg = agent(model="m1", engine_port=8123, sim=timing)
     argv = SimEngineCommand().argv(cfg)
     assert argv[0] == sys.executable
     rest = argv[argv.index("sim-engine") + 1 :]
     flags = dict(zip(rest[::2], rest[1::2], strict=True))
     assert (flags["--model"], flags["--port"], flags["--block-size"]) == ("m1", "8123", "32")
     assert float(flags["--decode-step-s"]) == 0.5
+    assert flags["--kv-bytes-per-token"] == "2048"
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,12 @@ def test_every_agent_gets_the_kv_lease_and_none_without_the_flag() -> None:
     assert all("--kv-lease-s" not in argv for argv in spec_of())
 
 
+def test_every_sim_agent_gets_the_kv_bytes_per_token_and_none_without_the_flag() -> None:
+    for argv in spec_of("--kv-bytes-per-token", "65536"):
+        assert argv[argv.index("--kv-bytes-per-token") + 1] == "65536"
+    assert all("--kv-bytes-per-token" not in argv for argv in spec_of())
+
+
 def orchestrator_argv_of(*flags: str) -> list[str]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

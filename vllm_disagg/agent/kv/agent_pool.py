@@ -3,6 +3,8 @@ engine's connector uses, the agent-to-agent transfers, and the reports of the po
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_disagg.agent.kv.arena import Capacity
@@ -16,6 +18,7 @@ from vllm_disagg.agent.kv_forwarder import KvEventForwarder
 from vllm_disagg.agent.vllm_command import kv_pool_port
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.curve import load_keypair
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 
 @dataclass
@@ -47,6 +50,10 @@ class KvPool:
 
         self.node.listeners.append(changed)
         forwarder.snapshots.append(lambda: pool_snapshot(self.node))
+
+    def metrics(self, scraped: Callable[[], MetricsSnapshot]) -> Callable[[], MetricsSnapshot]:
+        """The heartbeat's metrics: the scraped engine's, with the KV this pool fetched from others'."""
+        return lambda: dataclasses.replace(scraped(), kv_in_links=self.transfer.received())
 
     async def close(self) -> None:
         await self.transfer.close()

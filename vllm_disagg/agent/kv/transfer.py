@@ -24,7 +24,7 @@ import asyncio
 import itertools
 import logging
 from collections import deque
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import zmq
@@ -37,6 +37,7 @@ from vllm_disagg.agent.kv.plane import FetchStarted
 from vllm_disagg.agent.kv.serving import PING_IVL_MS, PING_TIMEOUT_MS, GrantServer
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.protocol.curve import ClientCurve, Keypair, setup_client
+from vllm_disagg.protocol.messages import MAX_KV_LINKS, KvLinkCount
 from vllm_disagg.protocol.transport import send_now
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class KvTransfer:
         self._server: GrantServer | None = None
         self._endpoint = ""
         self.ended: deque[FetchEnded] = deque(maxlen=_ENDED_KEPT)  # recent fetches, newest last
+        self._received: dict[str, KvLinkCount] = {}  # lifetime, by source endpoint
 
     async def start(self) -> KvTransfer:
         """Bind and serve; fetches may start from now on."""
@@ -149,10 +151,36 @@ class KvTransfer:
             self._window,
             done,
         )
+        ended = self._recorder(arena.geometry.block_bytes)  # from now: the request leaves next
         # Queued until the connection is up (ZeroMQ connects in the background).
         send_now(sock, [encode(FetchRequest(token, fetch.keys, arena.geometry, self._window, timeout_s))])
-        self._spawn(receive(fetch, self._node, self._on_chunk, self.ended.append))
+        self._spawn(receive(fetch, self._node, self._on_chunk, ended))
         return FetchStarted(len(keys), held, len(got), done)
+
+    def _recorder(self, block_bytes: int) -> Callable[[FetchEnded], None]:
+        """What a fetch starting now records when it ends: itself, and what it landed in its source's
+        count (the time until the last block landed)."""
+        started = self._clock.monotonic()
+
+        def ended(end: FetchEnded) -> None:
+            self.ended.append(end)
+            if not end.landed:  # a fetch that moved nothing says nothing of the link's rate
+                return
+            was = self._received.get(end.endpoint) or KvLinkCount(end.endpoint)
+            self._received[end.endpoint] = KvLinkCount(
+                end.endpoint,
+                was.nbytes + end.landed * block_bytes,
+                was.seconds + self._clock.monotonic() - started,
+                was.transfers + 1,
+            )
+
+        return ended
+
+    def received(self) -> list[KvLinkCount]:
+        """The KV fetched in, lifetime, per source pool (bytes landed, seconds from request to last
+        byte, fetches that landed any): the ``MAX_KV_LINKS`` sources that sent the most bytes."""
+        by_bytes = sorted(self._received.values(), key=lambda c: c.nbytes, reverse=True)
+        return by_bytes[:MAX_KV_LINKS]
 
     def _connect(
         self, endpoint: str, peer_public_key: bytes | None, part_bytes: int

@@ -43,6 +43,7 @@ from vllm_disagg.orchestrator.gateway.workers.hub import WorkerHub
 from vllm_disagg.orchestrator.metrics import CONTENT_TYPE, OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.intent import IntentRecorder
+from vllm_disagg.orchestrator.state.link_rates import links_json
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
 from vllm_disagg.protocol.commands import SIMPLE
@@ -229,6 +230,11 @@ class Admin:
         now = self._clock.monotonic()
         items = [self._instance(v, snap, now) for v in sorted(snap.instances, key=lambda v: v.agent_id)]
         return json_response({"instances": items})
+
+    async def links(self, request: web.Request) -> web.Response:
+        """``GET /admin/v1/links``: the P→D links' learned rates, typical rates, KV bytes per token."""
+        snap = self._registry.snapshot()
+        return json_response(links_json(snap.links, snap.by_id, self._clock.monotonic()))
 
     async def _command(self, request: web.Request, kind: CommandKind) -> web.Response:
         agent_id = request.match_info["agent_id"]
@@ -526,6 +532,7 @@ class Admin:
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/cordon", self.cordon),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/role", self.set_role),
             AdminRoute("POST", "/admin/v1/instances/{agent_id}/uncordon", self.uncordon),
+            AdminRoute("GET", "/admin/v1/links", self.links),
             AdminRoute("GET", "/admin/v1/planner", self.planner),
             AdminRoute("GET", "/admin/v1/rollouts", self.rollout_list),
             AdminRoute("POST", "/admin/v1/rollouts", self.rollout_start),

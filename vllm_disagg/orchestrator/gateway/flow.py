@@ -340,14 +340,16 @@ class Flow:
         self._attempt("kv_fetch", d, gw.clock.monotonic() if started is None else started, reason, error)
 
     def _audit_dispatch(self, d: str, kv: Any | None) -> int | None:
-        """Start the counter audit of a decode leg that should load KV (``kv_audit``), where D's own
-        figure cannot tell (vLLM 0.32); its key, or None."""
-        prefilled, p = self.prefilled, self.prefill_id
-        if kv is None or p is None or prefilled is None or prefilled.decode_reports_loading:
+        """Tell the registry the tokens a decode leg pulls from P (``link_rates``, D's uncached ones),
+        and start the counter audit of a leg that should load KV (``kv_audit``), where D's own figure
+        cannot tell (vLLM 0.32); its key, or None."""
+        prefilled, p, gw, req = self.prefilled, self.prefill_id, self.gw, self.scheduling
+        if kv is None or p is None or prefilled is None:
             return None
-        if not prefilled.transfers_kv or not prefilled.prompt_tokens:
+        lacks = (prefilled.prompt_tokens or req.prompt_len) - req.cached_tokens.get(d, 0)
+        gw.registry.kv_sent(p, d, lacks, gw.clock.monotonic())
+        if prefilled.decode_reports_loading or not prefilled.transfers_kv or not prefilled.prompt_tokens:
             return None
-        gw = self.gw
         return gw.registry.audit_dispatch(
             d, self.scheduling.request_id, p, prefilled.prompt_tokens, gw.clock.monotonic()
         )

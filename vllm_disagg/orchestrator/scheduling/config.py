@@ -20,6 +20,7 @@ sight::
       - name: prefill
         plugins: [...]
     decider: uncached-tokens-decider
+    pairing: transfer-pairing      # optional: P and D chosen together, counting the KV transfer
 
 Everything is checked by ``load_config`` before anything starts; every error names where it is
 (``plugins[3].parameters.ceiling: ...``). The default, ``default.yaml`` beside this module, ships
@@ -77,6 +78,7 @@ class SchedulerConfig:
     profiles: Mapping[ProfileName, ProfileConfig]
     decider: str
     source: str = "<default>"
+    pairing: str | None = None  # a pairing plugin's name; None: the profiles' picks stand
 
 
 def _snake(key: str) -> str:
@@ -192,7 +194,7 @@ def _profile(
         elif kind == "picker":
             pickers.append(ref)
         else:
-            raise ConfigError(f"{at}: a {kind} cannot be part of a profile; name it in 'decider'")
+            raise ConfigError(f"{at}: a {kind} cannot be part of a profile; name it in '{kind}'")
     if len(pickers) != 1:
         raise ConfigError(f"{where}: a profile needs exactly one picker, got {len(pickers)}")
     if not any(plugins[f].type == REQUIRED_FILTER for f in filters):
@@ -201,6 +203,19 @@ def _profile(
             "(without it instances that cannot exchange KV could be paired)"
         )
     return ProfileConfig(name, tuple(filters), tuple(scorers), pickers[0], max_candidates)
+
+
+def _pairing(
+    name: object, plugins: Mapping[str, PluginConfig], specs: Mapping[str, PluginSpec]
+) -> str | None:
+    if name is None:
+        return None
+    if not isinstance(name, str) or name not in plugins:
+        raise ConfigError(f"pairing: no plugin named {name!r} in 'plugins'")
+    kind = specs[plugins[name].type].kind
+    if kind != "pairing":
+        raise ConfigError(f"pairing: {name!r} is a {kind}, not a pairing")
+    return name
 
 
 def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None = None) -> SchedulerConfig:
@@ -215,7 +230,7 @@ def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None =
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     try:
         doc = _mapping(raw, "the document")
-        _only(doc, {"apiVersion", "kind", "plugins", "profiles", "decider"}, "the document")
+        _only(doc, {"apiVersion", "kind", "plugins", "profiles", "decider", "pairing"}, "the document")
         if doc.get("apiVersion") != API_VERSION:
             raise ConfigError(f"apiVersion: expected {API_VERSION!r}, got {doc.get('apiVersion')!r}")
         if doc.get("kind") != KIND:
@@ -235,9 +250,10 @@ def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None =
             raise ConfigError(f"decider: no plugin named {decider!r} in 'plugins'")
         if specs[plugins[decider].type].kind != "decider":
             raise ConfigError(f"decider: {decider!r} is a {specs[plugins[decider].type].kind}, not a decider")
+        pairing = _pairing(doc.get("pairing"), plugins, specs)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    return SchedulerConfig(plugins, profiles, decider, source)
+    return SchedulerConfig(plugins, profiles, decider, source, pairing)
 
 
 def load_config_file(path: str) -> SchedulerConfig:

@@ -210,7 +210,62 @@ class Decider(Plugin, Protocol):
         ...
 
 
-AnyPlugin = Filter | Scorer | Picker | Decider
+class Ranked(Protocol):
+    """A profile's ranking: its candidates, their weighted totals, and the picker's pick (-1: none)."""
+
+    @property
+    def candidates(self) -> Sequence[InstanceView]: ...
+    @property
+    def totals(self) -> Sequence[float]: ...
+    @property
+    def picked(self) -> int: ...
+
+
+# One (P, D) pair a pairing weighed: prefill id, decode id, predicted TTFT, and the KV transfer's
+# part of it. A plain tuple: up to 16 are built per decision, and rendered only when asked.
+PairRow = tuple[str, str, float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class PairChoice:
+    """A pairing's answer: the pair, its predicted KV transfer time, and every pair it weighed."""
+
+    prefill: InstanceView
+    decode: InstanceView
+    transfer_s: float
+    pairs: Sequence[PairRow]
+    picked: int  # index into ``pairs``
+
+    def to_json(self) -> list[dict[str, object]]:
+        """The pairs as an explanation lists them."""
+        return [
+            {
+                "prefill": p,
+                "decode": d,
+                "ttft_s": round(ttft, 6),
+                "transfer_s": round(t, 6),
+                "picked": i == self.picked,
+            }
+            for i, (p, d, ttft, t) in enumerate(self.pairs)
+        ]
+
+
+class Pairing(Plugin, Protocol):
+    """Chooses P and D together once both profiles ran (disaggregated requests only).
+
+    ``decode`` and ``prefill`` are the profiles' rankings, the prefill one made for ``ctx.partner``
+    (the decode profile's pick); ``filters`` are what a P must pass to be paired with another D. None
+    when it has nothing to go by: the profiles' picks stand, and the explanation shows no pairs.
+    """
+
+    def pair(
+        self, ctx: ProfileContext, decode: Ranked, prefill: Ranked, filters: Sequence[Filter]
+    ) -> PairChoice | None:
+        """The pair to use (the profiles' own when no other is better enough), or None."""
+        ...
+
+
+AnyPlugin = Filter | Scorer | Picker | Decider | Pairing
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,4 +280,4 @@ class PluginSpec:
     type: str
     params: builtins.type[Any]
     factory: Callable[[str, Any], AnyPlugin]  # (instance name, params) -> plugin
-    kind: Literal["filter", "scorer", "picker", "decider"]
+    kind: Literal["filter", "scorer", "picker", "decider", "pairing"]

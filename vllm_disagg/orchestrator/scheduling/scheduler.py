@@ -39,6 +39,8 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     Decision,
     Filter,
     ModeChoice,
+    PairChoice,
+    Pairing,
     Picker,
     ProfileContext,
     ProfileName,
@@ -47,6 +49,7 @@ from vllm_disagg.orchestrator.scheduling.framework import (
 )
 from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.filters.topology import TYPE as TOPOLOGY_FILTER
+from vllm_disagg.orchestrator.scheduling.plugins.pairing import transfer_time
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     predicted_ttft,
@@ -156,6 +159,7 @@ class PluginExplanation:
     prefill: ProfileTrace | None
     pinned: str | None
     pinned_decode: str | None = None  # the client's decode instance: then ``decode`` holds it alone
+    pairs: PairChoice | None = None  # the pairs the pairing weighed, where it knew the links
 
     def to_json(self) -> dict[str, object]:
         """The explanation the admin API returns."""
@@ -169,7 +173,7 @@ class PluginExplanation:
         }
         if self.choice.kv_source is not None:
             decider["kv_source"] = self.choice.kv_source
-        return {
+        doc: dict[str, object] = {
             "scheduler": NAME,
             "config": self.config,
             "request": {
@@ -188,6 +192,9 @@ class PluginExplanation:
             "pinned_prefill": self.pinned,
             "pinned_decode": self.pinned_decode,
         }
+        if self.pairs is not None:
+            doc["pairs"] = self.pairs.to_json()
+        return doc
 
 
 class _Profile:
@@ -393,6 +400,11 @@ class PluginScheduler:
             for f in (*decode.static, *(f for f, _ in decode.dynamic))
             if f.TYPE in (REQUIRED_FILTER, TOPOLOGY_FILTER)
         )
+        # What a P ranked for one D must pass to be paired with another: the prefill profile's.
+        self._pair_filters = tuple(
+            f for f, _ in self._profiles["prefill"].dynamic if f.TYPE in (REQUIRED_FILTER, TOPOLOGY_FILTER)
+        )
+        self._pairing: Pairing | None = plugins[config.pairing] if config.pairing else None
         # (ctx, decode) -> a final choice before the prefill profile, or None: see ``Decider``.
         self._shortcut: Callable[[ProfileContext, InstanceView], ModeChoice | None] | None = getattr(
             self._decider, "shortcut", None
@@ -437,14 +449,20 @@ class PluginScheduler:
         pctx = ProfileContext(request, snapshot, now, "prefill", d)
         ptrace = self._profiles["prefill"].run(pctx, population, _prefill_exclude(request, snapshot, d))
         choice = self._decider.choose(pctx, d, ptrace.picked >= 0)
-        if choice.mode == "disaggregated" and ptrace.picked >= 0 and request.slo_ttft_s is not None:
-            choice = _colocate_for_ttft(request, snapshot, ptrace.candidates[ptrace.picked], d) or choice
+        paired: PairChoice | None = None
+        if choice.mode == "disaggregated" and ptrace.picked >= 0:
+            if self._pairing is not None and pinned_d is None:  # P and D together: least TTFT, transfer in
+                paired = self._pairing.pair(pctx, dtrace, ptrace, self._pair_filters)
+            p = ptrace.candidates[ptrace.picked] if paired is None else paired.prefill
+            d = d if paired is None else paired.decode
+            if request.slo_ttft_s is not None:
+                choice = _colocate_for_ttft(request, snapshot, p, d) or choice
         explanation = PluginExplanation(
-            self.config.source, request, dtrace, choice, self._decider.name, ptrace, None, d_pin
+            self.config.source, request, dtrace, choice, self._decider.name, ptrace, None, d_pin, paired
         )
         if choice.mode == "colocated" or ptrace.picked < 0:
             return Decision("colocated", None, d.agent_id, explanation)
-        return Decision("disaggregated", ptrace.candidates[ptrace.picked].agent_id, d.agent_id, explanation)
+        return Decision("disaggregated", p.agent_id, d.agent_id, explanation)
 
     def weights(self) -> dict[str, dict[str, float]]:
         """Each profile's scorer weights."""
@@ -523,7 +541,9 @@ def _colocate_for_ttft(
     """
     slo = request.slo_ttft_s
     assert slo is not None
-    via_p = predicted_ttft(p, request, snapshot.in_flight_of(p.agent_id))
+    # Through P, the KV must also reach D: the pair's predicted transfer, where the links are known.
+    transfer = transfer_time(snapshot, request, p, d) or 0.0
+    via_p = predicted_ttft(p, request, snapshot.in_flight_of(p.agent_id)) + transfer
     if via_p <= slo:
         return None
     # D's in-flight requests are being decoded, their prefill done by the prefill pool: they are no
@@ -535,10 +555,11 @@ def _colocate_for_ttft(
     stall = uncached / prefill_rate(d.metrics, DEFAULT_PREFILL_TOKENS_PER_S)
     if request.slo_tpot_s is not None and stall > request.slo_tpot_s:
         return None
+    moving = f" ({transfer:.3f} s of it moving KV)" if transfer else ""
     return ModeChoice(
         "colocated",
         f"to meet its TTFT target of {slo:g} s: {alone:.3f} s predicted on {d.agent_id}, "
-        f"{via_p:.3f} s through {p.agent_id}; {uncached} uncached tokens add {stall:.3f} s to one "
+        f"{via_p:.3f} s through {p.agent_id}{moving}; {uncached} uncached tokens add {stall:.3f} s to one "
         f"of {d.agent_id}'s steps",
     )
 

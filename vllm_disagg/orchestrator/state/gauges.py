@@ -13,6 +13,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from vllm_disagg.orchestrator.state.compat import IncompatiblePairs
+from vllm_disagg.orchestrator.state.link_rates import gbps
 from vllm_disagg.orchestrator.state.registry import RegistrySnapshot
 
 _BREAKER_VALUE = {"closed": 0.0, "half_open": 1.0, "open": 2.0}
@@ -77,13 +78,6 @@ class InstanceCollector(Collector):
                 tpot.add_metric(labels, m.tpot_s)
             if self._kv_blocks is not None:
                 blocks.add_metric(labels, float(self._kv_blocks(v.agent_id)))
-        links = GaugeMetricFamily(
-            "vllm_disagg_link_breaker_open",
-            "1 for each P->D link whose circuit breaker lets no request through",
-            labels=["prefill", "decode"],
-        )
-        for p, d in sorted(snap.blocked_links):
-            links.add_metric([p, d], 1.0)
         incompatible = GaugeMetricFamily(
             "vllm_disagg_kv_incompatible_pairs",
             "(prefill, decode) pairs of live instances of a model that cannot exchange KV, by reason",
@@ -91,11 +85,31 @@ class InstanceCollector(Collector):
         )
         for (model, reason), n in sorted(self._pairs.counts(snap).items()):
             incompatible.add_metric([model, reason], float(n))
-        yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, links, incompatible)
+        yield from (up, in_flight, breaker, running, waiting, kv, ttft, tpot, incompatible, *_links(snap))
         if self._kv_blocks is not None:
             yield blocks
         if self._pool_blocks is not None:
             yield pool
+
+
+def _links(snap: RegistrySnapshot) -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+    """The P->D links: breakers open, and what each measured one delivers (a forgotten link's series
+    goes with it)."""
+    blocked = GaugeMetricFamily(
+        "vllm_disagg_link_breaker_open",
+        "1 for each P->D link whose circuit breaker lets no request through",
+        labels=["prefill", "decode"],
+    )
+    for p, d in sorted(snap.blocked_links):
+        blocked.add_metric([p, d], 1.0)
+    rates = GaugeMetricFamily(
+        "vllm_disagg_kv_link_gbps",
+        "Learned KV transfer rate of the P->D link, gigabits per second (measured links only)",
+        labels=["prefill", "decode"],
+    )
+    for (p, d), est in sorted(snap.links.links.items()):
+        rates.add_metric([p, d], gbps(est.s_per_byte))
+    return blocked, rates
 
 
 def _gauge(suffix: str, doc: str) -> GaugeMetricFamily:

@@ -35,6 +35,7 @@ from vllm_disagg.orchestrator.state.health import (
 )
 from vllm_disagg.orchestrator.state.intent import NO_INTENT, InstanceIntent
 from vllm_disagg.orchestrator.state.kv_audit import DecodeAudit, Outcome
+from vllm_disagg.orchestrator.state.link_rates import LinkRates
 from vllm_disagg.orchestrator.state.views import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -147,6 +148,7 @@ class Registry(SnapshotSource):
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._intent: dict[str, InstanceIntent] = {}  # operators' word by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
+        self.link_rates = LinkRates(lambda: self._views)  # what each P→D link delivers (``link_rates``)
         # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
         self.on_lost: Callable[[str, str], None] | None = None
         # Called with what each heartbeat's KV audit settled (``kv_audit``): legs loaded, a verdict.
@@ -247,6 +249,7 @@ class Registry(SnapshotSource):
         if hb.metrics.scraped_at != inst.metrics.scraped_at:  # a new scrape: what was in flight then
             self._scraped(agent_id)
         inst.metrics = hb.metrics
+        self._use_links(self.link_rates.metrics(agent_id, hb.metrics, now))
         inst.engine_state = hb.engine_state
         inst.agent_draining = hb.draining
         inst.late = False
@@ -299,6 +302,11 @@ class Registry(SnapshotSource):
         if self.on_kv_audit is not None and (outcome.loaded or verdict is not None):
             self.on_kv_audit(outcome)
 
+    def kv_sent(self, prefill: str, decode: str, tokens: int, now: float) -> None:
+        """A decode leg on ``decode`` will pull ``tokens`` tokens' KV from ``prefill`` (``link_rates``)."""
+        view = self._views.get(decode)
+        self.link_rates.kv_sent(prefill, decode, view.info.model if view else "", tokens, now)
+
     def goodbye(self, agent_id: str, reason: str = "") -> InstanceView | None:
         """The agent left on purpose; None when it was not known."""
         inst = self._instances.get(agent_id)
@@ -327,6 +335,7 @@ class Registry(SnapshotSource):
             if late != inst.late or breaker is not inst.breaker:
                 inst.late, inst.breaker = late, breaker
                 self._update(inst)
+        self._use_links(self.link_rates.expire(now))
         if self._links:
             for key, b in list(self._links.items()):
                 ticked = health.on_tick(b, now)
@@ -495,6 +504,7 @@ class Registry(SnapshotSource):
                 self._watch.notify()
 
     def _drop_links(self, agent_id: str) -> None:
+        self._use_links(self.link_rates.forget(agent_id))
         if not self._links:
             return
         for key in [k for k in self._links if agent_id in k]:

@@ -75,6 +75,7 @@ class GatewayRegistry(Protocol):
         self, decode: str, request_id: str, prefill: str, tokens: int, now: float, key: int | None = None
     ) -> int | None: ...
     def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None: ...
+    def kv_sent(self, prefill: str, decode: str, tokens: int, now: float) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,14 @@ class SnapshotSource:
         self._cached_in_flight: dict[str, int] | None = None
         # Gateway requests per instance: this process's (legs and held decisions) and others' as told.
         self._flight = InFlight()
+        self._link_table = EMPTY_LINKS  # what ``link_rates`` learned, as of the last change
+
+    def _use_links(self, table: LinkTable) -> None:
+        """Snapshots carry ``table`` from now on (a new snapshot only when it is a new table)."""
+        if table is not self._link_table:
+            self._link_table = table
+            self._version += 1
+            self._cached = None
 
     def _own_views(self) -> dict[str, InstanceView]:
         """``_views``, copied first if a snapshot shares it."""
@@ -211,6 +220,7 @@ class SnapshotSource:
             prefill_ids=groups.prefill,
             decode_ids=groups.decode,
             blocked_links=self._blocked,
+            links=self._link_table,
         )
 
 
@@ -270,4 +280,5 @@ def with_in_flight(
         blocked_links=snap.blocked_links,
         _built=snap._built,
         ended_since_scrape=MappingProxyType(ended or {}),
+        links=snap.links,
     )

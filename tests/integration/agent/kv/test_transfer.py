@@ -152,6 +152,29 @@ async def test_granted_blocks_arrive_identical_and_ready_and_every_pin_is_let_go
     assert (receiver.transfer.ended[-1].reason, receiver.transfer.ended[-1].failed) == ("", False)
 
 
+async def test_received_counts_what_landed_per_source_pool_largest_first(agents: StartAgent) -> None:
+    holder, other, receiver = await agents(), await agents(), await agents()
+    fill(holder, KEYS)
+    fill(other, [b"\xee" * 32])
+    holder.transfer.grant("t1", KEYS[:2], None, 30)
+    assert await fetch_all(receiver, holder, "t1", KEYS[:2]) == 2
+    holder.transfer.grant("t2", KEYS, None, 30)
+    assert await fetch_all(receiver, holder, "t2", KEYS) == 4  # the first two are held already
+    holder.transfer.grant("t3", KEYS[:2], None, 30)
+    assert await fetch_all(receiver, holder, "t3", KEYS[:2]) == 0  # nothing to move: no transfer
+    assert await fetch_all(receiver, holder, "no-such-grant", [b"\x77" * 32]) == 0  # refused
+    other.transfer.grant("o1", [b"\xee" * 32], None, 30)
+    assert await fetch_all(receiver, other, "o1", [b"\xee" * 32]) == 1
+
+    got = receiver.transfer.received()
+    assert [(c.source, c.nbytes, c.transfers) for c in got] == [
+        (holder.transfer.endpoint, 6 * GEOMETRY.block_bytes, 2),
+        (other.transfer.endpoint, GEOMETRY.block_bytes, 1),
+    ]
+    assert all(c.seconds > 0 for c in got), "request to last byte"
+    assert holder.transfer.received() == [], "what a pool served is not what it received"
+
+
 async def test_layers_land_one_by_one_while_the_blocks_are_still_pending(agents: StartAgent) -> None:
     holder = await agents(chunk_bytes=2 * GEOMETRY.layer_block_bytes)  # two blocks per chunk
     seen: list[tuple[int, list[int], bool]] = []

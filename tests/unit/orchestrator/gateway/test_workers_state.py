@@ -22,7 +22,7 @@ from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.health import BreakerPolicy
 from vllm_disagg.orchestrator.state.registry import Registry
-from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, Role
+from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, MetricsSnapshot, Role
 
 NOW = 100.0
 
@@ -240,3 +240,25 @@ def test_a_worker_takes_its_pickled_link_only_over_a_local_ipc_socket(link: str)
     """The link's frames are pickles: never on a socket that could leave the host."""
     with pytest.raises(ValueError, match="must be an ipc:// socket"):
         Worker(link, 1)
+
+
+def test_a_workers_kv_send_reaches_the_registry_and_the_learned_links_come_back() -> None:
+    reg = registry_with(("p0", "prefill"), ("d0", "decode"))
+    hub = hub_for(reg)
+    calls: list[Call] = []
+    replica = RegistryReplica(1, calls.append)
+    replica.apply(load(dump(hub._state(full=True))))  # type: ignore[arg-type]
+    hub._sent_views = dict(reg.snapshot().by_id)
+    counters = MetricsSnapshot(scraped_at=1.0, kv_in_bytes=0.0, kv_in_seconds=0.0)
+    reg.heartbeat("d0", Heartbeat(seq=2, engine_state="ready", metrics=counters), NOW)
+    replica.kv_sent("p0", "d0", 1000, NOW)
+    assert calls == [Call("kv_sent", ("p0", "d0", 1000, NOW))]
+    hub._handle(b"w1", calls[0])
+    counters = MetricsSnapshot(scraped_at=2.0, kv_in_bytes=1e9, kv_in_seconds=0.1)
+    reg.heartbeat("d0", Heartbeat(seq=3, engine_state="ready", metrics=counters), NOW + 1)
+    assert ("p0", "d0") in reg.snapshot().links.links
+    delta = load(dump(hub._state(full=False)))
+    assert isinstance(delta, State) and delta.links is not None
+    replica.apply(delta)
+    assert replica.snapshot().links.links == reg.snapshot().links.links
+    assert hub._state(full=False).links is None, "an unchanged table does not travel again"

@@ -131,6 +131,7 @@ def test_the_catalog_holds_every_plugin_type() -> None:
             "weighted-random-picker",
             "uncached-tokens-decider",
             "kv-pool-decider",
+            "transfer-pairing",
         ]
     )
     assert all(name == spec.type for name, spec in PLUGIN_SPECS.items())

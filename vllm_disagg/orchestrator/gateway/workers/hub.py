@@ -51,6 +51,7 @@ from vllm_disagg.orchestrator.gateway.workers.messages import (
 )
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.link_table import LinkTable
 from vllm_disagg.orchestrator.state.registry import InstanceView, Registry, sum_counts
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
 from vllm_disagg.runtime import die_with_parent
@@ -62,7 +63,7 @@ START_TIMEOUT_S = 120.0  # a worker imports the gateway (and tokenizers' librari
 ASK_TIMEOUT_S = 2.0
 # Registry calls a worker may make: those that change breakers, probes and the KV audit.
 CALLS = frozenset(
-    {"leg_succeeded", "leg_failed", "audit_dispatch", "audit_done", "probe_sent", "probe_ended"}
+    {"leg_succeeded", "leg_failed", "audit_dispatch", "audit_done", "probe_sent", "probe_ended", "kv_sent"}
 )
 
 
@@ -130,6 +131,7 @@ class WorkerHub:
         self._sent_views: dict[str, InstanceView] = {}
         self._sent_key: tuple[Any, ...] = ()
         self._sent_policies: _Policies = (None, None)  # the weights last sent
+        self._sent_links: LinkTable | None = None  # the link table last sent
         self._seq = 0  # flushes sent; a full state carries the current one
         self._queries = itertools.count(1)
         self._answers: dict[int, tuple[asyncio.Future[None], list[Answer], int]] = {}
@@ -307,17 +309,18 @@ class WorkerHub:
             return State(
                 True, self._seq, changed, removed, snap.version, snap.membership, snap.blocked_links,
                 self._registry.audited(), in_flight, kv_index=self._kv_index.plain(), weights=weights,
-                tenant_weights=tenants,
+                tenant_weights=tenants, links=snap.links,
             )  # fmt: skip
         sent_weights, sent_tenants = self._sent_policies
         self._sent_views = views
         self._sent_policies = policies
+        links, self._sent_links = (None if snap.links is self._sent_links else snap.links), snap.links
         kv, self._kv_index.journal = tuple(self._kv_index.journal), []
         self._seq += 1
         return State(
             False, self._seq, changed, removed, snap.version, snap.membership, snap.blocked_links,
             self._registry.audited(), in_flight, kv=kv, weights=None if weights == sent_weights else weights,
-            tenant_weights=None if tenants == sent_tenants else tenants,
+            tenant_weights=None if tenants == sent_tenants else tenants, links=links,
         )  # fmt: skip
 
     def _policies(self) -> _Policies:

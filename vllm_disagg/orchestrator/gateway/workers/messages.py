@@ -17,6 +17,7 @@ from typing import Any
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.control.kv_moves import MoveResult
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.link_table import LinkTable
 from vllm_disagg.orchestrator.state.registry import InstanceView
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
 
@@ -58,6 +59,7 @@ class State:
     kv_index: KvIndex | None = None  # when full
     weights: dict[str, dict[str, float]] | None = None  # the scheduler's weights, when they changed
     tenant_weights: dict[str, float] | None = None  # admission's tenants' weights, when they changed
+    links: LinkTable | None = None  # the learned P->D links (``link_rates``), when they changed
 
 
 @dataclass(frozen=True, slots=True)

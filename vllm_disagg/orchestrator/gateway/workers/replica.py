@@ -79,6 +79,8 @@ class RegistryReplica(SnapshotSource):
             self._cached = None
         self._version, self._membership = state.version, state.membership
         self._blocked, self._audited = state.blocked, state.audited
+        if state.links is not None:
+            self._link_table, self._cached = state.links, None
         others: dict[str, int] = {}
         for index, counts in state.in_flight.items():
             if index != self.index:
@@ -146,3 +148,6 @@ class RegistryReplica(SnapshotSource):
 
     def audit_done(self, decode: str, key: int, now: float, *, answered: bool) -> None:
         self._forward(Call("audit_done", (decode, key, now), {"answered": answered}))
+
+    def kv_sent(self, prefill: str, decode: str, tokens: int, now: float) -> None:
+        self._forward(Call("kv_sent", (prefill, decode, tokens, now)))

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec
+from vllm_disagg.orchestrator.scheduling.plugins import pairing
 from vllm_disagg.orchestrator.scheduling.plugins.deciders import kv_pool, uncached_tokens
 from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_compat, ready, role, slo
 from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_usage as kv_usage_filter
@@ -33,6 +34,7 @@ _SPECS: tuple[PluginSpec, ...] = (
     weighted_random.PLUGIN,
     uncached_tokens.PLUGIN,
     kv_pool.PLUGIN,
+    pairing.PLUGIN,
 )
 
 PLUGIN_SPECS: Mapping[str, PluginSpec] = MappingProxyType({spec.type: spec for spec in _SPECS})
