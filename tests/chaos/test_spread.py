@@ -30,6 +30,20 @@ def test_requests_go_round_robin_over_the_replicas_in_rotation() -> None:
     assert targets.in_rotation == [0, 1, 2]
 
 
+def test_when_the_health_check_failed_every_replica_in_service_the_requests_fail_open_to_them() -> None:
+    """As a load balancer does (Envoy's panic threshold): checks that timed out on a stalled host must not
+    leave the requests nowhere to go; a replica taken out stays out, and a refusal by a healthy one is
+    not a failed check."""
+    targets = Targets(["http://127.0.0.1:1", "http://127.0.0.1:2", "http://127.0.0.1:3"])
+    targets.take_out(0)
+    targets.checked(1, False)
+    assert [targets.pick(set()) for _ in range(2)] == [2, 2], "the one healthy replica, while there is one"
+    assert targets.pick({2}) is None, "a healthy replica refused: not a reason to fail open"
+    targets.checked(2, False)
+    assert [targets.pick(set()) for _ in range(3)] == [1, 2, 1], "every one in service failed its check"
+    assert targets.pick({1, 2}) is None, "never to the replica taken out"
+
+
 def test_a_request_fails_on_a_killed_replica_only_when_the_kill_came_while_it_ran() -> None:
     targets = Targets(["http://127.0.0.1:1", "http://127.0.0.1:2"])
     targets.killed(1, at=10.0)
@@ -82,7 +96,7 @@ async def test_the_health_check_takes_a_failing_replica_out_and_puts_it_back_onc
             assert targets.in_rotation == [0]
             healthy["now"] = False
             await eventually(lambda: targets.in_rotation == [], what="the failing replica out")
-            assert targets.pick(set()) is None
+            assert targets.pick(set()) in (0, 1), "every replica failed its check: the requests fail open"
             healthy["now"] = True
             await eventually(lambda: targets.in_rotation == [0], what="the passing replica back")
         finally:

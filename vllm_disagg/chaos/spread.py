@@ -17,7 +17,7 @@ With one URL (a single orchestrator) this is just that URL.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -66,13 +66,20 @@ class Targets:
         return any(start <= at <= end for at in self._kills.get(index, ()))
 
     def pick(self, tried: set[int]) -> int | None:
-        """The next replica in rotation not in ``tried``; None when none is left."""
+        """The next replica in rotation not in ``tried``; None when none is left. Where the health check
+        failed every replica not taken out (checks that timed out on a stalled host, say), it fails
+        open, as load balancers do (Envoy's panic threshold, a cloud balancer with no healthy target):
+        the requests go to those replicas rather than nowhere."""
         n = len(self.urls)
-        for step in range(n):
-            i = (self._next + step) % n
-            if i not in self._out and i not in self._unhealthy and i not in tried:
-                self._next = (i + 1) % n
-                return i
+        passes: tuple[Collection[int], ...] = (self._unhealthy, ())
+        for skip in passes:
+            for step in range(n):
+                i = (self._next + step) % n
+                if i not in self._out and i not in skip and i not in tried:
+                    self._next = (i + 1) % n
+                    return i
+            if any(i not in self._out and i not in self._unhealthy for i in range(n)):
+                return None  # a healthy replica was there, and refused: not a failed health check
         return None
 
 
