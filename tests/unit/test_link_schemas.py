@@ -92,7 +92,7 @@ PROTOCOL_FIELDS: dict[type[Any], tuple[str, ...]] = {
         "prefix_cache_hit_rate", "window_s", "requests_finished", "prompt_tokens", "generation_tokens",
         "queue_s", "prefill_tokens_per_s", "mean_prompt_tokens", "prompt_tokens_computed",
         "prompt_tokens_cached", "prompt_tokens_transferred", "age_s", "sent_at", "kv_in_bytes",
-        "kv_in_seconds", "kv_in_links",
+        "kv_in_seconds", "kv_in_transfers", "kv_in_links",
     ),
     KvLinkCount: ("source", "nbytes", "seconds", "transfers"),
     KvEvent: ("kind", "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"),
@@ -130,6 +130,7 @@ SINCE_MINOR = {
     (InstanceInfo, "layout"): 7,
     (MetricsSnapshot, "kv_in_bytes"): 7,
     (MetricsSnapshot, "kv_in_seconds"): 7,
+    (MetricsSnapshot, "kv_in_transfers"): 7,
     (MetricsSnapshot, "kv_in_links"): 7,
 }
 

@@ -55,6 +55,7 @@ _PER_REQUEST = (QUEUE_TIME, PREFILL_TIME, PROMPT_LENGTH)
 # vLLM's NixlConnector, on the engine that pulls: one sample per transfer, per engine (no source label).
 NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
 NIXL_SECONDS = "vllm:nixl_xfer_time_seconds_sum"
+NIXL_TRANSFERS = "vllm:nixl_xfer_time_seconds_count"
 
 HISTOGRAM_SERIES = tuple(
     f"{h}{suffix}" for h in (*TTFT, *TPOT, *_PER_REQUEST) for suffix in ("_sum", "_count")
@@ -72,6 +73,7 @@ COUNTERS = frozenset(
         TRANSFERRED,
         NIXL_BYTES,
         NIXL_SECONDS,
+        NIXL_TRANSFERS,
     )
 )
 WANTED = frozenset((RUNNING, WAITING, *KV_USAGE, *COUNTERS, BY_SOURCE))
@@ -231,7 +233,7 @@ def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
     queries = _first_present(last, PREFIX_QUERIES)
     hits = _first_present(last, PREFIX_HITS)
     queried = last.value(queries) - first.value(queries)
-    kv_in_bytes, kv_in_seconds = _kv_in(last)
+    kv_in_bytes, kv_in_seconds, kv_in_transfers = _kv_in(last)
     return MetricsSnapshot(
         scraped_at=last.wall,
         num_running=int(last.value(RUNNING)),
@@ -252,14 +254,17 @@ def snapshot(window: tuple[Scrape, ...]) -> MetricsSnapshot:
         prompt_tokens_transferred=_lifetime(last, TRANSFERRED),
         kv_in_bytes=kv_in_bytes,
         kv_in_seconds=kv_in_seconds,
+        kv_in_transfers=kv_in_transfers,
     )
 
 
-def _kv_in(scrape: Scrape) -> tuple[float | None, float | None]:
-    """The KV the engine pulled in, lifetime: NIXL's byte and time sums; None where it exports neither."""
+def _kv_in(scrape: Scrape) -> tuple[float | None, float | None, int | None]:
+    """The KV the engine pulled in, lifetime: NIXL's byte and time sums and its count of transfers;
+    None where it exports neither."""
     if NIXL_BYTES not in scrape.series and NIXL_SECONDS not in scrape.series:
-        return None, None
-    return scrape.value(NIXL_BYTES), scrape.value(NIXL_SECONDS)
+        return None, None, None
+    transfers = int(scrape.value(NIXL_TRANSFERS)) if NIXL_TRANSFERS in scrape.series else None
+    return scrape.value(NIXL_BYTES), scrape.value(NIXL_SECONDS), transfers
 
 
 def _lifetime(scrape: Scrape, name: str) -> int | None:

@@ -242,6 +242,9 @@ class MetricsSnapshot:
     # which P each pull came from). None where the engine exports neither.
     kv_in_bytes: float | None = field(default=None, metadata=SINCE_MINOR_7)
     kv_in_seconds: float | None = field(default=None, metadata=SINCE_MINOR_7)
+    # ... and how many transfers they sum (the histograms' ``_count``): the orchestrator attributes an
+    # increase to as many of the pulls it sent as finished, oldest first.
+    kv_in_transfers: int | None = field(default=None, metadata=SINCE_MINOR_7)
     # KV this agent's pool fetched from other agents' pools, lifetime, per source (1.7; the project's
     # connector), at most ``MAX_KV_LINKS`` sources.
     kv_in_links: list[KvLinkCount] = field(default_factory=list, metadata=SINCE_MINOR_7)

@@ -47,6 +47,11 @@ class Host:
     addr: str
     outer_if: str  # the veth end in the root namespace, on the bridge
 
+    @property
+    def inner_if(self) -> str:
+        """The veth end inside the namespace, holding ``addr`` (the pair's other name, ``i`` for ``o``)."""
+        return f"{self.outer_if[:-1]}i"
+
     def exec_argv(self, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside the namespace (``ip netns exec`` execs it: the pid is the command's own)."""
         return ["ip", "netns", "exec", self.netns, *argv]
@@ -137,7 +142,7 @@ def hosts(names: Sequence[str], loopback: Collection[str] = ()) -> Iterator[Netw
             except IpCommandError as exc:
                 pytest.skip(f"cannot make a network namespace: {exc}")
             made.append(host)
-            inner = f"{IF_PREFIX}{pid}x{n}i"
+            inner = host.inner_if
             ip("link", "add", host.outer_if, "type", "veth", "peer", "name", inner, "netns", host.netns)
             ip("link", "set", host.outer_if, "master", bridge)
             ip("link", "set", host.outer_if, "up")

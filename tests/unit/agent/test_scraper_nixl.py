@@ -67,6 +67,17 @@ def kv_in(text: str) -> tuple[float | None, float | None]:
     return s.kv_in_bytes, s.kv_in_seconds
 
 
+def transfers(text: str) -> int | None:
+    return snapshot((Scrape(1.0, 100.0, parse_exposition(text)),)).kv_in_transfers
+
+
+def test_kv_in_transfers_is_the_count_of_nixl_transfers_summed_over_engines() -> None:
+    text = vllm_registry({"0": ([1000.0], [0.25]), "1": ([3000.0, 6000.0], [0.5, 1.0])}).decode()
+    assert transfers(text) == 3
+    assert transfers(VLLM_TEXT) is not None
+    assert transfers("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 1\n") is None
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

@@ -7,11 +7,12 @@ increase is a sample:
 
 - a pool link's increase names its source: a sample of that link, and of bytes per token when the
   gateway's sends from that P are pending;
-- a NIXL increase is shared among D's pending sends in proportion to their tokens (the tokens each
-  P's KV carries): one P pending gives that link the exact sample; several give each its share of the
-  bytes, and the seconds are split by the links' current rates (a normalized LMS step, below), so a
-  mix of a fast and a slow link converges over a few heartbeats rather than at once. Its bytes per
-  token is the increase over the pending tokens.
+- a NIXL increase is shared among the oldest of D's pending sends, as many as transfers finished
+  (``kv_in_transfers``; all of them where the engine does not count), in proportion to their tokens
+  (the tokens each P's KV carries): one P among them gives that link the exact sample; several give
+  each its share of the bytes, and the seconds are split by the links' current rates (a normalized
+  LMS step, below), so a mix of a fast and a slow link converges over a few heartbeats rather than at
+  once. Its bytes per token is the increase over those sends' tokens.
 
 A link's seconds per byte follows its samples by NLMS (a step of ``STEP``; with one link pending it
 is an EWMA of weight ``STEP``), so a link that slows tenfold reads over five times slower after one
@@ -69,6 +70,7 @@ class _Counters:
     """A decode instance's last counters: the baseline of the next increase."""
 
     nixl: tuple[float, float] | None  # (bytes, seconds)
+    transfers: int | None = None  # NIXL transfers done, where the engine says
     pools: dict[str, tuple[float, float]] = field(default_factory=dict)  # by source endpoint
 
 
@@ -104,13 +106,14 @@ class LinkRates:
         last = self._last.get(d)
         nixl = None if m.kv_in_bytes is None or m.kv_in_seconds is None else (m.kv_in_bytes, m.kv_in_seconds)
         pools = {c.source: (float(c.nbytes), c.seconds) for c in m.kv_in_links}
-        self._last[d] = _Counters(nixl, pools)
+        self._last[d] = _Counters(nixl, m.kv_in_transfers, pools)
         if last is not None:
             pending = self._pooled(d, last.pools, pools, pending, now)
             grown = _increase(last.nixl, nixl)
             if grown is not None and pending:
-                self._shared(d, grown, pending, now)
-                pending = []
+                done = _finished(last.transfers, m.kv_in_transfers, len(pending))
+                self._shared(d, grown, pending[:done], now)  # the oldest sends finished first
+                pending = pending[done:]
         if pending:
             self._pending[d] = pending
         return self.expire(now)
@@ -218,6 +221,14 @@ class LinkRates:
                 bytes_per_token=MappingProxyType(dict(self._per_token)),
             )
         return self._table
+
+
+def _finished(before: int | None, after: int | None, pending: int) -> int:
+    """How many of ``pending`` sends (oldest first) the NIXL increase is for: as many as transfers
+    finished, where the engine counts them; every one where it does not."""
+    if before is None or after is None or after - before <= 0:
+        return pending
+    return min(pending, after - before)
 
 
 def _increase(

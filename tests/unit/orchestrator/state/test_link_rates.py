@@ -102,6 +102,22 @@ def test_one_pending_send_gets_the_whole_increase_and_gives_bytes_per_token() ->
     assert t.transfer_s("p0", "d0", "node", "m", 500) == pytest.approx(0.1)
 
 
+def test_an_increase_is_for_as_many_of_the_oldest_sends_as_transfers_finished() -> None:
+    """Two pulls sent, one finished by the heartbeat: its bytes are that one send's, not the two's (the
+    byte count per token would read half, and the link twice as fast); the other waits for its own."""
+    r = rates()
+    r.metrics("d0", MetricsSnapshot(kv_in_bytes=0.0, kv_in_seconds=0.0, kv_in_transfers=0), 0.5)
+    r.kv_sent("p0", "d0", "m", 1000, 1.0)
+    r.kv_sent("p1", "d0", "m", 1000, 1.1)
+    r.metrics("d0", MetricsSnapshot(kv_in_bytes=2 * GB, kv_in_seconds=0.2, kv_in_transfers=1), 1.5)
+    t = r.table()
+    assert t.bytes_per_token == {"m": pytest.approx(2e6)}
+    assert set(t.links) == {("p0", "d0")} and s_per_byte(r) == pytest.approx(1e-10)
+    r.metrics("d0", MetricsSnapshot(kv_in_bytes=4 * GB, kv_in_seconds=1.2, kv_in_transfers=2), 2.0)
+    assert s_per_byte(r, "p1") == pytest.approx(5e-10), "the second pull, once finished, is p1's own"
+    assert r.table().bytes_per_token == {"m": pytest.approx(2e6)}
+
+
 def test_several_pending_links_share_the_bytes_by_tokens_and_converge_on_their_own_rates() -> None:
     r = rates()
     counters = Nixl(r)
