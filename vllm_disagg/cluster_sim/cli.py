@@ -24,12 +24,14 @@ from pathlib import Path
 from typing import Any, TextIO, cast
 
 from vllm_disagg import jsonutil
+from vllm_disagg.cluster_sim import topology
 from vllm_disagg.cluster_sim.classes import PriorityMix, TenantMix, with_classes
 from vllm_disagg.cluster_sim.cluster import Cluster, ClusterSpec, Fault, FaultKind
 from vllm_disagg.cluster_sim.control import RoleChangePlan, RolloutPlan
+from vllm_disagg.cluster_sim.faults import target_problem
 from vllm_disagg.cluster_sim.mooncake import load_mooncake
 from vllm_disagg.cluster_sim.plot import Series, line_chart
-from vllm_disagg.cluster_sim.policies import POLICIES, make_scheduler
+from vllm_disagg.cluster_sim.policies import POLICIES, VARIANTS, scheduler_for
 from vllm_disagg.cluster_sim.profile import PROFILES
 from vllm_disagg.cluster_sim.report import (
     RunResult,
@@ -47,7 +49,6 @@ from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.flags import ADMISSION_FLAGS, parse_tenant_weight
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig, default_config, load_config_file
-from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.protocol.messages import Role
 
 DEFAULT_PROFILE = "h100-llama3-8b"
@@ -159,9 +160,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="policies",
         action="extend",
         nargs="+",
-        choices=POLICIES,
+        choices=(*POLICIES, *VARIANTS),
         metavar="NAME",
-        help=f"routing policy, repeatable: {', '.join(POLICIES)}",
+        help=f"routing policy, repeatable: {', '.join(POLICIES + VARIANTS)}",
     )
     parser.add_argument(
         "--profile",
@@ -280,6 +281,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help=f"attainment-over-time bucket (default: the trace's duration / {BUCKETS})",
     )
+    topology.add_arguments(parser)
     parser.add_argument("--progress", action="store_true", help="a progress bar even when not a TTY")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -396,7 +398,13 @@ def _check(args: argparse.Namespace) -> Setup:
     if args.trace and args.time_scale is not None and (args.rate is not None or args.rates):
         raise ConfigError("give --time-scale or a rate for a trace file, not both")
     instances = {f"prefill-{i}" for i in range(args.prefill)} | {f"decode-{i}" for i in range(args.decode)}
-    for name, instance in [("--fault", f.instance) for f in args.faults] + [
+    topo = topology.from_args(args)
+    where = topo.place(args.prefill, args.decode) if topo is not None else {}
+    for f in args.faults:
+        problem = target_problem(f.instance, instances, where) if f.kind == "slow-link" else None
+        if problem is not None:
+            raise ConfigError(f"--fault: {problem}")
+    for name, instance in [("--fault", f.instance) for f in args.faults if f.kind != "slow-link"] + [
         ("--role-change", c.instance) for c in args.role_changes
     ]:
         if instance not in instances:
@@ -417,7 +425,7 @@ def _check(args: argparse.Namespace) -> Setup:
         slo_ttft_s=args.slo_ttft_ms / 1000 if carried else None,
         slo_tpot_s=args.slo_tpot_ms / 1000 if carried else None, faults=tuple(args.faults), seed=args.seed,
         rollout=rollout, role_changes=tuple(args.role_changes), role_switch=args.role_switch,
-        engine_start_s=args.engine_start_s,
+        engine_start_s=args.engine_start_s, topology=topo,
     )  # fmt: skip
     slo = Slo(args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000)
     seeds = tuple(range(args.seed, args.seed + args.rounds))
@@ -449,7 +457,7 @@ def run_one(
 ) -> RunResult:
     """One policy on one trace; a fresh cluster, so no run inherits another's caches or roles."""
     spec = replace(setup.spec, planner=setup.planner if policy == "ours" else None, seed=seed)
-    scheduler = make_scheduler(policy, PluginScheduler(setup.scheduler) if policy == "ours" else None)
+    scheduler = scheduler_for(policy, setup.scheduler)
     cluster = Cluster(spec, scheduler)
     bar = Progress(progress, f"{policy} @ {rate:g} req/s", trace.duration_s) if progress else None
     started = time.perf_counter()
@@ -515,11 +523,14 @@ def run(args: argparse.Namespace) -> int:
     spec = setup.spec
     source = f"synthetic {args.synthetic}" if args.synthetic else Path(args.trace).name
     title = f"{source}, {spec.prefill}P{spec.decode}D {spec.profile.name}"
+    if spec.topology is not None:
+        title += f", topology {spec.topology.shape}"
     plots = write_plots(args.plots, rows, title) if args.plots else []
     if args.json:
         doc: dict[str, Any] = {
             "trace": source, "traces": described,
-            "cluster": {"prefill": spec.prefill, "decode": spec.decode, "profile": spec.profile.name},
+            "cluster": {"prefill": spec.prefill, "decode": spec.decode, "profile": spec.profile.name,
+                        **({"topology": spec.topology.shape} if spec.topology else {})},
             "slo": {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms},
             "planner": setup.planner.to_json() if setup.planner else None,
             "admission": _admission_json(spec.config.admission),

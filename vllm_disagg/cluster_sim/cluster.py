@@ -32,7 +32,9 @@ from typing import Literal
 from vllm_disagg.cluster_sim.admission import SimAdmission
 from vllm_disagg.cluster_sim.control import RoleChangePlan, RoleSwitch, RolloutPlan, SimControl
 from vllm_disagg.cluster_sim.engine import Engine, Leg
+from vllm_disagg.cluster_sim.network import Network
 from vllm_disagg.cluster_sim.profile import EngineProfile
+from vllm_disagg.cluster_sim.topology import Topology
 from vllm_disagg.cluster_sim.trace import Trace, TraceRequest, prompt_token_ids
 from vllm_disagg.cluster_sim.virtual_clock import EventLoop, VirtualClock
 from vllm_disagg.config import OrchestratorConfig
@@ -69,8 +71,8 @@ class Fault:
     """Something that goes wrong at ``at_s`` and, with ``for_s``, comes right again.
 
     ``engine``: the engine dies, its agent reports it at once; ``node``: engine and agent vanish (the
-    registry notices by the heartbeat timeout); ``slow-link``: KV transfers from or to the instance
-    take ``slowdown`` times as long.
+    registry notices by the heartbeat timeout); ``slow-link``: KV transfers on the way of ``instance``
+    (an instance, a ``P->D`` link, or a node's or rack's uplink: ``faults``) take ``slowdown`` x as long.
     """
 
     at_s: float
@@ -97,6 +99,7 @@ class ClusterSpec:
     role_changes: tuple[RoleChangePlan, ...] = ()  # an operator's role changes
     role_switch: RoleSwitch = "routing"  # how the agents change an engine's role (the planner's too)
     engine_start_s: float = 10.0  # a new or restarted engine is ready this long after it starts
+    topology: Topology | None = None  # where instances run, KV links by tier, learned (``network``)
 
 
 @dataclass(slots=True)
@@ -176,7 +179,7 @@ class Cluster:
         self.kv_index = KvIndex()
         self.engines: dict[str, Engine] = {}
         self.agent_alive: dict[str, bool] = {}
-        self.slowdown: dict[str, float] = {}
+        self.net = Network(spec.profile, spec.topology, (spec.prefill, spec.decode), self.registry, self.loop)
         self.outcomes: list[Outcome] = []
         self.shifts: list[tuple[float, str, Role, Role]] = []
         self.revisions: dict[str, str] = {}  # agent id -> its engine's revision
@@ -207,12 +210,13 @@ class Cluster:
     def _join(self, agent_id: str, role: Role, revision: str | None = None) -> None:
         engine = self.engines.get(agent_id) or Engine(agent_id, self.spec.profile, self.loop, self._kv_events)
         self.engines[agent_id] = engine
+        self.net.start(engine)
         self.agent_alive[agent_id] = True
         revision = self.revisions[agent_id] = revision or self.revisions.get(agent_id, REVISION)
         p = self.spec.profile
         info = InstanceInfo(
             url=f"http://{agent_id}", role=role, model=MODEL, engine="sim", revision=revision,
-            block_size=p.block_size, max_model_len=p.max_model_len,
+            block_size=p.block_size, max_model_len=p.max_model_len, labels=self.net.labels(agent_id),
         )  # fmt: skip
         self.registry.hello(agent_id, info, self.clock.now)
         self.kv_index.drop(agent_id)  # a new session: the index starts empty, as the control plane does
@@ -267,9 +271,7 @@ class Cluster:
     def _fault(self, fault: Fault) -> None:
         name = fault.instance
         if fault.kind == "slow-link":
-            self.slowdown[name] = fault.slowdown
-            if fault.for_s is not None:
-                self.loop.after(fault.for_s, lambda: self._link_restored(name))
+            self.net.fault(name, fault.slowdown, fault.for_s)
             return
         engine = self.engines[name]
         if fault.kind == "node":
@@ -279,9 +281,6 @@ class Cluster:
             self._heartbeat(name)  # the agent reports its engine at once
         if fault.for_s is not None:
             self.loop.after(fault.for_s, lambda: self._recover(name))
-
-    def _link_restored(self, name: str) -> None:
-        self.slowdown.pop(name, None)
 
     def _recover(self, name: str) -> None:
         engine = self.engines[name]
@@ -483,9 +482,7 @@ class Cluster:
         out, external, delay = r.out, 0, 0.0
         if r.kv and p is not None:
             external = len(r.tokens)
-            delay = self.spec.profile.transfer_s(
-                external, max(self.slowdown.get(p, 1.0), self.slowdown.get(d, 1.0))
-            )
+            delay = self.net.pull(p, engine, external, r.sched.cached_tokens.get(d, 0), self.clock.now)
 
         def first(leg: Leg, now: float) -> None:
             if out.ttft_s is None:

@@ -139,6 +139,9 @@ class Engine:
         self.cached_tokens = 0
         self.external_tokens = 0
         self.busy_s = 0.0
+        # KV pulled in (NIXL's counters): None where not modelled (``network.Network.start``).
+        self.kv_in_bytes: float | None = None
+        self.kv_in_seconds: float | None = None
 
     # --- requests --------------------------------------------------------------------------------
 
@@ -336,6 +339,8 @@ class Engine:
             prompt_tokens_computed=self.computed_tokens,
             prompt_tokens_cached=self.cached_tokens,
             prompt_tokens_transferred=self.external_tokens,
+            kv_in_bytes=self.kv_in_bytes,
+            kv_in_seconds=self.kv_in_seconds,
         )
 
 

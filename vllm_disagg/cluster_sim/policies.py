@@ -10,14 +10,21 @@ Baselines always disaggregate (a P and a D per request) and know nothing of cach
 ``ours`` is the orchestrator's plugin scheduler with its configured plugins (``--scheduler-config``
 or the shipped default), with the planner when one is given. Each baseline is a ``Scheduler``, so
 the simulator drives all of them through the same ``route_request`` and retry picks.
+
+``VARIANTS`` are ours' scheduler (that config) without the planner, for the topology evidence
+(docs/benchmarks.md): ``today`` without pairing nor topology scoring (P and D ranked apart), ``joint``
+with its transfer pairing (P and D chosen together on learned link rates), ``joint-topo`` with the
+pairing and the topology-scorer weighted 1 in both profiles.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
-from vllm_disagg.errors import ModelNotFound, NoCapacity
+from vllm_disagg.errors import ConfigError, ModelNotFound, NoCapacity
+from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig
 from vllm_disagg.orchestrator.scheduling.framework import Decision, Scheduler, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
@@ -141,3 +148,32 @@ def make_scheduler(policy: str, scheduler: PluginScheduler | None = None) -> Sch
     if factory is None:
         raise ValueError(f"unknown policy {policy!r}; one of {list(POLICIES)}")
     return factory()
+
+
+VARIANTS = ("today", "joint", "joint-topo")
+_TOPOLOGY_SCORER = "topology-scorer"
+
+
+def variant_config(name: str, config: SchedulerConfig) -> SchedulerConfig:
+    """``config`` as the variant ``name`` (``VARIANTS``)."""
+    if name != "today" and config.pairing is None:
+        raise ConfigError(f"policy {name}: the scheduler config has no pairing")
+    weight = 1.0 if name == "joint-topo" else 0.0
+    profiles = {
+        key: replace(
+            profile,
+            scorers=tuple(
+                (ref, weight if config.plugins[ref].type == _TOPOLOGY_SCORER else w)
+                for ref, w in profile.scorers
+            ),
+        )
+        for key, profile in config.profiles.items()
+    }
+    return replace(config, profiles=profiles, pairing=None if name == "today" else config.pairing)
+
+
+def scheduler_for(policy: str, config: SchedulerConfig) -> Scheduler:
+    """The scheduler of ``policy``: a baseline, ours on ``config``, or a variant of it."""
+    if policy in VARIANTS:
+        return PluginScheduler(variant_config(policy, config))
+    return make_scheduler(policy, PluginScheduler(config) if policy == "ours" else None)

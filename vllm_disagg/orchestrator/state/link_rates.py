@@ -74,13 +74,6 @@ class _Counters:
     pools: dict[str, tuple[float, float]] = field(default_factory=dict)  # by source endpoint
 
 
-@dataclass(slots=True)
-class _Link:
-    s_per_byte: float
-    samples: int
-    at: float
-
-
 class LinkRates:
     """Per-link rates, per-tier typical rates and KV bytes per token, learned (pure; times are given)."""
 
@@ -90,7 +83,9 @@ class LinkRates:
         self.forget_s = forget_s
         self._pending: dict[str, list[_Pending]] = {}  # by decode id
         self._last: dict[str, _Counters] = {}  # by decode id
-        self._links: dict[Link, _Link] = {}
+        # The estimates themselves (frozen, replaced on a sample), so a table is one dict copy.
+        self._links: dict[Link, LinkEstimate] = {}
+        self._oldest = math.inf  # at most the oldest estimate's time: no expiry scan before it is due
         self._typical: dict[str, float] = {}
         self._per_token: dict[str, float] = {}
         self._table: LinkTable | None = EMPTY_LINKS
@@ -170,10 +165,10 @@ class LinkRates:
         """One NLMS step: ``seconds`` spent moving ``nbytes[p]`` bytes from each ``p`` to ``d``."""
         aggregate = seconds / sum(nbytes.values())
         rates: dict[str, float] = {}
-        fresh: dict[str, _Link] = {}
+        fresh: dict[str, LinkEstimate] = {}
         for p in nbytes:
             link = self._links.get((p, d))
-            if link is not None and now - link.at <= FRESH_S:
+            if link is not None and now - link.learned_at <= FRESH_S:
                 fresh[p] = link
             # A link unknown (or stale) starts at what this increase says on average: alone, exactly.
             rates[p] = fresh[p].s_per_byte if p in fresh else aggregate
@@ -185,7 +180,8 @@ class LinkRates:
             pv, dv = views.get(p), views.get(d)
             tier = link_tier(pv, dv) if pv is not None and dv is not None else "other"
             old = fresh.get(p)
-            self._links[(p, d)] = _Link(rate, 1 if old is None else old.samples + 1, now)
+            self._links[(p, d)] = LinkEstimate(rate, 1 if old is None else old.samples + 1, now)
+            self._oldest = min(self._oldest, now)
             for key in (tier, "any"):
                 typical = self._typical.get(key)
                 self._typical[key] = rate if typical is None else typical + TYPICAL_STEP * (rate - typical)
@@ -193,9 +189,12 @@ class LinkRates:
 
     def expire(self, now: float) -> LinkTable:
         """Drop links unmeasured for ``forget_s``; the table after."""
-        old = [k for k, link in self._links.items() if now - link.at > self.forget_s]
+        if now - self._oldest <= self.forget_s:
+            return self.table()  # nothing can be due yet: a scan of every link per heartbeat is not
+        old = [k for k, link in self._links.items() if now - link.learned_at > self.forget_s]
         for key in old:
             del self._links[key]
+        self._oldest = min((link.learned_at for link in self._links.values()), default=math.inf)
         if old:
             self._table = None
         return self.table()
@@ -214,7 +213,7 @@ class LinkRates:
     def table(self) -> LinkTable:
         """What the scheduler reads; rebuilt only after something changed."""
         if self._table is None:
-            links = {k: LinkEstimate(v.s_per_byte, v.samples, v.at) for k, v in self._links.items()}
+            links = dict(self._links)
             self._table = LinkTable(
                 links=MappingProxyType(links),
                 typical=MappingProxyType(dict(self._typical)),
