@@ -13,18 +13,24 @@ move as a concurrency-64 load would.
 Tokenization itself is not included (see docs/benchmarks.md for its cost). With
 ``--heartbeats-per-decision H``, H instances report new metrics between decisions, so the snapshot
 is rebuilt inside the timed region as it is in a live cluster.
+
+With ``--compare``, each decision is also made, on the same snapshot and prompt, by the flat
+scheduler (no shards, every eligible instance scored) and by the sampled one (no shards, a seeded
+window): their times, and how often and by how much their picks differ from the flat one's
+(``scheduler_variants.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import random
-import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
 
 from vllm_disagg import jsonutil
+from vllm_disagg.bench.scheduler_variants import Comparison, Variant, us
 from vllm_disagg.orchestrator.scheduling.config import default_config, load_config_file
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -54,6 +60,7 @@ class Result:
     total_p50_us: float
     total_p99_us: float
     hit_share: float  # decisions whose prefill pick held part of the prompt
+    variants: tuple[Variant, ...] = ()  # with ``--compare``: the shipped one, sampled and flat
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,6 +74,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--heartbeats-per-decision", type=int, default=0, help="registry churn")
     parser.add_argument("--config", default="", help="scheduler YAML (default: the shipped one)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--domain-size", type=int, default=0, help="instances per domain label (0: none)")
+    parser.add_argument("--compare", action="store_true", help="also run the flat and sampled schedulers")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -83,9 +92,12 @@ def _metrics(rng: random.Random) -> MetricsSnapshot:
     )
 
 
-def _registry(n: int, block_size: int, rng: random.Random) -> tuple[Registry, list[str]]:
+def _registry(
+    n: int, block_size: int, rng: random.Random, domain_size: int = 0
+) -> tuple[Registry, list[str]]:
     registry = Registry(heartbeat_timeout_s=1e9)
     ids = []
+    domains = max(1, n // domain_size) if domain_size else 0
     for i in range(n):
         role: Role = "prefill" if i < n // 2 else "decode"
         agent_id = f"{role}-{i}"
@@ -95,6 +107,7 @@ def _registry(n: int, block_size: int, rng: random.Random) -> tuple[Registry, li
             model=MODEL,
             block_size=block_size,
             kv_connector="NixlConnector",
+            labels={"domain": f"nvl-{i % domains}"} if domains else {},  # P's and D's in every domain
         )
         registry.hello(agent_id, info, 0.0)
         registry.heartbeat(agent_id, Heartbeat(seq=1, engine_state="ready", metrics=_metrics(rng)), 0.0)
@@ -121,10 +134,12 @@ def _documents(
 def run_bench(args: argparse.Namespace) -> Result:
     """Build the cluster picture, then time ``--decisions`` decisions."""
     rng = random.Random(args.seed)
-    registry, ids = _registry(args.instances, args.block_size, rng)
+    registry, ids = _registry(args.instances, args.block_size, rng, args.domain_size)
     index, docs = _documents(args, ids, rng)
     config = load_config_file(args.config) if args.config else default_config()
-    scheduler = PluginScheduler(config)
+    scheduler, compare = PluginScheduler(config), Comparison(config, args.decisions) if args.compare else None
+    gc.collect()  # and freeze, as the orchestrator does once started: collections never walk the index
+    gc.freeze()
     in_flight: deque[str] = deque()
     keys, lookup, decide, total = [], [], [], []
     hits = 0
@@ -133,10 +148,7 @@ def run_bench(args: argparse.Namespace) -> Result:
         for _ in range(args.heartbeats_per_decision):
             agent_id = ids[rng.randrange(len(ids))]
             registry.heartbeat(agent_id, Heartbeat(seq=2, engine_state="ready", metrics=_metrics(rng)), 0.0)
-        if rng.random() < 0.8:
-            tokens = docs[rng.randrange(len(docs))] + [rng.randrange(50_000) for _ in range(24)]
-        else:
-            tokens = [rng.randrange(50_000) for _ in range(args.prompt_blocks * args.block_size + 24)]
+        tokens = _prompt(args, docs, rng)
         tk = perf()
         prompt = PromptTokens(tokens)
         prompt.block_keys(args.block_size)
@@ -145,8 +157,13 @@ def run_bench(args: argparse.Namespace) -> Result:
         cached = index.cached_tokens(prompt)
         t1 = perf()
         request = SchedulingRequest(f"r{n}", MODEL, len(tokens), False, True, cached, True)
+        if compare is not None and n >= 200:
+            compare.before(n, request, snapshot)
+        ta = perf()
         decision = scheduler.decide(request, snapshot, 0.0)
         t2 = perf()
+        if compare is not None and n >= 200:
+            compare.after(n, request, snapshot, decision, t2 - ta, t1 - t0)
         registry.acquire(decision.decode)
         in_flight.append(decision.decode)
         if len(in_flight) > CONCURRENCY:
@@ -155,8 +172,8 @@ def run_bench(args: argparse.Namespace) -> Result:
             continue
         keys.append(t0 - tk)
         lookup.append(t1 - t0)
-        decide.append(t2 - t1)
-        total.append(t2 - t0)
+        decide.append(t2 - ta)
+        total.append(t2 - ta + t1 - t0)
         hits += decision.prefill is not None and cached.get(decision.prefill, 0) > 0
     return Result(
         instances=args.instances,
@@ -172,13 +189,18 @@ def run_bench(args: argparse.Namespace) -> Result:
         total_p50_us=_us(total, 50),
         total_p99_us=_us(total, 99),
         hit_share=round(hits / max(1, args.decisions), 3),
+        variants=compare.results() if compare is not None else (),
     )
 
 
-def _us(samples: list[float], pct: int) -> float:
-    if pct == 50:
-        return round(statistics.median(samples) * 1e6, 1)
-    return round(statistics.quantiles(samples, n=100)[pct - 1] * 1e6, 1)
+def _prompt(args: argparse.Namespace, docs: list[list[int]], rng: random.Random) -> list[int]:
+    """80%: a cached document and a new question; 20%: a cold prompt of the same length."""
+    if rng.random() < 0.8:
+        return docs[rng.randrange(len(docs))] + [rng.randrange(50_000) for _ in range(24)]
+    return [rng.randrange(50_000) for _ in range(args.prompt_blocks * args.block_size + 24)]
+
+
+_us = us
 
 
 def run(args: argparse.Namespace) -> int:
@@ -198,4 +220,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"| profiles + decider | {result.decide_p50_us} | {result.decide_p99_us} |")
     print(f"| decision (total) | {result.total_p50_us} | {result.total_p99_us} |")
     print(f"prefill picks holding part of the prompt: {result.hit_share:.1%} of decisions (80% were cached)")
+    if result.variants:
+        print()
+        print(
+            "| scheduler | decide p50 / p99 µs | decision p50 / p99 µs | P picks not flat's | D picks not "
+            "flat's | predicted TTFT vs flat, mean / p99 ms | predicted TPOT vs flat, mean / p99 ms |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for v in result.variants:
+            print(
+                f"| {v.name} | {v.decide_p50_us} / {v.decide_p99_us} | {v.total_p50_us} / {v.total_p99_us} | "
+                f"{v.prefill_differs:.1%} | {v.decode_differs:.1%} | {v.ttft_worse_mean_ms:+.2f} / "
+                f"{v.ttft_worse_p99_ms:+.2f} | {v.tpot_worse_mean_ms:+.2f} / {v.tpot_worse_p99_ms:+.2f} |"
+            )
     return 0

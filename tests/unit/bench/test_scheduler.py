@@ -20,3 +20,20 @@ def test_bench_scheduler_prints_json_with_percentiles_and_prefix_aware_picks(
     assert 0 < result["total_p50_us"] <= result["total_p99_us"]
     # 80% of prompts are cached documents, and the prefix scorer must steer prefill to their holders.
     assert result["hit_share"] >= 0.7
+
+
+def test_bench_scheduler_compare_sets_the_shipped_and_sampled_picks_beside_the_flat_ones(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # 600 instances in 6 domains: past the shipped 256-instance threshold, so the shipped one shards.
+    argv = ["bench", "scheduler", "--instances", "600", "--blocks", "20000", "--decisions", "300"]
+    assert main([*argv, "--domain-size", "100", "--compare", "--json"]) == 0
+    variants = {v["name"]: v for v in json.loads(capsys.readouterr().out)["variants"]}
+    assert set(variants) == {"shipped", "sampled", "flat"}
+    flat = variants["flat"]
+    assert flat["prefill_differs"] == flat["decode_differs"] == 0.0 and flat["ttft_worse_mean_ms"] == 0.0
+    for name in ("shipped", "sampled"):
+        # Scoring 16 of 300 instances a profile cannot always find the flat pick (the best of the same
+        # scores over every instance), yet holds the prefix holders, so it mostly does.
+        assert 0 < variants[name]["decode_differs"] < 0.5
+        assert variants[name]["decide_p50_us"] > 0

@@ -21,6 +21,7 @@ sight::
         plugins: [...]
     decider: uncached-tokens-decider
     pairing: transfer-pairing      # optional: P and D chosen together, counting the KV transfer
+    shards: {key: domain, size: 0, fanout: 2, above: 256}   # optional: a shard first (shards.py)
 
 Everything is checked by ``load_config`` before anything starts; every error names where it is
 (``plugins[3].parameters.ceiling: ...``). The default, ``default.yaml`` beside this module, ships
@@ -42,6 +43,7 @@ import yaml
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.scheduling.framework import PROFILE_NAMES, AnyPlugin, PluginSpec, ProfileName
+from vllm_disagg.orchestrator.scheduling.shards import ShardConfig
 
 API_VERSION = "vllm-disagg/v1alpha1"
 KIND = "SchedulerConfig"
@@ -79,6 +81,7 @@ class SchedulerConfig:
     decider: str
     source: str = "<default>"
     pairing: str | None = None  # a pairing plugin's name; None: the profiles' picks stand
+    shards: ShardConfig | None = None  # hierarchical choice past ``above`` instances; None: flat
 
 
 def _snake(key: str) -> str:
@@ -99,22 +102,27 @@ def _want(value: object, kind: type, where: str) -> Any:
 
 
 def _params(spec: PluginSpec, raw: object, where: str) -> Any:
+    return _dataclass(spec.params, spec.type, raw, where)
+
+
+def _dataclass(cls: type[Any], what: str, raw: object, where: str) -> Any:
+    """``cls`` from a mapping of camelCase keys, each value checked against its field's type."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a mapping of parameters, got {type(raw).__name__}")
-    hints = typing.get_type_hints(spec.params)
-    fields = {f.name for f in dataclasses.fields(spec.params)}
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         name = _snake(str(key))
         if name not in fields:
             known = ", ".join(_camel(f) for f in sorted(fields)) or "none"
-            raise ConfigError(f"{where}.{key}: unknown parameter of {spec.type} (known: {known})")
+            raise ConfigError(f"{where}.{key}: unknown parameter of {what} (known: {known})")
         kind = hints.get(name)
         kwargs[name] = _want(value, kind, f"{where}.{key}") if isinstance(kind, type) else value
     try:
-        return spec.params(**kwargs)
+        return cls(**kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
 
@@ -230,7 +238,9 @@ def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None =
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     try:
         doc = _mapping(raw, "the document")
-        _only(doc, {"apiVersion", "kind", "plugins", "profiles", "decider", "pairing"}, "the document")
+        _only(
+            doc, {"apiVersion", "kind", "plugins", "profiles", "decider", "pairing", "shards"}, "the document"
+        )
         if doc.get("apiVersion") != API_VERSION:
             raise ConfigError(f"apiVersion: expected {API_VERSION!r}, got {doc.get('apiVersion')!r}")
         if doc.get("kind") != KIND:
@@ -251,9 +261,10 @@ def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None =
         if specs[plugins[decider].type].kind != "decider":
             raise ConfigError(f"decider: {decider!r} is a {specs[plugins[decider].type].kind}, not a decider")
         pairing = _pairing(doc.get("pairing"), plugins, specs)
+        shards = _dataclass(ShardConfig, "shards", doc["shards"], "shards") if "shards" in doc else None
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    return SchedulerConfig(plugins, profiles, decider, source, pairing)
+    return SchedulerConfig(plugins, profiles, decider, source, pairing, shards)
 
 
 def load_config_file(path: str) -> SchedulerConfig:

@@ -5,9 +5,9 @@ A profile turns the model's instances into one pick:
 1. filters that read only membership fields (``PER_REQUEST = False``: role, state) run once per
    registry membership version, and their result is kept as agent ids;
 2. when more than ``max_candidates`` survive, the instances holding the longest cached prefix of the
-   prompt come first and a window at a request-seeded offset fills the rest (power-of-d sampling: it
-   keeps the decision O(max_candidates) at 1,024 instances and balances load almost as well as
-   scoring everyone);
+   prompt come first and a window fills the rest: at a request-seeded offset (power-of-d sampling),
+   or, past ``shards.above`` eligible instances, in a shard chosen first (``shards.py``), so the
+   decision stays O(max_candidates) at 10,000 instances;
 3. the per-request filters run on those candidates (on all survivors if none pass in the sample);
 4. each scorer rates the candidates in [0, 1]; the weighted sum goes to the picker.
 
@@ -27,7 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
-from vllm_disagg.orchestrator.scheduling import pins
+from vllm_disagg.orchestrator.scheduling import pins, shards
 from vllm_disagg.orchestrator.scheduling.config import (
     REQUIRED_FILTER,
     SchedulerConfig,
@@ -56,6 +56,7 @@ from vllm_disagg.orchestrator.scheduling.predict import (
     prefill_rate,
     uncached_tokens,
 )
+from vllm_disagg.orchestrator.scheduling.shards import ShardConfig, Shards
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
 NAME = "plugins"
@@ -70,6 +71,10 @@ class _Stage:
     kept_in: Sequence[InstanceView] | Sequence[str]
     kept_out: Sequence[InstanceView] | Sequence[str]
     reasons: Mapping[str, str] | None = None  # filtered id -> why, from a filter's ``reasons``
+
+
+# A profile's eligible agent ids, their filter stages, the ids as a set, and their shards (None: flat).
+_Eligible = tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str], Shards | None]
 
 
 def _id(item: InstanceView | str) -> str:
@@ -99,6 +104,7 @@ class ProfileTrace:
     columns: tuple[Sequence[float], ...] | None = ()
     basis: tuple[SchedulingRequest, float, Any, Mapping[str, int]] | None = None  # request, now, profile
     plugins: tuple[Scorer, ...] = ()
+    shard: str | None = None  # the shard searched, where the profile is sharded (``shards.py``)
 
     @property
     def scores(self) -> tuple[Sequence[float], ...]:
@@ -138,6 +144,7 @@ class ProfileTrace:
             "population": self.population,
             "eligible": self.eligible,
             "sampled": self.sampled,
+            **({"shard": self.shard} if self.shard is not None else {}),
             "filtered": filtered[:_MAX_FILTERED_SHOWN],
             "filtered_count": len(filtered),
             "weights": dict(self.scorers),
@@ -207,6 +214,7 @@ class _Profile:
         scorers: Sequence[tuple[Scorer, float]],
         picker: Picker,
         max_candidates: int,
+        shard_config: ShardConfig | None = None,
     ) -> None:
         self.name = name
         self.static = tuple(f for f in filters if not f.PER_REQUEST)
@@ -215,9 +223,11 @@ class _Profile:
         self.set_weights(scorers)
         self.picker = picker
         self.max_candidates = max_candidates
-        # model -> (eligible agent ids, the stages, the id set) for one registry membership: the
-        # static filters read only membership fields, so their result holds until it changes.
-        self._memo: dict[str, tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str]]] = {}
+        self.shard_config = shard_config
+        self._loads = shards.Loads()  # shard windows' engine loads, per snapshot version
+        # model -> (eligible agent ids, the stages, the id set, their shards) for one registry
+        # membership: the static filters read only membership fields, so this holds until it changes.
+        self._memo: dict[str, _Eligible] = {}
         self._memo_of: tuple[int, int] = (0, -1)  # (registry id, membership version)
 
     def set_weights(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
@@ -230,9 +240,7 @@ class _Profile:
             (tuple(s for s, _ in live), weighted_sum([float(w) for _, w in live]), fused_totals(live)),
         )
 
-    def _eligible(
-        self, ctx: ProfileContext, population: tuple[str, ...]
-    ) -> tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str]]:
+    def _eligible(self, ctx: ProfileContext, population: tuple[str, ...]) -> _Eligible:
         snapshot = ctx.snapshot
         key = (snapshot.registry_id, snapshot.membership)
         if key != self._memo_of:
@@ -250,25 +258,34 @@ class _Profile:
             stages.append(_Stage(f.name, tuple(v.agent_id for v in current), tuple(v.agent_id for v in kept)))
             current = kept
         ids = tuple(v.agent_id for v in current)
-        result = (ids, tuple(stages), frozenset(ids))
+        cfg = self.shard_config
+        sharded = shards.split(ids, by_id, cfg) if cfg is not None else None
+        result = (ids, tuple(stages), frozenset(ids), sharded)
         self._memo[model] = result
         return result
 
-    def _sample(self, ctx: ProfileContext, eligible: tuple[str, ...], ids: frozenset[str]) -> list[str]:
+    def _sample(
+        self, ctx: ProfileContext, eligible: tuple[str, ...], ids: frozenset[str], sharded: Shards | None
+    ) -> tuple[Sequence[str], str | None]:
+        """The candidates to score: the prefix holders first, then a window of the eligible (a seeded
+        one, or the chosen shard's), and the shard's name."""
         k = self.max_candidates
+        if sharded is None:
+            window, shard = shards.window(eligible, k, ctx.random(7)), None
+        else:
+            assert self.shard_config is not None
+            i, window = shards.choose(
+                sharded, ctx.snapshot, ctx.partner, self.shard_config, k, ctx.random, self._loads
+            )
+            shard = sharded.names[i]
         cached = ctx.request.cached_tokens
-        n = len(eligible)
-        start = int(ctx.random(7) * n)
-        window = list(eligible[start : start + k])
-        if len(window) < k:
-            window += eligible[: k - len(window)]
         if not cached:
-            return window
+            return window, shard
         holders = sorted((i for i in cached if i in ids), key=cached.__getitem__, reverse=True)[: k // 2]
         if not holders:
-            return window
+            return window, shard
         taken = set(holders)
-        return holders + [i for i in window if i not in taken][: k - len(holders)]
+        return holders + [i for i in window if i not in taken][: k - len(holders)], shard
 
     def run(
         self, ctx: ProfileContext, population: tuple[str, ...], exclude: frozenset[str] = frozenset()
@@ -278,18 +295,18 @@ class _Profile:
         ``exclude``: instances that may not serve this request (they failed it, or cannot reach the
         partner); shown in the explanation as filtered by ``excluded``.
         """
-        eligible, stages, ids = self._eligible(ctx, population)
+        eligible, stages, ids, sharded = self._eligible(ctx, population)
         if exclude and not exclude.isdisjoint(ids):
             kept = tuple(i for i in eligible if i not in exclude)
             stages = (*stages, _Stage("excluded", eligible, kept))
             eligible, ids = kept, ids - exclude
         by_id = ctx.snapshot.by_id
         sampled = len(eligible) > self.max_candidates
-        chosen = self._sample(ctx, eligible, ids) if sampled else eligible
+        chosen, shard = self._sample(ctx, eligible, ids, sharded) if sampled else (eligible, None)
         pool = [by_id[i] for i in chosen]  # this snapshot's views: current metrics
         candidates, dyn = self._dynamic(ctx, pool)
         if not candidates and sampled:
-            sampled = False
+            sampled, shard = False, None
             candidates, dyn = self._dynamic(ctx, [by_id[i] for i in eligible])
         if not candidates:
             return ProfileTrace(
@@ -326,6 +343,7 @@ class _Profile:
             scores,
             None if scores is not None else (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight),
             plugins,
+            shard,
         )
 
     def _dynamic(
@@ -389,6 +407,7 @@ class PluginScheduler:
                 [(plugins[s], w) for s, w in p.scorers],
                 plugins[p.picker],
                 p.max_candidates,
+                config.shards,
             )
             for name, p in config.profiles.items()
         }

@@ -18,7 +18,7 @@ never compared: every rank of a P/D pair handshakes with its peers on its own.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
@@ -167,6 +167,28 @@ class PairJudge:
                 self._pairs.clear()
             found = self._pairs[pair] = judge(p, d)
             return found
+
+    def keep(
+        self, partner: InstanceView, candidates: Sequence[InstanceView], partner_decodes: bool
+    ) -> list[InstanceView]:
+        """The candidates that can exchange KV with ``partner`` (never the partner itself): ``mismatch``
+        once per class met, then a class lookup per candidate (the per-request filter's hot path)."""
+        mine = partner.info
+        verdict: dict[int, bool] = {}  # a candidate class -> whether it pairs with the partner
+        of, kv_class = self._of, self.kv_class
+        kept = []
+        pid = partner.agent_id
+        for c in candidates:
+            info = c.info
+            hit = of.get(id(info))
+            cls = hit[1] if hit is not None else kv_class(info)
+            ok = verdict.get(cls)
+            if ok is None:
+                found = self.mismatch(info, mine) if partner_decodes else self.mismatch(mine, info)
+                ok = verdict[cls] = found is None
+            if ok and c.agent_id != pid:
+                kept.append(c)
+        return kept
 
 
 def incompatible_pairs(

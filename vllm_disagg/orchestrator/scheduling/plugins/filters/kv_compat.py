@@ -46,8 +46,7 @@ class KvCompatFilter:
             return candidates
         # This is what keeps instances whose KV would be garbage to each other (another model revision,
         # block size, dtype, layout, or TP split the connector cannot map) from ever being paired.
-        pid = partner.agent_id
-        return [c for c in candidates if c.agent_id != pid and self._mismatch(ctx, partner, c) is None]
+        return self._judge.keep(partner, candidates, ctx.profile == "prefill")
 
     def reasons(self, ctx: ProfileContext, dropped: Sequence[InstanceView]) -> dict[str, str]:
         """Why each of ``dropped`` cannot be paired with the partner, for the explanation."""
