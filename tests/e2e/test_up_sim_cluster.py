@@ -41,7 +41,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    running = start_up(tmp_path_factory.mktemp("up2p2d"), prefill=2, decode=2)
+    labels = ("--label", "zone=z1", "--instance-label", "decode-1:domain=b")
+    running = start_up(tmp_path_factory.mktemp("up2p2d"), 2, 2, *labels)
     yield running
     stop(running)
 
@@ -74,6 +75,16 @@ async def test_2p2d_serves_every_request_with_the_exact_expected_text(
             assert headers["X-Disagg-Mode"] == "disaggregated"
             assert headers["X-Disagg-Prefill"].startswith("prefill-")
             assert headers["X-Disagg-Decode"].startswith("decode-")
+
+
+def test_up_labels_every_instance_and_one_instance_on_its_own(cluster: Cluster) -> None:
+    labels = {i["agent_id"]: i["labels"] for i in cluster.instances()}
+    assert labels == {
+        "prefill-0": {"zone": "z1"},
+        "prefill-1": {"zone": "z1"},
+        "decode-0": {"zone": "z1"},
+        "decode-1": {"zone": "z1", "domain": "b"},
+    }
 
 
 async def test_engine_counters_show_prefill_legs_on_p_and_decode_legs_on_d(cluster: Cluster) -> None:

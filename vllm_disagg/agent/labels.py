@@ -21,11 +21,20 @@ ENV_LABELS: Mapping[str, str] = {
 }
 
 
-def _label(text: str) -> tuple[str, str]:
+def parse_label(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` as a (key, value) pair; ``argparse.ArgumentTypeError`` otherwise."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, value
+
+
+def parse_instance_label(text: str) -> tuple[str, str, str]:
+    """``AGENT_ID:KEY=VALUE`` (``up --instance-label``) as (agent id, key, value)."""
+    agent_id, sep, label = text.partition(":")
+    if not sep or not agent_id:
+        raise argparse.ArgumentTypeError(f"expected AGENT_ID:KEY=VALUE, got {text!r}")
+    return (agent_id, *parse_label(label))
 
 
 def add_label_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,7 +43,7 @@ def add_label_arguments(parser: argparse.ArgumentParser) -> None:
         "--label",
         dest="labels",
         action="append",
-        type=_label,
+        type=parse_label,
         default=[],
         metavar="KEY=VALUE",
         help="a topology label, repeatable (node, zone, domain: docs/scheduler.md); over "

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from vllm_disagg.agent.labels import add_label_arguments, parse_instance_label
 from vllm_disagg.cli import up_replicas
 from vllm_disagg.cli.supervise import (
     ChildSpec,
@@ -173,6 +174,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default="", help="the name clients ask for (default: tiny, or --model)"
     )
     parser.add_argument("--engine-args", default="", help="more vLLM flags for every instance, one string")
+    add_label_arguments(parser)  # --label KEY=VALUE: every instance's
+    parser.add_argument(
+        "--instance-label",
+        dest="instance_labels",
+        action="append",
+        type=parse_instance_label,
+        default=[],
+        metavar="AGENT_ID:KEY=VALUE",
+        help="a topology label of one instance (prefill-0, decode-1, ...), over --label; repeatable",
+    )
     parser.add_argument(
         "--kv-load-failure-policy",
         choices=("fail", "recompute"),
@@ -308,6 +319,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             if getattr(args, name) is not None
         ),
         replicas=replica_set_from_args(args, admin_token_path(args.port).parent),
+        labels=tuple(args.labels),
+        instance_labels=tuple(args.instance_labels),
     )
     spec = _with_admin_token(spec, args.admin_token_file)
     spec.plans()

@@ -13,6 +13,7 @@ from pathlib import Path
 from vllm_disagg.cli.up_replicas import ReplicaSet
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
+from vllm_disagg.protocol.messages import label_problem
 from vllm_disagg.runtime import SELF_ARGV
 
 
@@ -63,6 +64,16 @@ class ClusterSpec:
     keys_dir: str = ""
     # Orchestrator replicas on etcd (``--replicas``, ``--etcd``); None: one orchestrator, no etcd.
     replicas: ReplicaSet | None = None
+    # Topology labels (docs/scheduler.md, Topology): (key, value) for every instance, then (agent id,
+    # key, value) for one, which wins over the former.
+    labels: tuple[tuple[str, str], ...] = ()
+    instance_labels: tuple[tuple[str, str, str], ...] = ()
+
+    def labels_of(self, agent_id: str) -> dict[str, str]:
+        """The labels instance ``agent_id`` gets."""
+        labels = dict(self.labels)
+        labels.update((key, value) for who, key, value in self.instance_labels if who == agent_id)
+        return labels
 
     def orchestrator_env(self) -> dict[str, str]:
         """The orchestrator child's environment: ours, with the admin token unless a file holds it."""
@@ -103,7 +114,18 @@ class ClusterSpec:
             raise ConfigError(f"--engine-base-port {base} leaves no room for {len(plans)} engines")
         if self.replicas:  # replicas take port ranges: none may overlap another's or an engine's
             self.replicas.check_ports(self.port, self.zmq_port, [p.engine_port for p in plans])
+        self._check_labels([p.agent_id for p in plans])
         return plans
+
+    def _check_labels(self, agent_ids: list[str]) -> None:
+        for who, _, _ in self.instance_labels:
+            if who not in agent_ids:
+                known = ", ".join(agent_ids)
+                raise ConfigError(f"--instance-label {who}:...: no instance {who!r} (instances: {known})")
+        for agent_id in agent_ids:
+            problem = label_problem(self.labels_of(agent_id))
+            if problem is not None:
+                raise ConfigError(f"labels of {agent_id}: {problem}")
 
     def orchestrator_argv(self, index: int = 0) -> list[str]:
         """The orchestrator child's command line (replica ``index``'s with replicas)."""
@@ -178,4 +200,6 @@ class ClusterSpec:
                 argv += ["--engine-args", self.engine_args]
         for name, value in self.sim_timing:
             argv += ["--" + name.replace("_", "-"), value]
+        for key, value in sorted(self.labels_of(plan.agent_id).items()):
+            argv += ["--label", f"{key}={value}"]
         return argv

@@ -108,3 +108,38 @@ def test_a_bad_tenant_weight_is_refused_by_the_parser(
 def test_a_tenant_weighed_twice_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="twice"):
         admission_of("--tenant-weight", "a=1", "--tenant-weight", "a=2")
+
+
+def test_labels_reach_every_agent_and_an_instance_label_wins_for_its_instance() -> None:
+    argvs = spec_of("--label", "zone=z1", "--label", "domain=a", "--instance-label", "decode-1:domain=b")
+
+    def labels(argv: list[str]) -> list[str]:
+        return [argv[i + 1] for i, flag in enumerate(argv) if flag == "--label"]
+
+    assert [labels(argv) for argv in argvs] == [
+        ["domain=a", "zone=z1"],  # prefill-0
+        ["domain=a", "zone=z1"],  # decode-0
+        ["domain=b", "zone=z1"],  # decode-1
+    ]
+    assert all("--label" not in argv for argv in spec_of())
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (("--instance-label", "decode-7:domain=b"), "no instance 'decode-7'"),
+        (("--label", "Bad Key=x"), "labels of prefill-0:"),
+        (("--label", "domain=" + "x" * 200), "labels of prefill-0:"),
+    ],
+)
+def test_labels_that_cannot_be_used_are_refused_before_anything_starts(
+    flags: tuple[str, ...], error: str
+) -> None:
+    with pytest.raises(ConfigError, match=error):
+        spec_of(*flags)
+
+
+def test_a_label_without_a_value_sign_is_refused_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        spec_of("--instance-label", "decode-0")
+    assert "expected AGENT_ID:KEY=VALUE" in capsys.readouterr().err
