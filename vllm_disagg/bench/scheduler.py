@@ -14,10 +14,12 @@ Tokenization itself is not included (see docs/benchmarks.md for its cost). With
 ``--heartbeats-per-decision H``, H instances report new metrics between decisions, so the snapshot
 is rebuilt inside the timed region as it is in a live cluster.
 
-With ``--compare``, each decision is also made, on the same snapshot and prompt, by the flat
-scheduler (no shards, every eligible instance scored) and by the sampled one (no shards, a seeded
-window): their times, and how often and by how much their picks differ from the flat one's
-(``scheduler_variants.py``).
+With ``--links``, every P->D pair has a predicted KV transfer (``LINKS``), so the transfer pairing
+runs for every disaggregated decision. With ``--compare``, each decision is also made, on the same
+snapshot and prompt, by the flat scheduler (no shards, every eligible instance scored) and by the
+sampled one (no shards, a seeded window): their times, and how often and by how much their picks
+differ from the flat one's (``scheduler_variants.py``).
+
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
+from types import MappingProxyType
 
 from vllm_disagg import jsonutil
 from vllm_disagg.bench.scheduler_variants import Comparison, Variant, us
@@ -35,12 +38,19 @@ from vllm_disagg.orchestrator.scheduling.config import default_config, load_conf
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.link_table import LinkTable
 from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, KvEvent, MetricsSnapshot, Role
 
 MODEL = "bench-model"
 CONCURRENCY = 64
+# ``--links``: 128 KiB of KV a token, 400 Gbit/s within a domain and 25 Gbit/s across (no link measured
+# alone: each pair's tier's typical rate).
+LINKS = LinkTable(
+    typical=MappingProxyType({"domain": 8 / 400e9, "any": 8 / 25e9}),
+    bytes_per_token=MappingProxyType({MODEL: 131072.0}),
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class Result:
     total_p50_us: float
     total_p99_us: float
     hit_share: float  # decisions whose prefill pick held part of the prompt
+    paired_share: float  # decisions for which the transfer pairing weighed pairs (``--links``)
     variants: tuple[Variant, ...] = ()  # with ``--compare``: the shipped one, sampled and flat
 
 
@@ -76,11 +87,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--domain-size", type=int, default=0, help="instances per domain label (0: none)")
     parser.add_argument("--compare", action="store_true", help="also run the flat and sampled schedulers")
+    parser.add_argument(
+        "--links",
+        action="store_true",
+        help="KV transfers predicted for every pair: the transfer pairing runs",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
-def _metrics(rng: random.Random) -> MetricsSnapshot:
+def _metrics(rng: random.Random, scraped_at: float) -> MetricsSnapshot:
+    # Each heartbeat a new scrape, as an agent sends it: the registry then watches what ends since.
     return MetricsSnapshot(
+        scraped_at=scraped_at,
         num_running=rng.randrange(0, 16),
         num_waiting=rng.randrange(0, 4),
         kv_cache_usage=rng.random() * 0.9,
@@ -110,7 +128,7 @@ def _registry(
             labels={"domain": f"nvl-{i % domains}"} if domains else {},  # P's and D's in every domain
         )
         registry.hello(agent_id, info, 0.0)
-        registry.heartbeat(agent_id, Heartbeat(seq=1, engine_state="ready", metrics=_metrics(rng)), 0.0)
+        registry.heartbeat(agent_id, Heartbeat(seq=1, engine_state="ready", metrics=_metrics(rng, 1.0)), 0.0)
         ids.append(agent_id)
     return registry, ids
 
@@ -135,6 +153,8 @@ def run_bench(args: argparse.Namespace) -> Result:
     """Build the cluster picture, then time ``--decisions`` decisions."""
     rng = random.Random(args.seed)
     registry, ids = _registry(args.instances, args.block_size, rng, args.domain_size)
+    if args.links:
+        registry._use_links(LINKS)  # as learned from transfers (link_rates), without the transfers
     index, docs = _documents(args, ids, rng)
     config = load_config_file(args.config) if args.config else default_config()
     scheduler, compare = PluginScheduler(config), Comparison(config, args.decisions) if args.compare else None
@@ -142,12 +162,10 @@ def run_bench(args: argparse.Namespace) -> Result:
     gc.freeze()
     in_flight: deque[str] = deque()
     keys, lookup, decide, total = [], [], [], []
-    hits = 0
+    hits = paired = 0
     perf = time.perf_counter
     for n in range(args.decisions + 200):
-        for _ in range(args.heartbeats_per_decision):
-            agent_id = ids[rng.randrange(len(ids))]
-            registry.heartbeat(agent_id, Heartbeat(seq=2, engine_state="ready", metrics=_metrics(rng)), 0.0)
+        _churn(registry, ids, rng, args.heartbeats_per_decision, n)
         tokens = _prompt(args, docs, rng)
         tk = perf()
         prompt = PromptTokens(tokens)
@@ -164,10 +182,7 @@ def run_bench(args: argparse.Namespace) -> Result:
         t2 = perf()
         if compare is not None and n >= 200:
             compare.after(n, request, snapshot, decision, t2 - ta, t1 - t0)
-        registry.acquire(decision.decode)
-        in_flight.append(decision.decode)
-        if len(in_flight) > CONCURRENCY:
-            registry.release(in_flight.popleft())
+        _load(registry, in_flight, decision.decode)
         if n < 200:  # warm-up
             continue
         keys.append(t0 - tk)
@@ -175,6 +190,7 @@ def run_bench(args: argparse.Namespace) -> Result:
         decide.append(t2 - ta)
         total.append(t2 - ta + t1 - t0)
         hits += decision.prefill is not None and cached.get(decision.prefill, 0) > 0
+        paired += getattr(decision.explanation, "pairs", None) is not None
     return Result(
         instances=args.instances,
         indexed_blocks=sum(index.blocks_of(i) for i in ids),
@@ -189,8 +205,26 @@ def run_bench(args: argparse.Namespace) -> Result:
         total_p50_us=_us(total, 50),
         total_p99_us=_us(total, 99),
         hit_share=round(hits / max(1, args.decisions), 3),
+        paired_share=round(paired / max(1, args.decisions), 3),
         variants=compare.results() if compare is not None else (),
     )
+
+
+def _churn(registry: Registry, ids: list[str], rng: random.Random, count: int, n: int) -> None:
+    """``count`` instances drawn at random report a new scrape before decision ``n``."""
+    for _ in range(count):
+        agent_id = ids[rng.randrange(len(ids))]
+        metrics = _metrics(rng, 2.0 + n)
+        registry.heartbeat(agent_id, Heartbeat(seq=2 + n, engine_state="ready", metrics=metrics), 0.0)
+
+
+def _load(registry: Registry, in_flight: deque[str], decode: str) -> None:
+    """The decision's request goes in flight on its decode instance; the oldest of a concurrency-64
+    load ends."""
+    registry.acquire(decode)
+    in_flight.append(decode)
+    if len(in_flight) > CONCURRENCY:
+        registry.release(in_flight.popleft())
 
 
 def _prompt(args: argparse.Namespace, docs: list[list[int]], rng: random.Random) -> list[int]:
@@ -220,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"| profiles + decider | {result.decide_p50_us} | {result.decide_p99_us} |")
     print(f"| decision (total) | {result.total_p50_us} | {result.total_p99_us} |")
     print(f"prefill picks holding part of the prompt: {result.hit_share:.1%} of decisions (80% were cached)")
+    if result.paired_share:
+        print(f"P and D paired counting the KV transfer: {result.paired_share:.1%} of decisions")
     if result.variants:
         print()
         print(

@@ -8,8 +8,10 @@
 
 Each decides the same request on the same snapshot as the shipped decision (``Comparison``); only
 the shipped one's decode pick takes the load the benchmark moves. A pick's quality is its decision's
-predicted TTFT (the prefill instance's, or the decode instance's when colocated:
-``predict.predicted_ttft``) and its decode instance's predicted TPOT, each against the flat one's.
+predicted TTFT (the prefill instance's with the KV transfer where links are known, or the decode
+instance's when colocated: ``predict.predicted_ttft``) and its decode instance's predicted TPOT,
+each against the flat one's.
+
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 
 from vllm_disagg.orchestrator.scheduling.config import SchedulerConfig
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.plugins.pairing import transfer_time
 from vllm_disagg.orchestrator.scheduling.predict import predicted_tpot, predicted_ttft
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.views import RegistrySnapshot
@@ -144,8 +147,9 @@ def predicted(
     """(predicted TTFT, the decode instance's predicted TPOT) of a decision, in seconds."""
     first = decision.prefill if decision.prefill is not None else decision.decode
     view, d = snapshot.by_id[first], snapshot.by_id[decision.decode]
+    transfer = transfer_time(snapshot, request, view, d) if decision.prefill is not None else None
     return (
-        predicted_ttft(view, request, snapshot.in_flight_of(first)),
+        predicted_ttft(view, request, snapshot.in_flight_of(first)) + (transfer or 0.0),
         predicted_tpot(d, snapshot.in_flight_of(decision.decode)),
     )
 

@@ -37,3 +37,12 @@ def test_bench_scheduler_compare_sets_the_shipped_and_sampled_picks_beside_the_f
         # scores over every instance), yet holds the prefix holders, so it mostly does.
         assert 0 < variants[name]["decode_differs"] < 0.5
         assert variants[name]["decide_p50_us"] > 0
+
+
+@pytest.mark.parametrize(("links", "low", "high"), [((), 0.0, 0.0), (("--links",), 0.9, 1.0)])
+def test_bench_scheduler_links_make_the_transfer_pairing_weigh_every_disaggregated_decision(
+    capsys: pytest.CaptureFixture[str], links: tuple[str, ...], low: float, high: float
+) -> None:
+    argv = ["bench", "scheduler", "--instances", "16", "--blocks", "2048", "--decisions", "300", "--json"]
+    assert main([*argv, *links]) == 0
+    assert low <= json.loads(capsys.readouterr().out)["paired_share"] <= high

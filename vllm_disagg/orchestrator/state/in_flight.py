@@ -24,13 +24,16 @@ class InFlight:
     """This process's requests per instance (legs running and decisions held), others' as last told,
     and per instance the fewest in flight since its last scrape."""
 
-    __slots__ = ("_at_scrape", "_low", "_own", "_remote")
+    __slots__ = ("_at_scrape", "_ended", "_low", "_own", "_remote")
 
     def __init__(self) -> None:
         self._own: dict[str, int] = {}
         self._remote: dict[str, dict[str, int]] = {}  # by source: summed counts pushed from elsewhere
         self._low: dict[str, int] = {}  # the fewest in flight since the instance's last scrape
         self._at_scrape: dict[str, int] = {}
+        # ``at_scrape - low`` where positive, kept as they change: a snapshot is rebuilt after every
+        # decision, and reading it off every scraped instance cost 54 µs at 1,024 and 0.57 ms at 10,000.
+        self._ended: dict[str, int] = {}
 
     def add(self, agent_id: str) -> None:
         """One more request on ``agent_id`` (a leg started, or a decision held it)."""
@@ -83,11 +86,12 @@ class InFlight:
         now = self.of(agent_id)  # the first scrape: nothing known of the time before, so none
         self._at_scrape[agent_id] = at = min(self._low.get(agent_id, 0), now)
         self._low[agent_id] = now
+        self._note_ended(agent_id)
         return at
 
     def ended(self) -> dict[str, int]:
         """Per instance (where any): requests in flight at its newest scrape that have ended since."""
-        return {a: at - low for a, at in self._at_scrape.items() if at > (low := self._low.get(a, at))}
+        return dict(self._ended)
 
     def at_scrape(self, agent_id: str) -> int:
         """Requests in flight on ``agent_id`` when its newest scrape was taken (at most)."""
@@ -97,6 +101,7 @@ class InFlight:
         """``agent_id`` left: its scrape watch goes (its counts go as their requests end)."""
         self._low.pop(agent_id, None)
         self._at_scrape.pop(agent_id, None)
+        self._ended.pop(agent_id, None)
 
     def _lower(self, agent_id: str) -> None:
         low = self._low.get(agent_id)
@@ -104,6 +109,15 @@ class InFlight:
             now = self.of(agent_id)
             if now < low:
                 self._low[agent_id] = now
+                self._note_ended(agent_id)
+
+    def _note_ended(self, agent_id: str) -> None:
+        at = self._at_scrape.get(agent_id)
+        if at is not None and at > self._low.get(agent_id, at):
+            low = self._low[agent_id]
+            self._ended[agent_id] = at - low
+        else:
+            self._ended.pop(agent_id, None)
 
 
 class Holds(Protocol):

@@ -45,6 +45,8 @@ MIN_S_PER_BYTE = 1e-14  # 100 TB/s: a floor, so an estimate never reaches zero o
 
 def tier_of_labels(p: Mapping[str, str], d: Mapping[str, str]) -> str:
     """How close two instances are, from their topology labels (the closest shared one)."""
+    if not p or not d:  # an unlabeled instance shares nothing (the common case: no lookups)
+        return "other"
     for key, tier in ((LABEL_DOMAIN, "domain"), (LABEL_NODE, "node"), (LABEL_ZONE, "zone")):
         value = p.get(key, "")
         if value and value == d.get(key, ""):

@@ -71,7 +71,9 @@ def best(ranked: Ranked, width: int, slack: float | None = None) -> list[int]:
     """The pick's index, then the others' by total (best first; ties in candidate order), at most
     ``width`` in all; with ``slack``, only those within it of the best total."""
     totals, pick = ranked.totals, ranked.picked
-    order = sorted((i for i in range(len(totals)) if i != pick), key=lambda i: -totals[i])
+    # Descending and stable (``reverse`` keeps equals in candidate order), with no Python-level key call.
+    order = sorted(range(len(totals)), key=totals.__getitem__, reverse=True)
+    order.remove(pick)
     if slack is not None and totals:
         floor = max(totals) - slack
         order = [i for i in order if totals[i] >= floor]
