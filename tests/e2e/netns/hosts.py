@@ -23,6 +23,7 @@ import itertools
 import os
 import re
 import signal
+import subprocess
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -157,3 +158,17 @@ def hosts(names: Sequence[str], loopback: Collection[str] = ()) -> Iterator[Netw
             ip("link", "del", host.outer_if, check=False)  # deletes the pair at once
             ip("netns", "del", host.netns, check=False)
         ip("link", "del", bridge, check=False)
+
+
+def stop_groups(procs: Sequence[subprocess.Popen[bytes]], grace_s: float = 10.0) -> None:
+    """SIGTERM each process's group, then SIGKILL what is left after ``grace_s``."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -14,10 +14,7 @@ as separate machines would. The processes share nothing but their command lines 
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -28,7 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.netns.hosts import Network, hosts
+from tests.e2e.netns.hosts import Network, hosts, stop_groups
 from tests.etcd_support import EtcdMissing, etcd_binary
 from tests.helpers import ADMIN, cli_argv, eventually, eventually_sync, http_json
 from vllm_disagg.runtime import die_with_parent
@@ -45,7 +42,6 @@ ETCD_PORT, HTTP_PORT, AGENTS_PORT, PEER_PORT, ENGINE_PORT = 2379, 8000, 5555, 55
 READY_S = 120.0  # five hosts' processes starting on a loaded 2-core machine
 ACT_S = 30.0
 DISAGGREGATED_TRIES = 10
-STOP_GRACE_S = 10.0
 
 
 @dataclass
@@ -110,20 +106,6 @@ def _agent_argv(d: Deployment, host: str) -> list[str]:
     )  # fmt: skip
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each process's group, then SIGKILL what is left after the grace period."""
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture
 def deployment(tmp_path: Path) -> Iterator[Deployment]:
     try:
@@ -154,7 +136,7 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
             # Agents first (they say Goodbye), then the replicas (they resign in etcd), etcd last; the
             # namespaces' teardown kills whatever is left.
             for stage in (agents, replicas, etcd):
-                _stop(stage)
+                stop_groups(stage)
 
 
 def replicas_view(base: str) -> dict[str, Any]:

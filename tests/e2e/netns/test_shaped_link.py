@@ -36,8 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,7 +48,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.netns.hosts import Network, hosts
+from tests.e2e.netns.hosts import Network, hosts, stop_groups
 from tests.e2e.netns.shaping import Shaped, shape
 from tests.helpers import ADMIN, cli_argv, eventually, http_json
 from vllm_disagg.runtime import die_with_parent
@@ -73,7 +71,6 @@ SEEDING = 4  # requests per phase while the other P is cordoned
 FREE = 20  # requests the scheduler places freely
 READY_S = 120.0  # seven processes on four hosts starting on a loaded 2-core machine
 LEARN_S = 60.0
-STOP_GRACE_S = 10.0
 NIXL_BYTES_SUM = "vllm:nixl_bytes_transferred_sum"
 # The bounds asserted: wide, as ratios, so a loaded machine does not fail them.
 MIN_RATE_RATIO = 3.0  # P1→D learned at least this many times faster than P0→D
@@ -137,20 +134,6 @@ def _agent_argv(d: Deployment, host: str) -> list[str]:
     )  # fmt: skip
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    """SIGTERM each process's group, then SIGKILL what is left after the grace period."""
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in procs:
-        try:
-            proc.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @pytest.fixture
 def deployment(tmp_path: Path) -> Iterator[Deployment]:
     with hosts(HOSTS, loopback=HOSTS) as net:
@@ -161,8 +144,8 @@ def deployment(tmp_path: Path) -> Iterator[Deployment]:
             procs += [_spawn(d, host, _agent_argv(d, host)) for host in AGENTS]
             yield d
         finally:
-            _stop(procs[1:])  # the agents first: they say Goodbye
-            _stop(procs[:1])
+            stop_groups(procs[1:])  # the agents first: they say Goodbye
+            stop_groups(procs[:1])
 
 
 def ready(d: Deployment) -> bool:
