@@ -270,7 +270,7 @@ class _Profile:
         """The candidates to score: the prefix holders first, then a window of the eligible (a seeded
         one, or the chosen shard's), and the shard's name."""
         k = self.max_candidates
-        if sharded is None:
+        if sharded is None or len(sharded.groups) == 1:  # one shard: the flat window, the same pick
             window, shard = shards.window(eligible, k, ctx.random(7)), None
         else:
             assert self.shard_config is not None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from vllm_disagg.errors import ConfigError
+from vllm_disagg.errors import ConfigError, NoCapacity
 from vllm_disagg.orchestrator.scheduling.config import default_config, default_config_text, load_config
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
@@ -19,7 +22,7 @@ from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapsh
 NOW = 1000.0
 
 
-def cluster(rows: list[tuple[str, Role, Mapping[str, str], int]]) -> RegistrySnapshot:
+def cluster(rows: Sequence[tuple[str, Role, Mapping[str, str], int]]) -> RegistrySnapshot:
     """Ready instances from (id, role, labels, engine queue) rows."""
     registry = Registry(heartbeat_timeout_s=1e9)
     for agent_id, role, labels, queue in rows:
@@ -160,3 +163,66 @@ def test_without_a_shards_section_every_profile_stays_flat() -> None:
     ]
     snap = cluster([*rows, ("p", "prefill", {}, 0)])
     assert "shard" not in explain(PluginScheduler(config).decide(request(1), snap, NOW))["decode"]
+
+
+# Small random clusters sharded past 4 eligible instances, so that hypothesis explores the hierarchy
+# without building hundreds of instances per example.
+def sharded_scheduler(size: int, required: bool, shards: bool = True) -> PluginScheduler:
+    doc: dict[str, Any] = yaml.safe_load(default_config_text())
+    for plugin in doc["plugins"]:
+        if plugin["type"] == "topology-filter" and required:
+            plugin["parameters"]["models"] = ["m"]
+    for profile in doc["profiles"]:
+        profile["maxCandidates"] = 3  # fewer than the instances: windows, not everyone
+    if shards:
+        doc["shards"] = {"size": size, "fanout": 2, "above": 4}
+    else:
+        del doc["shards"]
+    return PluginScheduler(load_config(yaml.safe_dump(doc), "t"))
+
+
+CLUSTERS = st.lists(
+    st.tuples(
+        st.sampled_from(["prefill", "decode", "both"]),
+        st.sampled_from(["a", "b", "c", None]),
+        st.integers(0, 40),  # engine queue
+    ),
+    min_size=5,
+    max_size=30,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(CLUSTERS, st.integers(0, 10**6), st.sampled_from([0, 2, 3]))
+def test_sharded_a_required_domain_is_never_crossed(
+    specs: list[tuple[Role, str | None, int]], seed: int, size: int
+) -> None:
+    snap = cluster(
+        [(f"i{n:02}", role, {"domain": d} if d else {}, q) for n, (role, d, q) in enumerate(specs)]
+    )
+    try:
+        decision = sharded_scheduler(size, required=True).decide(request(seed), snap, NOW)
+    except NoCapacity:
+        return  # no D with a P in its domain: refused, never crossed
+    if decision.prefill is not None:
+        domain = snap.by_id[decision.prefill].info.labels.get("domain")
+        assert domain is not None and snap.by_id[decision.decode].info.labels.get("domain") == domain
+
+
+@settings(max_examples=150, deadline=None)
+@given(CLUSTERS, st.integers(0, 10**6), st.booleans())
+def test_when_one_domain_holds_everything_the_hierarchical_pick_is_the_flat_pick(
+    specs: list[tuple[Role, str | None, int]], seed: int, labeled: bool
+) -> None:
+    # Every instance in domain "a" (or, unlabeled, every one in the single group of size 0): one shard.
+    rows = [(f"i{n:02}", role, {"domain": "a"} if labeled else {}, q) for n, (role, _, q) in enumerate(specs)]
+    snap = cluster(rows)
+    if not any(role != "prefill" for role, _, _ in specs):
+        return
+    hierarchical = sharded_scheduler(0, required=False).decide(request(seed), snap, NOW)
+    flat = sharded_scheduler(0, required=False, shards=False).decide(request(seed), snap, NOW)
+    assert (hierarchical.mode, hierarchical.prefill, hierarchical.decode) == (
+        flat.mode,
+        flat.prefill,
+        flat.decode,
+    )
