@@ -28,7 +28,7 @@ NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPushConnector"})
 MOONCAKE_CONNECTORS = frozenset({"MooncakeConnector"})
 # ``KVCacheLayout.is_block_contiguous`` (vllm/v1/kv_cache_layout.py): heads split per block.
 BLOCK_CONTIGUOUS_LAYOUTS = frozenset({"LBHNC", "BLHNC"})
-_CACHE_LIMIT = 4096  # infos (and pairs of classes) remembered before those caches start over
+_CACHE_LIMIT = 1 << 16  # infos (and pairs of classes) remembered before those caches start over
 
 
 class Mismatch(NamedTuple):
