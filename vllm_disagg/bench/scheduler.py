@@ -196,14 +196,14 @@ def run_bench(args: argparse.Namespace) -> Result:
         indexed_blocks=sum(index.blocks_of(i) for i in ids),
         decisions=args.decisions,
         heartbeats_per_decision=args.heartbeats_per_decision,
-        keys_p50_us=_us(keys, 50),
-        keys_p99_us=_us(keys, 99),
-        lookup_p50_us=_us(lookup, 50),
-        lookup_p99_us=_us(lookup, 99),
-        decide_p50_us=_us(decide, 50),
-        decide_p99_us=_us(decide, 99),
-        total_p50_us=_us(total, 50),
-        total_p99_us=_us(total, 99),
+        keys_p50_us=us(keys, 50),
+        keys_p99_us=us(keys, 99),
+        lookup_p50_us=us(lookup, 50),
+        lookup_p99_us=us(lookup, 99),
+        decide_p50_us=us(decide, 50),
+        decide_p99_us=us(decide, 99),
+        total_p50_us=us(total, 50),
+        total_p99_us=us(total, 99),
         hit_share=round(hits / max(1, args.decisions), 3),
         paired_share=round(paired / max(1, args.decisions), 3),
         variants=compare.results() if compare is not None else (),
@@ -232,9 +232,6 @@ def _prompt(args: argparse.Namespace, docs: list[list[int]], rng: random.Random)
     if rng.random() < 0.8:
         return docs[rng.randrange(len(docs))] + [rng.randrange(50_000) for _ in range(24)]
     return [rng.randrange(50_000) for _ in range(args.prompt_blocks * args.block_size + 24)]
-
-
-_us = us
 
 
 def run(args: argparse.Namespace) -> int:
