@@ -4,7 +4,8 @@ Every import counts: at top level, inside a function (lazy) and under ``TYPE_CHE
 
 First level (``vllm_disagg/<layer>``):
 
-- **base**: errors, http_errors, clock, jsonutil, config, procfs, runtime, keys; ``protocol`` (ours), ``wire``
+- **base**: errors, http_errors, clock, jsonutil, config, procfs, runtime, keys, logs (and the
+  trace_context it reads); ``protocol`` (ours), ``wire``
   (vLLM's formats), ``model`` (test models, the simulated model's tokenizer) and ``etcd`` (the etcd
   client, leader election, membership) import only the package root and the plain utilities (errors,
   clock, jsonutil);
@@ -48,6 +49,8 @@ BASE = frozenset(
         "wire",
         "model",
         "etcd",
+        "logs",
+        "trace_context",
     }
 )
 CORE = frozenset({"__init__", "errors", "clock", "jsonutil"})  # the package root, and plain utilities
@@ -64,6 +67,8 @@ ALLOWED: dict[str, frozenset[str]] = {
     "etcd": CORE,
     "config": CORE | {"protocol"},
     "keys": CORE | {"protocol"},
+    "trace_context": frozenset(),
+    "logs": CORE | {"trace_context"},
     "sim_engine": BASE | CORE,
     "agent": BASE | CORE | {"sim_engine"},
     "orchestrator": BASE | CORE,

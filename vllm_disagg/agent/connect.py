@@ -15,6 +15,7 @@ import sys
 
 import aiohttp
 
+from vllm_disagg import logs
 from vllm_disagg.agent import main as agent_main
 from vllm_disagg.agent.discover import DiscoveryError, EngineFacts, check_role, discover
 from vllm_disagg.agent.labels import add_label_arguments, labels_from_args
@@ -38,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--orchestrator-key", default="", help="the orchestrator's public .key file")
     parser.add_argument("--discover-timeout-s", type=float, default=10.0, help="each question to the engine")
     add_label_arguments(parser)
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    logs.add_arguments(parser)
 
 
 def choose_role(given: Role | None, facts: EngineFacts) -> Role:
@@ -98,4 +99,4 @@ def run(args: argparse.Namespace) -> int:
         f"{cfg.agent_id} ({cfg.role}) with {cfg.orchestrator}",
         flush=True,
     )
-    return agent_main.run_config(cfg, args.log_level)
+    return agent_main.run_config(cfg, args.log_level, args.log_format)

@@ -13,6 +13,7 @@ import sys
 
 import aiohttp
 
+from vllm_disagg import logs
 from vllm_disagg.agent.command_log import CommandLog
 from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch
 from vllm_disagg.agent.engine import EngineSupervisor
@@ -147,7 +148,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sim = parser.add_argument_group("simulated engine (--engine sim)")
     add_sim_timing_arguments(sim, defaults=True)
     add_label_arguments(parser)
-    parser.add_argument("--log-level", default="INFO", help="logging level")
+    logs.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> AgentConfig:
@@ -166,21 +167,17 @@ def config_from_args(args: argparse.Namespace) -> AgentConfig:
 
 def run(args: argparse.Namespace) -> int:
     """Run the agent until SIGTERM/SIGINT, a shutdown command, or a final refusal."""
-    return run_config(config_from_args(args), args.log_level)
+    return run_config(config_from_args(args), args.log_level, args.log_format)
 
 
-def run_config(cfg: AgentConfig, log_level: str = "INFO") -> int:
+def run_config(cfg: AgentConfig, log_level: str = "INFO", log_format: str = "text") -> int:
     """Run the agent ``cfg`` describes (as ``run``; ``connect`` builds its config from the engine)."""
     instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
     client_curve(cfg)  # and key files that will not do
     Capacity.parse(cfg.kv_pool_capacity)  # and a pool size that means nothing
     if cfg.command_log:
         CommandLog.open(cfg.command_log).close()  # and a command log that cannot be written
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s agent {cfg.agent_id} %(levelname)s %(name)s: %(message)s",
-    )
+    logs.configure(log_level, log_format, f"agent {cfg.agent_id}")
     # The engine's workers outlive a crashed engine core; adopt them so they can be reaped.
     become_subreaper()
     try:

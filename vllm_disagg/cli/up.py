@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from vllm_disagg import logs
 from vllm_disagg.agent.labels import add_label_arguments, parse_instance_label
 from vllm_disagg.cli import up_replicas
 from vllm_disagg.cli.supervise import (
@@ -247,6 +248,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
+    logs.add_arguments(parser)  # the orchestrator's and the agents' (up itself prints)
     parser.add_argument(
         "--role-switch",
         choices=("auto", "restart"),
@@ -321,6 +323,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         replicas=replica_set_from_args(args, admin_token_path(args.port).parent),
         labels=tuple(args.labels),
         instance_labels=tuple(args.instance_labels),
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
     spec = _with_admin_token(spec, args.admin_token_file)
     spec.plans()

@@ -68,6 +68,9 @@ class ClusterSpec:
     # key, value) for one, which wins over the former.
     labels: tuple[tuple[str, str], ...] = ()
     instance_labels: tuple[tuple[str, str, str], ...] = ()
+    # Every child's logging (``--log-level``, ``--log-format``; docs/observability.md, Logs).
+    log_level: str = "INFO"
+    log_format: str = "text"
 
     def labels_of(self, agent_id: str) -> dict[str, str]:
         """The labels instance ``agent_id`` gets."""
@@ -144,8 +147,14 @@ class ClusterSpec:
             *(("--no-preload-tokenizer-libs",) if self.engine == "sim" else ()),
             *(("--admin-token-file", self.admin_token_file) if self.admin_token_file else ()),
             *self._orchestrator_keys(),
+            *self._log_flags(),
             *self.extra_orchestrator_args,
         ]  # fmt: skip
+
+    def _log_flags(self) -> tuple[str, ...]:
+        if (self.log_level, self.log_format) == ("INFO", "text"):
+            return ()  # the children's defaults
+        return ("--log-level", self.log_level, "--log-format", self.log_format)
 
     def _orchestrator_keys(self) -> tuple[str, ...]:
         if not self.keys_dir:
@@ -170,6 +179,7 @@ class ClusterSpec:
             "--model", self.model,
             "--engine-port", str(plan.engine_port),
             "--health-timeout-s", str(self.health_timeout_s),
+            *self._log_flags(),
         ]  # fmt: skip
         if self.kv_load_failure_policy:
             argv += ["--kv-load-failure-policy", self.kv_load_failure_policy]

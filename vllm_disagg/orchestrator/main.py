@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import gc
 import logging
-import sys
 
+from vllm_disagg import logs
 from vllm_disagg.config import OrchestratorConfig, ReplicaConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.admin.auth import (
@@ -147,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=ReplicaConfig.lease_ttl_s,
         help="with --etcd: the leader's lease in seconds; a new leader takes over within about this",
     )
-    parser.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+    logs.add_arguments(parser)
 
 
 def replica_from_args(args: argparse.Namespace) -> ReplicaConfig | None:
@@ -199,9 +199,7 @@ def run(args: argparse.Namespace) -> int:
     load_server_curve(config)  # so do key files that will not do
     scheduler = PluginScheduler(load_scheduler_config(config))  # so is a bad scheduler config
     load_planner_config_file(config.planner_config)  # and a bad planner config
-    logging.basicConfig(
-        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    logs.configure(args.log_level, args.log_format, "orchestrator")
 
     if config.preload_tokenizer_libs:
         preload_tokenizer_libs()

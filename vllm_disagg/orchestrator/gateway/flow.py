@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from typing import Any
 
 from vllm_disagg.errors import EngineRejected, UpstreamError
@@ -63,6 +64,8 @@ from vllm_disagg.orchestrator.state.in_flight import Held
 from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
+
+log = logging.getLogger(__name__)
 
 
 class Flow:
@@ -136,6 +139,8 @@ class Flow:
     def _attempt(self, leg: str, instance: str, started: float, outcome: str, error: str = "") -> None:
         now = self.gw.clock.monotonic()
         self.attempts.append(Attempt(leg, instance, started - self.t0, now - self.t0, outcome, error))
+        if outcome != "ok":  # what a retry, a fallback or a resume follows: one line each
+            log.info("%s: %s on %s ended %s: %s", self.scheduling.request_id, leg, instance, outcome, error)
 
     def _excluding(self) -> SchedulingRequest:
         return dataclasses.replace(self.scheduling, exclude=frozenset(self.failed))
@@ -191,6 +196,7 @@ class Flow:
         gw.events.publish(
             "fallback", request_id=self.scheduling.request_id, cause=path_cause, decode=self.decode_id
         )
+        log.info("%s: colocated on %s (%s)", self.scheduling.request_id, self.decode_id, path_cause)
         self.fallback = path_cause
         self.mode, self.prefill_id = "colocated", None
         self._set_headers()
@@ -504,6 +510,7 @@ class Flow:
                 return False
             gw.metrics.resume(cause)
             gw.events.publish("resume", request_id=self.scheduling.request_id, cause=cause, to=d)
+            log.info("%s: the stream resumes on %s (%s)", self.scheduling.request_id, d, cause)
             state.start_leg()
             self.resumes = state.resumes
             self.mode, self.prefill_id, self.decode_id = "colocated", None, d

@@ -28,6 +28,7 @@ from typing import Any
 
 from yarl import URL
 
+from vllm_disagg import logs
 from vllm_disagg.clock import Clock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import NoCapacity, RequestError, UpstreamError
@@ -323,6 +324,8 @@ class Gateway:
         out_headers = {"X-Request-Id": request_id}
         model, stream, status, error = "", False, 500, ""
         flow: Flow | None = None
+        # Log lines from here on, in this task and the legs' tasks, are about this request.
+        ids = logs.bind(request_id, request.headers.get("traceparent"))
         try:
             raw = await read_body(request, self.config.max_body_bytes)
             parsed = parse_request(raw, route)
@@ -349,6 +352,7 @@ class Gateway:
                 self._record(flow.outcome(status, error))
                 if self.admission is not None:
                     self.admission.kick()
+            logs.unbind(ids)
 
     async def _schedule(
         self,
@@ -452,7 +456,17 @@ class Gateway:
         ttfb = outcome.ttfb_s
         self._count(outcome, total, ttfb)
         self.request_log.add(_record_of(outcome, total, ttfb, clock.wall() - total))
-        if log.isEnabledFor(logging.DEBUG):
+        if outcome.status >= 500 and outcome.status != 503:  # 503: refused for capacity, said to the client
+            log.warning(
+                "%s %s %s failed with %s after %.3fs: %s",
+                outcome.request_id,
+                outcome.route,
+                outcome.mode or "unscheduled",
+                outcome.status,
+                total,
+                outcome.error,
+            )
+        elif log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "%s %s %s -> %s in %.4fs (%s)",
                 outcome.request_id,

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from vllm_disagg import logs
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.control.kv_moves import KvMover, failed
 from vllm_disagg.orchestrator.gateway.workers.messages import (
@@ -177,6 +178,7 @@ class WorkerHub:
             "vllm_disagg.orchestrator.gateway.workers.worker",
             self.endpoint,
             str(index),
+            *logs.child_argv(),
         ]
         if self._config.preload_tokenizer_libs:
             argv.append("--preload-tokenizer-libs")  # before it says Hello: the imports take seconds

@@ -9,6 +9,7 @@ the orchestrator process dies (the kernel sends it SIGTERM then: ``die_with_pare
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import itertools
@@ -24,7 +25,7 @@ import zmq
 import zmq.asyncio
 from aiohttp import web
 
-from vllm_disagg import runtime
+from vllm_disagg import logs, runtime
 from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import OrchestratorUnreachable
@@ -316,11 +317,13 @@ async def serve(link: str, index: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     link, index = args[0], int(args[1])
-    if "--preload-tokenizer-libs" in args[2:]:
+    flags = argparse.ArgumentParser(prog="gateway worker")
+    flags.add_argument("--preload-tokenizer-libs", action="store_true")
+    logs.add_arguments(flags)
+    options = flags.parse_args(args[2:])
+    logs.configure(options.log_level, options.log_format, f"worker-{index}")
+    if options.preload_tokenizer_libs:
         preload_tokenizer_libs()  # as the orchestrator: never mid-traffic
-    logging.basicConfig(
-        level=logging.INFO, format=f"%(asctime)s worker-{index} %(levelname)s %(name)s: %(message)s"
-    )
     runtime.asyncio_run(serve(link, index))
     return 0
 

@@ -1,0 +1,41 @@
+"""``up --log-format json``: the orchestrator, its gateway workers and the agents write JSON lines, and
+the lines about a request carry its request id and the client's trace id, whichever process served it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+
+from tests.e2e.up_support import start_up, stop
+from vllm_disagg import jsonutil
+
+MODEL = "sim-model"
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+REQUESTS = 16  # all on one of the two serving processes: 2 in 65,536
+
+
+async def test_every_process_logs_json_lines_and_a_requests_lines_carry_its_ids(tmp_path: Path) -> None:
+    flags = ("--log-format", "json", "--log-level", "debug", "--gateway-workers", "2")
+    running = start_up(tmp_path, 1, 1, *flags)
+    try:
+        for i in range(REQUESTS):
+            # A connection each: the kernel spreads connections over the processes sharing the port.
+            async with aiohttp.ClientSession() as session:
+                headers = {"X-Request-Id": f"json-{i}", "traceparent": f"00-{TRACE_ID}-00f067aa0ba902b7-01"}
+                body = {"model": MODEL, "prompt": f"a prompt {i}", "max_tokens": 4}
+                async with session.post(running.base + "/v1/completions", json=body, headers=headers) as resp:
+                    assert resp.status == 200, await resp.text()
+    finally:
+        assert stop(running) == 0
+    lines = [jsonutil.loads(line) for line in running.log.read_text().splitlines() if line.startswith("{")]
+    processes = {line.get("process") for line in lines}
+    assert {"orchestrator", "worker-1", "agent prefill-0", "agent decode-0"} <= processes, processes
+    text = [line for line in running.log.read_text().splitlines() if " agent decode-0 INFO " in line]
+    assert not text, f"text lines from an agent told to write JSON: {text[:3]}"
+    for i in range(REQUESTS):
+        about = [line for line in lines if line.get("request_id") == f"json-{i}"]
+        assert about, f"no line about json-{i}"
+        assert {line["trace_id"] for line in about} == {TRACE_ID}
+    served_by = {line["process"] for line in lines if line.get("request_id")}
+    assert served_by == {"orchestrator", "worker-1"}, "both serving processes logged requests"
