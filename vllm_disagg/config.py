@@ -256,6 +256,52 @@ class AdmissionConfig:
                 raise ConfigError(f"admission.{name} must be an HTTP header name")
 
 
+TRACE_EXPORTERS = ("otlp", "console")
+TRACE_PROTOCOLS = ("http/protobuf", "grpc")
+TRACE_SAMPLERS = (
+    "always_on",
+    "always_off",
+    "traceidratio",
+    "parentbased_always_on",
+    "parentbased_always_off",
+    "parentbased_traceidratio",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TracingConfig:
+    """OpenTelemetry traces of the gateway's requests (docs/observability.md, Traces): where spans go.
+
+    ``endpoint``: the OTLP traces URL (``http://collector:4318/v1/traces``; for grpc ``host:4317``);
+    "" leaves it to the exporter (``OTEL_EXPORTER_OTLP_*`` or its default). ``sampler`` and
+    ``sampler_arg`` are ``OTEL_TRACES_SAMPLER``'s and ``OTEL_TRACES_SAMPLER_ARG``'s values.
+    """
+
+    exporter: str = "otlp"
+    endpoint: str = ""
+    protocol: str = "http/protobuf"
+    service_name: str = "vllm-disagg"
+    sampler: str = "parentbased_always_on"
+    sampler_arg: str = ""
+
+    def __post_init__(self) -> None:
+        if self.exporter not in TRACE_EXPORTERS:
+            raise ConfigError(f"tracing.exporter must be one of {TRACE_EXPORTERS}, got {self.exporter!r}")
+        if self.protocol not in TRACE_PROTOCOLS:
+            raise ConfigError(f"tracing.protocol must be one of {TRACE_PROTOCOLS}, got {self.protocol!r}")
+        if not self.service_name:
+            raise ConfigError("tracing.service_name must not be empty")
+        if self.sampler not in TRACE_SAMPLERS:
+            raise ConfigError(f"tracing.sampler must be one of {TRACE_SAMPLERS}, got {self.sampler!r}")
+        if self.sampler_arg:
+            try:
+                ratio = float(self.sampler_arg)
+            except ValueError:
+                ratio = -1.0
+            if not 0.0 <= ratio <= 1.0:
+                raise ConfigError(f"tracing.sampler_arg must be a ratio in [0, 1], got {self.sampler_arg!r}")
+
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """The orchestrator: gateway, registry, agent endpoint."""
@@ -324,6 +370,8 @@ class OrchestratorConfig:
     forward_client_authorization: bool = False
     # --- replicas (docs/operations.md): one replica of a cluster in etcd; None: a single orchestrator
     replica: ReplicaConfig | None = None
+    # OpenTelemetry traces of requests (docs/observability.md); None: off, no span is made.
+    tracing: TracingConfig | None = None
 
     def __post_init__(self) -> None:
         _port("orchestrator", "port", self.port)
@@ -424,6 +472,10 @@ class AgentConfig:
     kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU
+    # The launched vLLM's OpenTelemetry spans (its --otlp-traces-endpoint), over this OTLP protocol;
+    # "": it makes none (docs/observability.md, Traces).
+    otlp_traces_endpoint: str = ""
+    otlp_traces_protocol: str = "http/protobuf"
     # Topology labels said in the Hello (``InstanceInfo.labels``; ``agent/labels.py``), sorted by key.
     labels: tuple[tuple[str, str], ...] = ()
 
@@ -466,6 +518,10 @@ class AgentConfig:
         _port("agent", "kv_events_port", self.kv_events_port)
         _port("agent", "kv_pool_port", self.kv_pool_port)
         _positive("agent", max_model_len=self.max_model_len, kv_cache_space_gib=self.kv_cache_space_gib)
+        if self.otlp_traces_protocol not in TRACE_PROTOCOLS:
+            raise ConfigError(
+                f"agent.otlp_traces_protocol: one of {TRACE_PROTOCOLS}, got {self.otlp_traces_protocol!r}"
+            )
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(
                 f"agent.kv_events_endpoint must be a ZeroMQ endpoint, got {self.kv_events_endpoint!r}"

@@ -1,5 +1,6 @@
-"""``up --log-format json``: the orchestrator, its gateway workers and the agents write JSON lines, and
-the lines about a request carry its request id and the client's trace id, whichever process served it."""
+"""``up --log-format json --otlp-traces-endpoint``: the orchestrator, its gateway workers and the agents
+write JSON lines; the lines about a request carry its request id and the client's trace id, and its
+spans reach the OTLP endpoint, whichever process served it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import aiohttp
 
-from tests.e2e.up_support import start_up, stop
+from tests.e2e.up_support import Cluster, start_up, stop
+from tests.otlp_receiver import ThreadedReceiver
 from vllm_disagg import jsonutil
 
 MODEL = "sim-model"
@@ -15,9 +17,23 @@ TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 REQUESTS = 16  # all on one of the two serving processes: 2 in 65,536
 
 
-async def test_every_process_logs_json_lines_and_a_requests_lines_carry_its_ids(tmp_path: Path) -> None:
+async def test_every_process_logs_json_lines_and_traces_and_a_requests_lines_and_spans_carry_its_ids(
+    tmp_path: Path,
+) -> None:
+    traces = ThreadedReceiver()  # on its own thread: ``stop`` blocks this one while spans are flushed
     flags = ("--log-format", "json", "--log-level", "debug", "--gateway-workers", "2")
-    running = start_up(tmp_path, 1, 1, *flags)
+    try:
+        running = start_up(tmp_path, 1, 1, *flags, "--otlp-traces-endpoint", traces.url)
+        await _serve_and_check(running)
+        spans = traces.spans
+    finally:
+        traces.close()
+    served = {s.attributes["vllm_disagg.request_id"] for s in spans if s.name == "POST /v1/completions"}
+    assert served == {f"json-{i}" for i in range(REQUESTS)}, "every request's span, from both processes"
+    assert {s.trace_id for s in spans} == {TRACE_ID}
+
+
+async def _serve_and_check(running: Cluster) -> None:
     try:
         for i in range(REQUESTS):
             # A connection each: the kernel spreads connections over the processes sharing the port.

@@ -120,6 +120,13 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ("--kv-events-port", "kv_events_port", int, "KV cache events PUB port (0: engine port+2000)"),
     ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),
     ("--kv-cache-space-gib", "kv_cache_space_gib", int, "VLLM_CPU_KVCACHE_SPACE on CPU"),
+    (
+        "--otlp-traces-endpoint",
+        "otlp_traces_endpoint",
+        str,
+        "the launched vLLM's OTLP traces URL",
+    ),
+    ("--otlp-traces-protocol", "otlp_traces_protocol", str, "its OTLP protocol: http/protobuf or grpc"),
 )
 
 

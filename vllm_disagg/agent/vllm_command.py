@@ -175,6 +175,8 @@ def vllm_argv(cfg: AgentConfig, device: Device) -> list[str]:
     if uses_pool(cfg):
         # Block hashes every engine and agent computes alike: the pool's keys (wire/block_hash.py).
         argv += ["--prefix-caching-hash-algo", HASH_ALGO]
+    if cfg.otlp_traces_endpoint:  # its spans join the gateway's: each leg sends its traceparent
+        argv += ["--otlp-traces-endpoint", cfg.otlp_traces_endpoint]
     return [*argv, *cfg.extra_engine_args]
 
 
@@ -194,6 +196,11 @@ def vllm_env(cfg: AgentConfig, device: Device) -> dict[str, str]:
         if device == "cpu":
             # NIXL's progress thread spins a core per engine, idle or not: let it have what is left.
             env[NIXL_PROGRESS_NICE_ENV] = str(NIXL_PROGRESS_NICE)
+    if cfg.otlp_traces_endpoint:
+        env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = cfg.otlp_traces_protocol  # vLLM's default: grpc
+        # Its spans say which engine made them: the orchestrator's service name is not the engine's.
+        env["OTEL_SERVICE_NAME"] = "vllm"
+        env["OTEL_RESOURCE_ATTRIBUTES"] = f"vllm_disagg.instance={cfg.agent_id},vllm_disagg.role={cfg.role}"
     if device == "cpu":
         env["VLLM_TARGET_DEVICE"] = "cpu"
         env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_space_gib)

@@ -25,6 +25,7 @@ from vllm_disagg.bench.compare import (
     render_comparison,
     run_comparison,
 )
+from vllm_disagg.bench.otlp_sink import OtlpSink
 from vllm_disagg.cli.up import ClusterSpec, LocalCluster, fetch_instances
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.gateway.handoff import decode_body, prefill_body
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-chars", type=int, default=256, help="prompt length (sim: 1 token/byte)")
     parser.add_argument("--port", type=int, default=18000, help="gateway port (engines use the next ones)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--tracing",
+        action="store_true",
+        help="the orchestrator traces every request, exporting over OTLP/HTTP to a sink in this process",
+    )
     side = parser.add_argument_group("side by side with other routers (docs/benchmarks.md)")
     side.add_argument(
         "--compare",
@@ -121,6 +127,8 @@ class Client:
 
 async def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
     """Start the cluster, measure every scenario, stop the cluster; the figures as one object."""
+    sink = await OtlpSink().start() if getattr(args, "tracing", False) else None
+    traced = ("--otlp-traces-endpoint", sink.url, "--otel-traces-sampler", "always_on") if sink else ()
     spec = ClusterSpec(
         engine="sim",
         model="sim-model",
@@ -128,6 +136,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
         zmq_port=args.port + 1,
         engine_base_port=args.port + 2,
         stop_grace_s=5.0,
+        extra_orchestrator_args=traced,
     )
     cluster = LocalCluster(spec)
     try:
@@ -148,7 +157,12 @@ async def run_benchmark(args: argparse.Namespace) -> dict[str, object]:
             ]
     finally:
         await cluster.stop()
-    return summarise(results, args)
+        if sink is not None:
+            await sink.close()
+    report = summarise(results, args)
+    if sink is not None:
+        report["tracing"] = {"exports": sink.exports, "bytes": sink.bytes}
+    return report
 
 
 async def _scenario(client: Client, gateway_pid: int, scenario: Scenario, args: argparse.Namespace) -> Result:
@@ -222,6 +236,11 @@ def render_table(report: dict[str, object]) -> str:
             f"{c:>5} {'yes' if stream else 'no':>6} {direct.p50_ms:>9.3f}ms {gw.p50_ms:>7.3f}ms "
             f"{gw.p50_ms - direct.p50_ms:>8.3f}ms {gw.p99_ms - direct.p99_ms:>8.3f}ms "
             f"{direct.rps:>11.0f} {gw.rps:>8.0f} {cpu:>9.3f}ms"
+        )
+    tracing = report.get("tracing")
+    if isinstance(tracing, dict):
+        lines.append(
+            f"tracing on: every request traced, {tracing['exports']} OTLP exports, {tracing['bytes']:,} bytes"
         )
     return "\n".join(lines)
 

@@ -48,7 +48,12 @@ from vllm_disagg.orchestrator.admin.auth import (
     load_admin_token,
     write_admin_token,
 )
-from vllm_disagg.orchestrator.flags import add_shared_arguments, shared_argv
+from vllm_disagg.orchestrator.flags import (
+    add_shared_arguments,
+    add_tracing_arguments,
+    shared_argv,
+    tracing_argv,
+)
 from vllm_disagg.protocol.curve import make_keypair
 from vllm_disagg.runtime import run_service
 
@@ -249,6 +254,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ready-timeout-s", type=float, default=None, help="give up if not ready by then")
     parser.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s, help="SIGTERM, then SIGKILL")
     logs.add_arguments(parser)  # the orchestrator's and the agents' (up itself prints)
+    add_tracing_arguments(
+        parser.add_argument_group("OpenTelemetry traces: the orchestrator's, and the vLLM engines' too")
+    )
     parser.add_argument(
         "--role-switch",
         choices=("auto", "restart"),
@@ -314,7 +322,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
             ("--scheduler-config", os.path.abspath(args.scheduler_config)) if args.scheduler_config else ()
         )
         + (("--planner-config", os.path.abspath(args.planner_config)) if args.planner_config else ())
-        + shared_argv(args),
+        + shared_argv(args)
+        + tracing_argv(args),
         sim_timing=tuple(
             (name, str(getattr(args, name)))
             for _, name, _ in sim_timing_flags()
@@ -325,6 +334,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         instance_labels=tuple(args.instance_labels),
         log_level=args.log_level,
         log_format=args.log_format,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or "",
+        otlp_traces_protocol=args.otlp_protocol or "http/protobuf",
     )
     spec = _with_admin_token(spec, args.admin_token_file)
     spec.plans()

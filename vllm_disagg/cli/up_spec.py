@@ -71,6 +71,10 @@ class ClusterSpec:
     # Every child's logging (``--log-level``, ``--log-format``; docs/observability.md, Logs).
     log_level: str = "INFO"
     log_format: str = "text"
+    # Where the vLLM engines send their spans (``--otlp-traces-endpoint``; the orchestrator's own go
+    # there too, through ``extra_orchestrator_args``); "": no engine traces.
+    otlp_traces_endpoint: str = ""
+    otlp_traces_protocol: str = "http/protobuf"
 
     def labels_of(self, agent_id: str) -> dict[str, str]:
         """The labels instance ``agent_id`` gets."""
@@ -206,6 +210,9 @@ class ClusterSpec:
                 # The engines can saturate every core; the agents' heartbeats must still get through.
                 "--engine-nice", "10",
             ]  # fmt: skip
+            if self.otlp_traces_endpoint:
+                argv += ["--otlp-traces-endpoint", self.otlp_traces_endpoint]
+                argv += ["--otlp-traces-protocol", self.otlp_traces_protocol]
             if self.engine_args:
                 argv += ["--engine-args", self.engine_args]
         for name, value in self.sim_timing:

@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from vllm_disagg.config import AdmissionConfig, OrchestratorConfig
+from vllm_disagg.config import (
+    TRACE_PROTOCOLS,
+    TRACE_SAMPLERS,
+    AdmissionConfig,
+    OrchestratorConfig,
+    TracingConfig,
+)
 from vllm_disagg.errors import ConfigError
 
 _DEFAULTS = OrchestratorConfig()
@@ -207,3 +214,68 @@ def shared_argv(args: argparse.Namespace) -> tuple[str, ...]:
     if getattr(args, "forward_priority", None):
         argv.append("--forward-priority")
     return tuple(argv)
+
+
+# OpenTelemetry traces (docs/observability.md, Traces): each flag stands for the standard variable named,
+# which it overrides; tracing is on when an exporter or an endpoint is given either way.
+TRACING_FLAGS: tuple[tuple[str, str, str, str], ...] = (
+    (
+        "--otlp-traces-endpoint",
+        "otlp_traces_endpoint",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "the OTLP traces URL",
+    ),
+    (
+        "--otlp-protocol",
+        "otlp_protocol",
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        f"one of {', '.join(TRACE_PROTOCOLS)}",
+    ),
+    ("--otel-traces-exporter", "otel_traces_exporter", "OTEL_TRACES_EXPORTER", "otlp, console or none"),
+    ("--otel-service-name", "otel_service_name", "OTEL_SERVICE_NAME", "the service name of the spans"),
+    ("--otel-traces-sampler", "otel_traces_sampler", "OTEL_TRACES_SAMPLER", ", ".join(TRACE_SAMPLERS)),
+    ("--otel-traces-sampler-arg", "otel_traces_sampler_arg", "OTEL_TRACES_SAMPLER_ARG", "a sampling ratio"),
+)
+
+
+def add_tracing_arguments(group: Any) -> None:
+    """The tracing flags, on ``vllm-disagg orchestrator`` and ``up``."""
+    for flag, dest, variable, meaning in TRACING_FLAGS:
+        group.add_argument(flag, dest=dest, default=None, help=f"{meaning} (${variable})")
+
+
+def tracing_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> TracingConfig | None:
+    """The traces the flags and the standard variables ask for; None (off) unless an exporter or an
+    endpoint is given, or when ``OTEL_SDK_DISABLED`` is true. Raises ``ConfigError``."""
+
+    def value(dest: str, variable: str) -> str:
+        given = getattr(args, dest, None)
+        return str(given) if given is not None else environ.get(variable, "").strip()
+
+    settings = {dest: value(dest, variable) for _, dest, variable, _ in TRACING_FLAGS}
+    endpoint = settings["otlp_traces_endpoint"]
+    # OTEL_EXPORTER_OTLP_ENDPOINT alone also asks for traces: the exporter derives their URL from it.
+    configured = bool(endpoint or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "").strip())
+    exporter = settings["otel_traces_exporter"].lower()
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporter == "none":
+        return None
+    if not exporter and not configured:
+        return None
+    return TracingConfig(
+        exporter=exporter or "otlp",
+        endpoint=endpoint,
+        protocol=settings["otlp_protocol"] or "http/protobuf",
+        service_name=settings["otel_service_name"] or "vllm-disagg",
+        sampler=(settings["otel_traces_sampler"] or "parentbased_always_on").lower(),
+        sampler_arg=settings["otel_traces_sampler_arg"],
+    )
+
+
+def tracing_argv(args: argparse.Namespace) -> tuple[str, ...]:
+    """The tracing flags given to ``up``, for its orchestrator."""
+    out: list[str] = []
+    for flag, dest, _, _ in TRACING_FLAGS:
+        given = getattr(args, dest, None)
+        if given is not None:
+            out += [flag, str(given)]
+    return tuple(out)

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 
 from vllm_disagg import logs
 from vllm_disagg.config import OrchestratorConfig, ReplicaConfig
@@ -18,7 +19,13 @@ from vllm_disagg.orchestrator.admin.auth import (
 )
 from vllm_disagg.orchestrator.app import start_orchestrator
 from vllm_disagg.orchestrator.control.plane import load_server_curve
-from vllm_disagg.orchestrator.flags import SHARED_FLAGS, add_shared_arguments, admission_from_args
+from vllm_disagg.orchestrator.flags import (
+    SHARED_FLAGS,
+    add_shared_arguments,
+    add_tracing_arguments,
+    admission_from_args,
+    tracing_from_args,
+)
 from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
@@ -148,6 +155,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --etcd: the leader's lease in seconds; a new leader takes over within about this",
     )
     logs.add_arguments(parser)
+    add_tracing_arguments(parser.add_argument_group("OpenTelemetry traces (docs/observability.md)"))
 
 
 def replica_from_args(args: argparse.Namespace) -> ReplicaConfig | None:
@@ -188,6 +196,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         agent_keys_dir=args.agent_keys_dir,
         replica=replica_from_args(args),
         admission=admission_from_args(args),
+        tracing=tracing_from_args(args, os.environ),
     )
 
 

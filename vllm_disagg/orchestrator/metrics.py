@@ -115,6 +115,18 @@ class OrchestratorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self._transfer_window = Histogram(
+            "vllm_disagg_kv_transfer_window_seconds",
+            "A streamed disaggregated request: from the end of its prefill leg to D's first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._decode_first = Histogram(
+            "vllm_disagg_decode_first_token_seconds",
+            "A stream's decode leg alone: from its start to its first token (TTFT of the decode leg)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self._tpot = Histogram(
             "vllm_disagg_time_per_output_token_seconds",
             "A stream's time per output token after the first, as its client saw it (resumes included)",
@@ -365,6 +377,8 @@ class OrchestratorMetrics:
         handoff_s: float | None = None,
         queue_s: float | None = None,
         tpot_s: float | None = None,
+        transfer_window_s: float | None = None,
+        decode_first_s: float | None = None,
     ) -> None:
         """Record one finished client request (``mode``: disaggregated, colocated, fallback, none)."""
         self._request_children[route, mode, status].inc()
@@ -382,6 +396,10 @@ class OrchestratorMetrics:
             self._prefill.observe(prefill_s)
         if ttfb_s is not None:
             self._ttfb.observe(ttfb_s)
+        if transfer_window_s is not None:
+            self._transfer_window.observe(transfer_window_s)
+        if decode_first_s is not None:
+            self._decode_first.observe(decode_first_s)
 
     def refused(self, code: str) -> None:
         """Count a Refuse sent to an agent."""

@@ -143,3 +143,31 @@ def test_a_label_without_a_value_sign_is_refused_by_the_parser(capsys: pytest.Ca
     with pytest.raises(SystemExit):
         spec_of("--instance-label", "decode-0")
     assert "expected AGENT_ID:KEY=VALUE" in capsys.readouterr().err
+
+
+def test_tracing_flags_reach_the_orchestrator_and_the_vllm_engines_the_agents_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for variable in (
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_TRACES_EXPORTER",
+    ):
+        monkeypatch.delenv(variable, raising=False)
+    url = "http://127.0.0.1:4318/v1/traces"
+    argv = orchestrator_argv_of("--otlp-traces-endpoint", url, "--otel-traces-sampler", "always_on")
+    parser = argparse.ArgumentParser()
+    orchestrator_main.add_arguments(parser)
+    config = orchestrator_main.config_from_args(parser.parse_args(argv[argv.index("orchestrator") + 1 :]))
+    assert config.tracing is not None and (config.tracing.endpoint, config.tracing.sampler) == (
+        url,
+        "always_on",
+    )
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = ["--prefill", "1", "--decode", "1", "--otlp-traces-endpoint", url]
+    vllm = spec_from_args(parser.parse_args(["--engine", "vllm", *flags]))
+    for agent in (vllm.agent_argv(plan) for plan in vllm.plans()):
+        assert agent[agent.index("--otlp-traces-endpoint") + 1] == url
+        assert agent[agent.index("--otlp-traces-protocol") + 1] == "http/protobuf"
+    assert not any("--otlp-traces-endpoint" in agent for agent in spec_of()), "none without the flag"

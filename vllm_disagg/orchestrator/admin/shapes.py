@@ -91,11 +91,13 @@ def record_json(record: RequestRecord) -> dict[str, Any]:
     out["admission"] = dict(record.admission)
     timeline = {stage: round(record.timeline[stage], 6) for stage in STAGES if stage in record.timeline}
     out["timeline"] = timeline
-    out["stages"] = _stage_durations(timeline)
+    out["stages"] = _stage_durations(timeline, record.mode == "disaggregated")
+    if record.gateway_s is not None:
+        out["stages"]["gateway_s"] = round(record.gateway_s, 6)
     return out
 
 
-def _stage_durations(t: dict[str, float]) -> dict[str, float]:
+def _stage_durations(t: dict[str, float], disaggregated: bool) -> dict[str, float]:
     """Queue, prefill, handoff, first and last token as durations, from the timeline's offsets."""
     out: dict[str, float] = {}
     if "queued" in t and "admitted" in t:
@@ -107,7 +109,11 @@ def _stage_durations(t: dict[str, float]) -> dict[str, float]:
     if "prefill_end" in t and "decode_start" in t:
         out["handoff_s"] = round(t["decode_start"] - t["prefill_end"], 6)
     if "first_token" in t:
-        out["first_token_s"] = t["first_token"]
+        out["first_token_s"] = t["first_token"]  # the client's TTFT (a stream)
+        if disaggregated and "prefill_end" in t:  # the KV's way to D, its pull and D's first step
+            out["transfer_window_s"] = round(t["first_token"] - t["prefill_end"], 6)
+        if "decode_start" in t:  # the decode leg's own TTFT
+            out["decode_first_token_s"] = round(t["first_token"] - t["decode_start"], 6)
     if "last_token" in t:
         out["last_token_s"] = t["last_token"]
     return out

@@ -124,6 +124,22 @@ class Outcome:
         return None
 
     @property
+    def transfer_window_s(self) -> float | None:
+        """A streamed disaggregated request: from its prefill leg's end to D's first token (the KV's
+        way to D, D's pull of it, and D's first step)."""
+        first, stamps = self.first_byte, self.stamps
+        if self.stream and self.mode == "disaggregated" and first is not None and "prefill_end" in stamps:
+            return first - stamps["prefill_end"]
+        return None
+
+    @property
+    def decode_first_s(self) -> float | None:
+        """A stream's decode leg alone, from its start to its first token."""
+        if self.stream and self.first_byte is not None and "decode_start" in self.stamps:
+            return self.first_byte - self.stamps["decode_start"]
+        return None
+
+    @property
     def ttft_seen_s(self) -> float | None:
         """The TTFT the gateway sees: a stream's first byte, else the end of a prefill leg."""
         if self.stream:

@@ -42,7 +42,12 @@ from vllm_disagg.orchestrator.gateway.handoff import (
 )
 from vllm_disagg.orchestrator.gateway.parsing import ParsedRequest, Route
 from vllm_disagg.orchestrator.gateway.records import Attempt
-from vllm_disagg.orchestrator.gateway.resume import StreamState, resumable
+from vllm_disagg.orchestrator.gateway.resume import (
+    StreamState,
+    resumable,
+    resumable_decode_body,
+    stream_state,
+)
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest, ClientStream
 from vllm_disagg.orchestrator.gateway.streaming import (
     LegTiming,
@@ -51,6 +56,7 @@ from vllm_disagg.orchestrator.gateway.streaming import (
     end_with_error,
     run_decode,
 )
+from vllm_disagg.orchestrator.gateway.tracing import NO_TRACE, NoTrace
 from vllm_disagg.orchestrator.scheduling.framework import Decision, SchedulingRequest
 from vllm_disagg.orchestrator.scheduling.recovery import (
     colocated_pick,
@@ -83,8 +89,10 @@ class Flow:
         up_headers: dict[str, str],
         out_headers: dict[str, str],
         t0: float,
+        trace: NoTrace = NO_TRACE,
     ) -> None:
         self.gw = gateway
+        self.trace = trace  # the request's spans (tracing.py); a leg's headers carry its own
         self.request = request
         self.route = route
         self.parsed = parsed
@@ -139,8 +147,12 @@ class Flow:
     def _attempt(self, leg: str, instance: str, started: float, outcome: str, error: str = "") -> None:
         now = self.gw.clock.monotonic()
         self.attempts.append(Attempt(leg, instance, started - self.t0, now - self.t0, outcome, error))
+        self.trace.attempt(leg, instance, started, now, outcome, error)
         if outcome != "ok":  # what a retry, a fallback or a resume follows: one line each
             log.info("%s: %s on %s ended %s: %s", self.scheduling.request_id, leg, instance, outcome, error)
+
+    def _leg_headers(self, leg: str, instance: str, started: float) -> dict[str, str]:
+        return self.trace.leg_headers(leg, instance, started, self.up_headers)  # its span's traceparent
 
     def _excluding(self) -> SchedulingRequest:
         return dataclasses.replace(self.scheduling, exclude=frozenset(self.failed))
@@ -197,6 +209,7 @@ class Flow:
             "fallback", request_id=self.scheduling.request_id, cause=path_cause, decode=self.decode_id
         )
         log.info("%s: colocated on %s (%s)", self.scheduling.request_id, self.decode_id, path_cause)
+        self.trace.event("fallback", cause=path_cause, decode=self.decode_id)
         self.fallback = path_cause
         self.mode, self.prefill_id = "colocated", None
         self._set_headers()
@@ -211,7 +224,9 @@ class Flow:
         # Its own task, shielded: a client that leaves now must not strand the KV the prefill keeps
         # for a decode that will never come (vLLM holds it for its lease, 30 s by default).
         leg = asyncio.ensure_future(
-            run_prefill(gw.session_or_fail(), target, body, self.up_headers, gw.metrics)
+            run_prefill(
+                gw.session_or_fail(), target, body, self._leg_headers("prefill", p, started), gw.metrics
+            )
         )
         try:
             async with gw.watch.leg(p, target.describe()):
@@ -397,25 +412,14 @@ class Flow:
         return True
 
     def _stream_state(self, d: str) -> StreamState | None:
-        """The relay state of a resumable stream's decode leg on ``d``; None when its engine says no
-        token ids for this route: the stream is relayed as it comes (a cut ends it with an error)."""
+        """The relay state of a resumable stream's decode leg on ``d`` (``resume.stream_state``)."""
         if not self._resumable:
             return None
-        view = self.gw.registry.get(d)
-        if view is not None and not view.info.capabilities.token_ids(self.chat):
-            route = "chat" if self.chat else "completion"
-            self.not_resumable = "no_token_ids"
-            self.not_resumable_why = (
-                f"not resumable: decode instance '{d}' says no token ids in a streamed {route}"
-            )
-            return None
-        self.not_resumable = self.not_resumable_why = ""
-        return StreamState(
-            chat=self.chat,
-            client_ids=self.parsed.body.get("return_token_ids") is True,
-            max_tokens=self.parsed.max_tokens,
-            client_usage=self._client_usage,
+        parsed, view = self.parsed, self.gw.registry.get(d)
+        state, self.not_resumable, self.not_resumable_why = stream_state(
+            view, d, self.chat, parsed.body, parsed.max_tokens, self._client_usage
         )
+        return state
 
     def outcome(self, status: int, error: str) -> Outcome:
         """What the request came to, once it ended with ``status`` (``error`` saying why, if it failed)."""
@@ -471,15 +475,9 @@ class Flow:
         """The decode leg's body: the client's bytes when nothing needs to change."""
         if self.state is None:
             return decode_body(self.parsed.body, kv) if kv is not None else self.raw
-        body = dict(self.parsed.body, return_token_ids=True)  # what a resume starts from
         # Only where D's figure says what it loaded (not vLLM 0.32's echo of P's cache hits).
         judged = kv is not None and self.prefilled is not None and self.prefilled.decode_reports_loading
-        self.state.forced_usage = judged and not self._client_usage
-        if self.state.forced_usage:
-            # The usage tells whether D loaded the KV or recomputed it (``_recomputed``); the relay
-            # drops it again for a client that did not ask.
-            body["stream_options"] = {"include_usage": True}
-        return decode_body(body, kv) if kv is not None else dumps_leg(body)
+        return resumable_decode_body(self.parsed.body, kv, self.state, judged, self._client_usage)
 
     async def _end_cut(self, out: ClientStream) -> None:
         """A stream its engine cut: complete (only ``[DONE]`` was missing), resumed, or ended honestly."""
@@ -511,6 +509,7 @@ class Flow:
             gw.metrics.resume(cause)
             gw.events.publish("resume", request_id=self.scheduling.request_id, cause=cause, to=d)
             log.info("%s: the stream resumes on %s (%s)", self.scheduling.request_id, d, cause)
+            self.trace.event("resume", cause=cause, to=d)
             state.start_leg()
             self.resumes = state.resumes
             self.mode, self.prefill_id, self.decode_id = "colocated", None, d
@@ -523,7 +522,7 @@ class Flow:
                     gw.session_or_fail(),
                     target,
                     dumps_leg(body),
-                    self.up_headers,
+                    self._leg_headers("resume", d, started),
                     gw.metrics,
                     gw.clock.monotonic,
                     timing,
@@ -572,7 +571,7 @@ class Flow:
                 gw.session_or_fail(),
                 target,
                 body,
-                self.up_headers,
+                self._leg_headers("decode", d, started),
                 self.out_headers,
                 self.parsed.stream,
                 gw.metrics,

@@ -77,6 +77,7 @@ class RequestRecord:
     kv_check: str = ""
     # Its admission (docs/admission.md): priority, tenant, and ``queued_s`` when it waited.
     admission: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
+    gateway_s: float | None = None  # the gateway's own time: all of it but the engine legs
 
 
 REQUEST_LOG_CAPACITY = 1000  # records each gateway process keeps

@@ -31,7 +31,9 @@ from typing import Any
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import UpstreamError
+from vllm_disagg.orchestrator.gateway.handoff import decode_body, dumps_leg
 from vllm_disagg.orchestrator.gateway.server import ClientStream
+from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.wire.sse import EventFramer, data_of, with_data
 from vllm_disagg.wire.stream_chunk import StreamChunk, is_error, read_chunk
 
@@ -77,6 +79,33 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 
 class StreamBroken(UpstreamError):
     """The engine's stream broke off or reported an error after its first event."""
+
+
+def stream_state(
+    view: InstanceView | None, d: str, chat: bool, body: dict[str, Any], max_tokens: int | None, usage: bool
+) -> tuple[StreamState | None, str, str]:
+    """The relay state of a resumable stream's decode leg on ``d`` (``view``), and why not (a reason, a
+    sentence): none when its engine says no token ids for this route, so the stream is relayed as it
+    comes (a cut ends it with an error). ``usage``: the client asked for the usage."""
+    if view is not None and not view.info.capabilities.token_ids(chat):
+        route = "chat" if chat else "completion"
+        why = f"not resumable: decode instance '{d}' says no token ids in a streamed {route}"
+        return None, "no_token_ids", why
+    client_ids = body.get("return_token_ids") is True
+    return StreamState(chat=chat, client_ids=client_ids, max_tokens=max_tokens, client_usage=usage), "", ""
+
+
+def resumable_decode_body(
+    body: dict[str, Any], kv: Any | None, state: StreamState, judged: bool, client_usage: bool
+) -> bytes:
+    """A resumable stream's decode leg body: it asks for token ids (what a resume starts from) and,
+    where D's usage tells whether it loaded the KV or recomputed it (``judged``), for the usage, which
+    the relay drops again for a client that did not ask (``state.forced_usage``)."""
+    leg = dict(body, return_token_ids=True)
+    state.forced_usage = judged and not client_usage
+    if state.forced_usage:
+        leg["stream_options"] = {"include_usage": True}
+    return decode_body(leg, kv) if kv is not None else dumps_leg(leg)
 
 
 def resumable(body: dict[str, Any], chat: bool) -> bool:

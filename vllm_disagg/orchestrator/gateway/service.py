@@ -60,6 +60,7 @@ from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, Request
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest
 from vllm_disagg.orchestrator.gateway.slo import attainment, best_effort, request_slo, slo_class
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
+from vllm_disagg.orchestrator.gateway.tracing import NO_TRACE, NoTrace, Tracing, trace_decision
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineHTTPError
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
@@ -117,6 +118,7 @@ class Gateway:
         self.kv_mover = kv_mover
         self.slo_window = slo_window
         self.watch = LegWatch()
+        self.tracing = Tracing(config.tracing) if config.tracing is not None else None
         admission = config.admission
         self.admission = (
             Admission(admission, scheduler, registry, clock, metrics) if admission.enabled else None
@@ -223,6 +225,8 @@ class Gateway:
         if self.session is not None:
             await self.session.close()
             self.session = None
+        if self.tracing is not None:  # its last spans exported (blocking: off the loop)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     def instance_lost(self, agent_id: str, reason: str) -> None:
         """The registry says an instance is lost: fail its legs now, so they are retried or resumed."""
@@ -324,13 +328,19 @@ class Gateway:
         out_headers = {"X-Request-Id": request_id}
         model, stream, status, error = "", False, 500, ""
         flow: Flow | None = None
+        tracing = self.tracing
+        trace = (
+            NO_TRACE
+            if tracing is None
+            else tracing.request(request.method, PATHS[route], request.headers, request_id, t0)
+        )
         # Log lines from here on, in this task and the legs' tasks, are about this request.
-        ids = logs.bind(request_id, request.headers.get("traceparent"))
+        ids = logs.bind(request_id, trace.traceparent or request.headers.get("traceparent"))
         try:
             raw = await read_body(request, self.config.max_body_bytes)
             parsed = parse_request(raw, route)
             model, stream = parsed.model, parsed.stream
-            flow = await self._schedule(request, route, parsed, raw, request_id, out_headers, t0)
+            flow = await self._schedule(request, route, parsed, raw, request_id, out_headers, t0, trace)
             self._live.add(flow)
             response = await flow.run()
             timing = flow.timing
@@ -352,6 +362,7 @@ class Gateway:
                 self._record(flow.outcome(status, error))
                 if self.admission is not None:
                     self.admission.kick()
+            trace.end(status, error, self.clock.monotonic())
             logs.unbind(ids)
 
     async def _schedule(
@@ -363,6 +374,7 @@ class Gateway:
         request_id: str,
         out_headers: dict[str, str],
         t0: float,
+        trace: NoTrace,
     ) -> Flow:
         """The request scheduled, as its flow ready to run: what the scheduler knows of it (with the
         prompt's exact token ids where its tokenizer is loaded) and where it goes (a prefill instance
@@ -384,29 +396,24 @@ class Gateway:
         # Exact ids (None: not known) at once, or a future while the tokenize thread works.
         tokens = self.tokenizers.tokenize_nowait(parsed.model, route, parsed.body)
         if isinstance(tokens, asyncio.Future):
+            waited = self.clock.monotonic()
             tokens = await tokens
             # The registry and the clock moved on meanwhile.
             snapshot, now = self.registry.snapshot(), self.clock.monotonic()
+            trace.stage("tokenize", waited, now, model=parsed.model)
         scheduling = self.scheduling_request(request_id, route, parsed, tokens, pin, slo, pin_decode)
         decision, snapshot, pending = await self._decide(scheduling, snapshot, now, t0, priority, tenant)
         if slo != (None, None) and best_effort(scheduling, decision, snapshot):
             self.metrics.slo_best_effort(slo_class(*slo))
         t_decided = self.clock.monotonic()
         up_headers = self._upstream_headers(request, request_id)
-        flow = Flow(self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0)
+        flow = Flow(
+            self, request, route, parsed, raw, scheduling, decision, up_headers, out_headers, t0, trace
+        )
+        trace_decision(trace, now, t_decided, decision)
         flow.stamps["scheduled"] = t_decided
-        if pending is not None and pending.queued_at is not None and pending.admitted_at is not None:
-            flow.stamps["queued"] = pending.queued_at
-            flow.stamps["admitted"] = pending.admitted_at
         if pending is not None:
-            flow.admission = {
-                "priority": priority,
-                "tenant": tenant,
-                "predicted_ttft_s": round(pending.predicted_s, 6),
-            }
-            if pending.queued_at is not None and pending.admitted_at is not None:
-                flow.admission["queued_s"] = round(pending.admitted_at - pending.queued_at, 6)
-                flow.admission["held_by"] = pending.held_by
+            _admitted(flow, pending, priority, tenant, trace)
         if decision.kv_source is not None:
             flow.prompt_tokens = tokens  # the block keys its decode instance fetches
         return flow
@@ -499,6 +506,8 @@ class Gateway:
             handoff_s=outcome.handoff_s,
             queue_s=outcome.queue_s,
             tpot_s=outcome.tpot_s,
+            transfer_window_s=outcome.transfer_window_s,
+            decode_first_s=outcome.decode_first_s,
         )
 
     def _latency_seen(self, outcome: Outcome, ttft: float | None, tpot: float | None) -> None:
@@ -547,6 +556,21 @@ class Gateway:
         }
 
 
+def _admitted(flow: Flow, pending: Pending, priority: int, tenant: str, trace: NoTrace) -> None:
+    """What admission did with a request, in its record (and its trace, where it waited)."""
+    flow.admission = {
+        "priority": priority,
+        "tenant": tenant,
+        "predicted_ttft_s": round(pending.predicted_s, 6),
+    }
+    queued, admitted = pending.queued_at, pending.admitted_at
+    if queued is not None and admitted is not None:
+        flow.stamps["queued"], flow.stamps["admitted"] = queued, admitted
+        flow.admission["queued_s"] = round(admitted - queued, 6)
+        flow.admission["held_by"] = pending.held_by
+        trace.stage("admission", queued, admitted, priority=priority, tenant=tenant)
+
+
 def _record_of(outcome: Outcome, total: float, ttfb: float | None, started_wall: float) -> RequestRecord:
     """The request log's record of a finished request (``/admin/v1/requests/{id}``)."""
     t0 = outcome.t0
@@ -572,4 +596,5 @@ def _record_of(outcome: Outcome, total: float, ttfb: float | None, started_wall:
         relay=outcome.relay,
         unread_events=outcome.unread_events,
         admission=outcome.admission,
+        gateway_s=max(0.0, total - outcome.engine_s),
     )

@@ -65,6 +65,10 @@ class Explanation(Protocol):
         """A JSON-ready description."""
         ...
 
+    def summary(self) -> dict[str, str | int | float]:
+        """A few flat fields of it (the picks and their scores), cheap enough for every traced request."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

@@ -20,6 +20,9 @@ class _LastResort:
     def to_json(self) -> dict[str, object]:
         return {"scheduler": "last-resort", "reason": self.reason, "pick": self.pick}
 
+    def summary(self) -> dict[str, str | int | float]:
+        return {"decider": "last-resort", "reason": self.reason, "pick": self.pick}
+
 
 def last_resort(request: SchedulingRequest, snapshot: RegistrySnapshot, no_decode: NoCapacity) -> Decision:
     """No decode instance is ready: the least busy ready prefill instance serves the request by itself

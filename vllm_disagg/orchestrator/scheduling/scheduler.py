@@ -22,18 +22,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
-from vllm_disagg.orchestrator.scheduling import pins, shards
+from vllm_disagg.orchestrator.scheduling import explain, pins, shards
 from vllm_disagg.orchestrator.scheduling.config import (
     REQUIRED_FILTER,
     SchedulerConfig,
     build_plugins,
     default_config,
 )
+from vllm_disagg.orchestrator.scheduling.explain import PluginExplanation, ProfileTrace, Stage
 from vllm_disagg.orchestrator.scheduling.framework import (
     Decider,
     Decision,
@@ -59,149 +58,10 @@ from vllm_disagg.orchestrator.scheduling.predict import (
 from vllm_disagg.orchestrator.scheduling.shards import ShardConfig, Shards
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
-NAME = "plugins"
-_MAX_FILTERED_SHOWN = 64  # filtered-out instances listed per profile in an explanation
-
-
-@dataclass(slots=True)  # not frozen (built per decision; a frozen one costs twice as much): never mutated
-class _Stage:
-    """One filter's input and output: agent ids for the memoized filters, views for the others."""
-
-    filter: str
-    kept_in: Sequence[InstanceView] | Sequence[str]
-    kept_out: Sequence[InstanceView] | Sequence[str]
-    reasons: Mapping[str, str] | None = None  # filtered id -> why, from a filter's ``reasons``
-
+NAME = explain.NAME
 
 # A profile's eligible agent ids, their filter stages, the ids as a set, and their shards (None: flat).
-_Eligible = tuple[tuple[str, ...], tuple[_Stage, ...], frozenset[str], Shards | None]
-
-
-def _id(item: InstanceView | str) -> str:
-    return item if isinstance(item, str) else item.agent_id
-
-
-# Traces are built for every decision and read only when the admin API asks: plain (not frozen)
-# dataclasses, as a frozen one costs four times as much to build; nothing mutates them.
-@dataclass(slots=True)
-class ProfileTrace:
-    """How one profile reached its pick; rendered to JSON only when asked."""
-
-    profile: ProfileName
-    population: int  # instances of the model, any state
-    stages: tuple[_Stage, ...]
-    eligible: int  # after the snapshot-only filters
-    sampled: bool
-    candidates: Sequence[InstanceView]
-    scorers: tuple[tuple[str, float], ...]
-    totals: Sequence[float]
-    picker: str
-    picked: int  # index into candidates; -1 when none
-    # Each scorer's column; None after a fused pass, which gives only the totals: ``scores`` then
-    # computes them as the generic pass would have, from what a term may read (the request and the
-    # in-flight counts: ``framework.TermScorer``). Not the whole context: records keep their
-    # explanation, and a snapshot per record would hold every instance's view alive.
-    columns: tuple[Sequence[float], ...] | None = ()
-    basis: tuple[SchedulingRequest, float, Any, Mapping[str, int]] | None = None  # request, now, profile
-    plugins: tuple[Scorer, ...] = ()
-    shard: str | None = None  # the shard searched, where the profile is sharded (``shards.py``)
-
-    @property
-    def scores(self) -> tuple[Sequence[float], ...]:
-        """Each scorer's scores of the candidates, in the scorers' order."""
-        if self.columns is None:
-            assert self.basis is not None
-            request, now, profile, in_flight = self.basis
-            ctx = ProfileContext(request, _in_flight_only(in_flight), now, profile)
-            self.columns = tuple([s.score(ctx, self.candidates) for s in self.plugins])
-            self.basis = None
-        return self.columns
-
-    def to_json(self) -> dict[str, object]:
-        """Candidates with each scorer's score and the total (best first), the filtered, the pick."""
-        rows = []
-        for i, view in enumerate(self.candidates):
-            rows.append(
-                {
-                    "id": view.agent_id,
-                    "scores": {
-                        name: round(s[i], 6) for (name, _), s in zip(self.scorers, self.scores, strict=True)
-                    },
-                    "total": round(self.totals[i], 6),
-                }
-            )
-        rows.sort(key=lambda r: -float(r["total"]))  # type: ignore[arg-type]
-        filtered: list[dict[str, str]] = []
-        for stage in self.stages:
-            kept = {_id(v) for v in stage.kept_out}
-            why = stage.reasons or {}
-            filtered.extend(
-                {"id": _id(v), "filter": stage.filter} | ({"reason": why[_id(v)]} if _id(v) in why else {})
-                for v in stage.kept_in
-                if _id(v) not in kept
-            )
-        return {
-            "population": self.population,
-            "eligible": self.eligible,
-            "sampled": self.sampled,
-            **({"shard": self.shard} if self.shard is not None else {}),
-            "filtered": filtered[:_MAX_FILTERED_SHOWN],
-            "filtered_count": len(filtered),
-            "weights": dict(self.scorers),
-            "candidates": rows,
-            "picker": self.picker,
-            "pick": self.candidates[self.picked].agent_id if self.picked >= 0 else None,
-        }
-
-
-@dataclass(slots=True)
-class PluginExplanation:
-    """A whole decision: the request as the scheduler saw it, both profiles, and the decider."""
-
-    config: str
-    request: SchedulingRequest
-    decode: ProfileTrace
-    choice: ModeChoice
-    decider: str
-    prefill: ProfileTrace | None
-    pinned: str | None
-    pinned_decode: str | None = None  # the client's decode instance: then ``decode`` holds it alone
-    pairs: PairChoice | None = None  # the pairs the pairing weighed, where it knew the links
-
-    def to_json(self) -> dict[str, object]:
-        """The explanation the admin API returns."""
-        req = self.request
-        top = sorted(req.cached_tokens.items(), key=lambda kv: -kv[1])[:16]
-        pooled = sorted(req.pooled_tokens.items(), key=lambda kv: -kv[1])[:16]
-        decider: dict[str, object] = {
-            "plugin": self.decider,
-            "mode": self.choice.mode,
-            "reason": self.choice.reason,
-        }
-        if self.choice.kv_source is not None:
-            decider["kv_source"] = self.choice.kv_source
-        doc: dict[str, object] = {
-            "scheduler": NAME,
-            "config": self.config,
-            "request": {
-                "prompt_tokens": req.prompt_len,
-                "tokenized": req.tokenized,
-                "cached_tokens": dict(top),
-                "pooled_tokens": dict(pooled),
-                "pinned_prefill": req.pinned_prefill,
-                "pinned_decode": req.pinned_decode,
-                "slo_ttft_s": req.slo_ttft_s,
-                "slo_tpot_s": req.slo_tpot_s,
-            },
-            "decode": self.decode.to_json(),
-            "decider": decider,
-            "prefill": self.prefill.to_json() if self.prefill is not None else None,
-            "pinned_prefill": self.pinned,
-            "pinned_decode": self.pinned_decode,
-        }
-        if self.pairs is not None:
-            doc["pairs"] = self.pairs.to_json()
-        return doc
+_Eligible = tuple[tuple[str, ...], tuple[Stage, ...], frozenset[str], Shards | None]
 
 
 class _Profile:
@@ -255,7 +115,7 @@ class _Profile:
         current: Sequence[InstanceView] = [by_id[i] for i in population]
         for f in self.static:
             kept = f.filter(ctx, current)
-            stages.append(_Stage(f.name, tuple(v.agent_id for v in current), tuple(v.agent_id for v in kept)))
+            stages.append(Stage(f.name, tuple(v.agent_id for v in current), tuple(v.agent_id for v in kept)))
             current = kept
         ids = tuple(v.agent_id for v in current)
         cfg = self.shard_config
@@ -298,7 +158,7 @@ class _Profile:
         eligible, stages, ids, sharded = self._eligible(ctx, population)
         if exclude and not exclude.isdisjoint(ids):
             kept = tuple(i for i in eligible if i not in exclude)
-            stages = (*stages, _Stage("excluded", eligible, kept))
+            stages = (*stages, Stage("excluded", eligible, kept))
             eligible, ids = kept, ids - exclude
         by_id = ctx.snapshot.by_id
         sampled = len(eligible) > self.max_candidates
@@ -348,7 +208,7 @@ class _Profile:
 
     def _dynamic(
         self, ctx: ProfileContext, pool: Sequence[InstanceView]
-    ) -> tuple[Sequence[InstanceView], tuple[_Stage, ...]]:
+    ) -> tuple[Sequence[InstanceView], tuple[Stage, ...]]:
         stages = []
         current = pool
         request = ctx.request
@@ -360,17 +220,9 @@ class _Profile:
             if why is not None:
                 out = {v.agent_id for v in kept}
                 why = why(ctx, [v for v in current if v.agent_id not in out])
-            stages.append(_Stage(f.name, current, kept, why))
+            stages.append(Stage(f.name, current, kept, why))
             current = kept
         return current, tuple(stages)
-
-
-def _in_flight_only(in_flight: Mapping[str, int]) -> RegistrySnapshot:
-    """A snapshot holding only in-flight counts: what a term scorer's ``score`` may read of one."""
-    return RegistrySnapshot(0, 0, 0, MappingProxyType({}), in_flight, frozenset(), _NONE, _NONE, _NONE)
-
-
-_NONE: Mapping[str, tuple[str, ...]] = MappingProxyType({})
 
 
 def _pinned_trace(population: int, d: InstanceView) -> ProfileTrace:

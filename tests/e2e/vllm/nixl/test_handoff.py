@@ -18,8 +18,9 @@ import pytest
 
 from tests.e2e.vllm.nixl.cluster import Cluster
 from tests.e2e.vllm.reference import Book, concurrent_cases, routes_and_modes
-from tests.e2e.vllm.support import BLOCK, JSON, MAX_TOKENS, Answers, Case, ask
+from tests.e2e.vllm.support import BLOCK, JSON, MAX_TOKENS, MODEL, Answers, Case, ask
 from tests.helpers import ADMIN, eventually, http_json, metric_sum, parse_prometheus
+from tests.otlp_receiver import ThreadedReceiver
 from vllm_disagg import jsonutil
 
 pytestmark = pytest.mark.timeout(1800)
@@ -238,3 +239,33 @@ async def test_the_index_follows_the_prefill_engines_kv_events_and_scores_a_repe
     (row,) = again["explanation"]["prefill"]["candidates"]
     assert row["id"] == "prefill-0"
     assert row["scores"]["prefix-scorer"] == pytest.approx(full * BLOCK / prompt_tokens, abs=1e-5)
+
+
+async def test_one_trace_holds_the_gateways_spans_and_both_vllm_engines_spans_under_their_legs(
+    cluster: Cluster, traces: ThreadedReceiver, prompts: list[str]
+) -> None:
+    trace_id, client_span = "5b8aa5a2d2c872e8321cf37308d69df2", "051581bf3cb55c13"
+    body = {"model": MODEL, "prompt": prompts[0], "max_tokens": 4, "temperature": 0}
+    headers = {**JSON, "X-Request-Id": "traced-real", "traceparent": f"00-{trace_id}-{client_span}-01"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(cluster.base + "/v1/completions", data=jsonutil.dumps(body), headers=headers) as r,
+    ):
+        assert r.status == 200, await r.text()
+        assert r.headers["X-Disagg-Mode"] == "disaggregated"
+
+    def whole() -> bool:  # each process exports in batches (every 5 s by default)
+        names = [s.name for s in traces.trace(trace_id)]
+        return names.count("llm_request") == 2 and "POST /v1/completions" in names and "decode" in names
+
+    await eventually(whole, timeout=60, what="the gateway's and both engines' spans")
+    spans = traces.trace(trace_id)
+    [root] = [s for s in spans if s.name == "POST /v1/completions"]
+    assert (root.parent_id, root.service) == (client_span, "vllm-disagg")
+    legs = {s.name: s for s in spans if s.parent_id == root.span_id and s.name in ("prefill", "decode")}
+    engines = {str(s.resource["vllm_disagg.instance"]): s for s in spans if s.name == "llm_request"}
+    assert engines["prefill-0"].parent_id == legs["prefill"].span_id, "P's span under the prefill leg"
+    assert engines["decode-0"].parent_id == legs["decode"].span_id, "D's span under the decode leg"
+    assert {s.service for s in engines.values()} == {"vllm"}
+    for leg in legs.values():
+        assert root.start_ns <= leg.start_ns <= leg.end_ns <= root.end_ns
