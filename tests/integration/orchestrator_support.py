@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import ADMIN_TOKEN
+from tests.helpers import ADMIN, ADMIN_TOKEN
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.clock import SystemClock
 from vllm_disagg.config import OrchestratorConfig
@@ -294,3 +294,13 @@ def sample(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: s
     """Sum of the samples named ``name`` whose labels include ``labels`` (0 when none)."""
     wanted = set(labels.items())
     return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+async def request_record(
+    http: aiohttp.ClientSession, orch: OrchestratorServer, request_id: str
+) -> dict[str, Any]:
+    """A finished request's record from the admin API (``GET /admin/v1/requests/{id}``)."""
+    async with http.get(f"{orch.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
+        assert resp.status == 200
+        record: dict[str, Any] = await resp.json()
+        return record

@@ -7,6 +7,9 @@ On the package's 1P1D cluster (conftest.py), after test_handoff.py:
   engine, serving by itself) and each equals the reference, token for token;
 - the prefill engine is frozen with requests inside and SIGKILLed: every request still completes,
   colocated on the decode engine, with the reference's tokens.
+
+Each recovered request's trace (the package's OTLP receiver) shows the leg that took over, with the
+surviving engine's own span under it.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from tests.e2e.vllm.nixl.cluster import Cluster, metrics
 from tests.e2e.vllm.reference import Book, LongCase, long_cases, short_cases
 from tests.e2e.vllm.support import JSON, Case, ask
 from tests.helpers import eventually, eventually_sync, http_json, metric_sum, parse_prometheus, sse_text
+from tests.otlp_receiver import ThreadedReceiver
 from vllm_disagg import jsonutil
 from vllm_disagg.procfs import group_members
 
@@ -37,6 +41,19 @@ TRIES = 3  # pairs of long streams started, until the kill cuts one under way
 @pytest.fixture(scope="module")
 def reference(reference_book: Book, prompts: list[str]) -> dict[str, str]:
     return reference_book.answers([*long_cases(prompts), *short_cases(prompts)]).texts
+
+
+def _engine_under(traces: ThreadedReceiver, request_id: str, leg: str, instance: str) -> bool:
+    """Whether the request's trace holds a ``leg`` span with ``instance``'s vLLM span under it."""
+    roots = [s for s in traces.spans if s.attributes.get("vllm_disagg.request_id") == request_id]
+    if not roots:
+        return False
+    spans = traces.trace(roots[0].trace_id)
+    legs = {s.span_id for s in spans if s.name == leg and s.parent_id == roots[0].span_id}
+    return any(
+        s.name == "llm_request" and s.parent_id in legs and s.resource.get("vllm_disagg.instance") == instance
+        for s in spans
+    )
 
 
 def _kv_usage(url: str) -> float:
@@ -119,7 +136,7 @@ async def _pair_under_way(
 
 
 async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals_the_reference(
-    cluster: Cluster, prompts: list[str], reference: dict[str, str]
+    cluster: Cluster, prompts: list[str], reference: dict[str, str], traces: ThreadedReceiver
 ) -> None:
     cases = long_cases(prompts)
     async with aiohttp.ClientSession() as session:
@@ -144,6 +161,7 @@ async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals
                 if record["resumes"]:
                     assert (last["leg"], last["outcome"]) == ("resume", "ok"), record["attempts"]
                     resumed += 1
+                    took_over = (request_id, last["instance"])
                 else:  # it had ended before the kill (or nothing was killed): on its decode leg, whole
                     assert (last["leg"], last["outcome"]) == ("decode", "ok"), record["attempts"]
             if resumed:
@@ -153,10 +171,16 @@ async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals
         else:
             raise AssertionError(f"in {TRIES} tries, the kill never cut a stream under way")
     eventually_sync(lambda: not group_members({pgid}), timeout=60, what="the killed engine gone")
+    request_id, instance = took_over
+    await eventually(
+        lambda: _engine_under(traces, request_id, "resume", instance),
+        timeout=60,
+        what=f"{request_id}'s resume leg with {instance}'s vLLM span under it",
+    )
 
 
 async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_one_like_the_reference(
-    cluster: Cluster, prompts: list[str], reference: dict[str, str]
+    cluster: Cluster, prompts: list[str], reference: dict[str, str], traces: ThreadedReceiver
 ) -> None:
     await cluster.both_ready()  # the decode engine is back after the previous test
     pgid = cluster.engine_group("prefill-0")
@@ -178,3 +202,9 @@ async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_
     for case, (text, _, headers) in zip(cases, answers, strict=True):
         assert text == reference[case.name], case.name
         assert (headers["X-Disagg-Mode"], headers["X-Disagg-Decode"]) == ("colocated", "decode-0")
+    request_id = answers[0][2]["X-Request-Id"]
+    await eventually(
+        lambda: _engine_under(traces, request_id, "decode", "decode-0"),
+        timeout=60,
+        what=f"{request_id}'s decode leg, after its failed prefill, with decode-0's vLLM span under it",
+    )

@@ -11,7 +11,7 @@ from aiohttp import web
 from tests.helpers import ADMIN, eventually
 from tests.integration.conftest import AgentFactory, EngineFactory
 from tests.integration.orchestrator.gateway.test_gateway import KV_FROM_PREFILL, wait_ready
-from tests.integration.orchestrator_support import MODEL, fake_engine
+from tests.integration.orchestrator_support import MODEL, fake_engine, request_record
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import GATEWAY_KEY, OrchestratorServer
 from vllm_disagg.sim_engine.textgen import tokenize
@@ -22,13 +22,6 @@ async def _post(
 ) -> tuple[int, dict[str, Any], Any]:
     async with http.post(url, data=jsonutil.dumps(body), headers=headers or {}) as resp:
         return resp.status, await resp.json(), resp.headers
-
-
-async def _record(http: aiohttp.ClientSession, orch: OrchestratorServer, request_id: str) -> dict[str, Any]:
-    async with http.get(f"{orch.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
-        assert resp.status == 200
-        record: dict[str, Any] = await resp.json()
-        return record
 
 
 async def _two_prefill_one_decode(
@@ -63,7 +56,7 @@ async def test_a_client_pins_the_prefill_instance_by_header_or_body(
             pinned,
             "d0",
         )
-        record = await _record(http, orch, f"pin-{how}-{n}")
+        record = await request_record(http, orch, f"pin-{how}-{n}")
         assert record["explanation"]["pinned_prefill"] == pinned
         assert record["explanation"]["decider"]["plugin"] == "client"
 
@@ -136,7 +129,7 @@ async def test_sim_prompts_are_tokenized_exactly_and_the_explanation_says_so(
         {"X-Request-Id": "tok"},
     )
     assert status == 200, answer
-    request = (await _record(http, orch, "tok"))["explanation"]["request"]
+    request = (await request_record(http, orch, "tok"))["explanation"]["request"]
     assert request["tokenized"] is True
     assert request["prompt_tokens"] == len(tokenize(prompt)) == answer["usage"]["prompt_tokens"]
 
@@ -151,7 +144,7 @@ async def test_a_streamed_answer_has_a_first_token_stage(
     ) as resp:
         assert resp.status == 200
         await resp.read()
-    record = await eventually(lambda: _record(http, orch, "s"), what="record")
+    record = await eventually(lambda: request_record(http, orch, "s"), what="record")
     t = record["timeline"]
     assert t["decode_start"] <= t["first_token"] <= t["last_token"] <= record["total_s"]
     assert record["stages"]["first_token_s"] == t["first_token"]

@@ -4,14 +4,12 @@ the gateway's own time; they add up to what the client saw (docs/metrics.md)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import aiohttp
 import pytest
 
-from tests.helpers import ADMIN, eventually
+from tests.helpers import eventually
 from tests.integration.conftest import AgentFactory, EngineFactory
-from tests.integration.orchestrator_support import MODEL, sample, scrape
+from tests.integration.orchestrator_support import MODEL, request_record, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.config import SimTiming
 from vllm_disagg.orchestrator.app import OrchestratorServer
@@ -28,13 +26,6 @@ async def _ask(http: aiohttp.ClientSession, orch: OrchestratorServer, request_id
         await resp.read()
 
 
-async def _record(http: aiohttp.ClientSession, orch: OrchestratorServer, request_id: str) -> dict[str, Any]:
-    async with http.get(f"{orch.url}/admin/v1/requests/{request_id}", headers=ADMIN) as resp:
-        assert resp.status == 200
-        record: dict[str, Any] = await resp.json()
-        return record
-
-
 async def test_a_streams_stages_add_up_to_its_ttft_and_are_counted(
     orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory, sim_engine: EngineFactory
 ) -> None:
@@ -44,7 +35,7 @@ async def test_a_streams_stages_add_up_to_its_ttft_and_are_counted(
     await eventually(lambda: len(orch.registry.snapshot().ready_decode.get(MODEL, ())) == 1, what="ready")
     await _ask(http, orch, "timed-stream", stream=True)
     await _ask(http, orch, "timed-whole", stream=False)
-    record = await _record(http, orch, "timed-stream")
+    record = await request_record(http, orch, "timed-stream")
     t, stages = record["timeline"], record["stages"]
     assert record["mode"] == "disaggregated"
     # The client's TTFT is its wait for the first leg, the prefill leg, then the transfer window.
@@ -63,7 +54,7 @@ async def test_a_streams_stages_add_up_to_its_ttft_and_are_counted(
     total, prefill = record["total_s"], stages["prefill_s"]
     at_least, at_most = t["decode_start"] - prefill, total - prefill - stages["decode_first_token_s"]
     assert at_least - 1e-5 <= stages["gateway_s"] <= at_most + 1e-5, (stages, at_least, at_most)
-    whole = (await _record(http, orch, "timed-whole"))["stages"]
+    whole = (await request_record(http, orch, "timed-whole"))["stages"]
     assert "transfer_window_s" not in whole and "decode_first_token_s" not in whole, "no first token seen"
     samples = await scrape(http, orch.url)
     window = sample(samples, "vllm_disagg_kv_transfer_window_seconds_sum")
