@@ -9,8 +9,8 @@ else a new one (``trace_context``); it is worked out only when a line is written
 request costs one context variable set and reset, whatever the format.
 
 What is logged is the callers' choice and never a prompt, a completion or a credential:
-tests/integration/test_json_logs.py serves requests with a known prompt and keys at DEBUG and looks
-for them in every line.
+tests/integration/orchestrator/gateway/test_json_logs.py serves requests with a known prompt and keys
+at DEBUG and looks for them in every line.
 """
 
 from __future__ import annotations
@@ -59,11 +59,6 @@ def bind(request_id: str, traceparent: str | None) -> Token[RequestIds | None]:
 def unbind(token: Token[RequestIds | None]) -> None:
     """The request is over: lines are about no request again (``bind``'s token)."""
     _CURRENT.reset(token)
-
-
-def current() -> RequestIds | None:
-    """The ids of the request being served here, if any."""
-    return _CURRENT.get()
 
 
 class JsonFormatter(logging.Formatter):

@@ -259,9 +259,7 @@ def tracing_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> T
     exporter = settings["otel_traces_exporter"].lower()
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true" or exporter == "none":
         return None
-    if not exporter and not configured:
-        return None
-    return TracingConfig(
+    config = TracingConfig(  # validated even when nothing turns tracing on: a bad value is refused
         exporter=exporter or "otlp",
         endpoint=endpoint,
         protocol=settings["otlp_protocol"] or "http/protobuf",
@@ -269,6 +267,7 @@ def tracing_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> T
         sampler=(settings["otel_traces_sampler"] or "parentbased_always_on").lower(),
         sampler_arg=settings["otel_traces_sampler_arg"],
     )
+    return config if exporter or configured else None
 
 
 def tracing_argv(args: argparse.Namespace) -> tuple[str, ...]:

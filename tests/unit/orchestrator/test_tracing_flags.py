@@ -85,6 +85,11 @@ def test_a_bad_setting_is_refused_with_what_and_why(environ: dict[str, str], mes
         resolve(["--otlp-traces-endpoint", URL], environ)
 
 
+def test_a_bad_setting_is_refused_even_where_nothing_turns_tracing_on() -> None:
+    with pytest.raises(ConfigError, match=r"tracing\.sampler must be one of"):
+        resolve(["--otel-traces-sampler", "sometimes"], {})
+
+
 def test_up_forwards_exactly_the_tracing_flags_it_was_given() -> None:
     parser = argparse.ArgumentParser()
     add_tracing_arguments(parser)

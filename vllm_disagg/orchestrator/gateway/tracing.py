@@ -2,7 +2,7 @@
 
 A request's span (``POST /v1/completions``, kind server) continues the client's ``traceparent`` where
 it sends a valid one, and has a child span for each stage the gateway waited on: ``tokenize``,
-``admission`` (its queue), ``schedule`` (the decision: mode, pair, and the explanation), then one
+``admission`` (its queue), ``schedule`` (the decision: mode, pair, each pick's score), then one
 client span per engine leg (``prefill``, ``kv_fetch``, ``decode``, ``resume``), retries included, each
 with its instance and outcome. A leg's request carries the leg span's ``traceparent``, so a vLLM run
 with ``--otlp-traces-endpoint`` makes its own spans children of it. Fallbacks and resumes are events
@@ -69,7 +69,6 @@ class Tracing:
             raise RuntimeError(
                 f"tracing needs the OpenTelemetry SDK: pip install 'vllm-disagg[otel]' ({exc})"
             ) from exc
-        self.config = config
         self._provider = TracerProvider(
             resource=Resource.create({SERVICE_NAME: config.service_name}), sampler=_sampler(config)
         )
