@@ -520,13 +520,17 @@ async def start_orchestrator(
         # The gateway's port: its own server for the OpenAI routes, aiohttp's for the rest.
         listener = GatewayServer(routes.fast(), runner.server, config.max_body_bytes)
         hub = app.get(WORKERS_KEY)
-        bound = await listener.start(config.host, config.port, reuse_port=hub is not None)
+        # With workers the port is only bound until every worker serves on it too: the orchestrator
+        # answers nothing (admin on this port included) before the whole gateway is up, so whoever
+        # waits for it to answer (``up``, a readiness probe) never sends traffic that one process gets.
+        bound = await listener.start(config.host, config.port, reuse_port=hub is not None, listen=hub is None)
         url = _url(bound)
         if hub is not None:
             # The workers proxy every path but the gateway's to a listener of this process only (on the
             # shared port the kernel could hand a proxied request back to a worker).
             primary_url = await _serve_more(runner, "127.0.0.1", 0)
             await hub.start(primary_url, bound[1])
+            await listener.listen()
         admin_url = ""
         if ADMIN_APP_KEY in app:
             admin_runner = web.AppRunner(app[ADMIN_APP_KEY], access_log=None, shutdown_timeout=1.0)

@@ -224,8 +224,12 @@ class GatewayServer:
         self._server: asyncio.base_events.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> tuple[str, int]:
-        """Listen on ``host:port`` (0: any free port); the bound address."""
+    async def start(
+        self, host: str, port: int, *, reuse_port: bool = False, listen: bool = True
+    ) -> tuple[str, int]:
+        """Listen on ``host:port`` (0: any free port); the bound address. ``listen=False`` only binds
+        (``listen()`` later): a socket bound but not listening holds the port and takes no connection,
+        so the kernel hands every one to the gateway workers listening beside it on that port."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
             lambda: GatewayProtocol(self),
@@ -234,10 +238,16 @@ class GatewayServer:
             reuse_address=True,
             reuse_port=reuse_port or None,
             backlog=1024,
+            start_serving=listen,
         )
         self._sweeper = asyncio.create_task(self._sweep(), name="gateway-keepalive")
         bound = self._server.sockets[0].getsockname()
         return str(bound[0]), int(bound[1])
+
+    async def listen(self) -> None:
+        """Take connections on the port ``start(listen=False)`` bound."""
+        assert self._server is not None, "start first"
+        await self._server.start_serving()
 
     def kind(self, data: bytes) -> bool | None:
         """Is the request that ``data`` begins served here (True) or by aiohttp (False)? None: too

@@ -12,12 +12,13 @@ import asyncio
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.helpers import ADMIN, eventually
+from tests.helpers import ADMIN, eventually, free_port
 from tests.integration.conftest import EngineFactory
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config, sample, scrape
 from vllm_disagg.config import SimTiming
@@ -285,3 +286,51 @@ async def test_tenants_weights_reach_the_worker_and_the_admission_view_counts_bo
         return bool(model.get("counts", {}).get("admitted") == N)
 
     await eventually(all_counted, interval=0.2, what=f"{N} admitted over both processes")
+
+
+GATE = """\
+import os, pathlib, time
+_gate = pathlib.Path(os.environ["WORKER_GATE"])
+(_gate.parent / "worker-started").touch()
+while not _gate.exists():  # the test opens the gate once it has tried the port
+    time.sleep(0.01)
+"""
+
+
+async def test_the_port_takes_no_connection_until_every_worker_serves_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Until the worker serves, the orchestrator only holds the port: a client that got an answer there
+    (``up`` polling for readiness, a load balancer's probe) would otherwise send all its traffic to the
+    one process listening. The worker is held at its interpreter's start by a ``sitecustomize``."""
+    (tmp_path / "sitecustomize.py").write_text(GATE)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("WORKER_GATE", str(tmp_path / "gate"))
+    port = free_port()
+    config = orch_config(port=port, gateway_workers=2, preload_tokenizer_libs=False)
+    starting = asyncio.create_task(start_orchestrator(config, shutdown_timeout_s=2.0))
+    try:
+        await eventually(lambda: (tmp_path / "worker-started").exists(), what="the worker process started")
+        refused = await connection_refused(port)
+        still_starting = not starting.done()
+    finally:
+        (tmp_path / "gate").touch()
+        server = await asyncio.wait_for(starting, 60)
+    try:
+        assert refused, "the orchestrator took a connection before its worker served"
+        assert still_starting
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/health") as resp:
+            body = await resp.json()  # answered: no instance has joined yet
+            assert (resp.status, body["instances"]) == (503, 0), body
+    finally:
+        await server.close()
+
+
+async def connection_refused(port: int) -> bool:
+    try:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+    except ConnectionRefusedError:
+        return True
+    writer.close()
+    await writer.wait_closed()
+    return False

@@ -4,18 +4,22 @@ the step etcd recorded, and the engine restarts once.
 Real agents (``agent.main.serve``, one session per replica) launch simulated engines with
 ``role_switch: restart`` (what a vLLM launched ``kv_producer`` or ``kv_consumer`` needs), so the
 change goes drain → restart → ready; a stream on the instance keeps it draining while the leader
-leaves.
+leaves (its engine stopped with SIGSTOP meanwhile, so that the stream cannot end first on a slow machine).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from tests.e2e.up_support import engine_pids
 from tests.helpers import ADMIN, eventually, free_ports
 from tests.integration.orchestrator.replicas.support import Replicas, one_leader
 from tests.integration.orchestrator_support import MODEL, registered
@@ -27,7 +31,20 @@ from vllm_disagg.protocol.messages import Role
 from vllm_disagg.sim_engine.textgen import expected_text
 
 PROMPT = "a prompt for a role change that a new leader finishes: "
-TOKENS = 150  # at 20 ms a token, a 3 s stream: the change is still draining when the leader leaves
+TOKENS = 150  # at 20 ms a token, a 3 s stream
+
+
+@contextlib.contextmanager
+def paused(pids: list[int]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) inside the block; their agent's /health checks, 5 s each, wait."""
+    assert pids, "the engine's process"
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 def log_of(path: Path) -> list[dict[str, Any]]:
@@ -43,11 +60,12 @@ async def test_a_new_leader_finishes_a_role_change_the_old_one_left_draining_and
     endpoints = ",".join(s.zmq_endpoint for s in servers)
     stop = asyncio.Event()
     roles: dict[str, Role] = {"p0": "prefill", "d0": "decode", "d1": "decode"}
-    agents = []
+    agents, ports = [], {}
     for agent_id, role in roles.items():
+        ports[agent_id] = free_ports(1, offsets=(0, 2000))
         cfg = AgentConfig(
             agent_id=agent_id, role=role, orchestrator=endpoints, model=MODEL,
-            engine_port=free_ports(1, offsets=(0, 2000)), scrape_interval_s=0.05,
+            engine_port=ports[agent_id], scrape_interval_s=0.05,
             sim=SimTiming(decode_step_s=0.02), role_switch="restart", stop_grace_s=2.0,
             command_log=str(tmp_path / f"{agent_id}.log"),
         )  # fmt: skip
@@ -66,18 +84,21 @@ async def test_a_new_leader_finishes_a_role_change_the_old_one_left_draining_and
             first_line = await stream.content.readline()
             async with http.post(f"{second.url}/admin/v1/instances/d0/uncordon", headers=ADMIN) as resp:
                 assert resp.status == 200
-            asked = asyncio.ensure_future(
-                http.post(f"{second.url}/admin/v1/instances/d1/role", json={"role": "prefill"}, headers=ADMIN)
-            )
+            with paused(engine_pids([ports["d1"]])):  # the stream holds the drain until the leader is gone
+                asked = asyncio.ensure_future(
+                    http.post(
+                        f"{second.url}/admin/v1/instances/d1/role", json={"role": "prefill"}, headers=ADMIN
+                    )
+                )
 
-            def draining() -> bool:
-                recorded = second.app[ROLES_KEY].recorded.get("d1")
-                return recorded is not None and recorded["phase"] == "draining"
+                def draining() -> bool:
+                    recorded = second.app[ROLES_KEY].recorded.get("d1")
+                    return recorded is not None and recorded["phase"] == "draining"
 
-            await eventually(draining, what="the change recorded as draining, on the follower")
-            old_epoch = first.app[CONTROL_KEY].leadership.epoch
-            await first.close()  # the leader leaves half way; the operator's call to it ends with it
-            servers.remove(first)
+                await eventually(draining, what="the change recorded as draining, on the follower")
+                old_epoch = first.app[CONTROL_KEY].leadership.epoch
+                await first.close()  # the leader leaves half way; the operator's call to it ends with it
+                servers.remove(first)
             with contextlib.suppress(aiohttp.ClientError):
                 (await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(asked)), 30)).close()
             await one_leader(servers)
