@@ -328,6 +328,13 @@ def _requests(base: str, token: str, args: argparse.Namespace) -> int:
     return 0
 
 
+def _debug(base: str, token: str, args: argparse.Namespace) -> int:
+    """``debug``: what the scheduler and the planner work from now, as JSON (docs/observability.md)."""
+    body = _expect(*_call("GET", f"{base}/admin/v1/debug/state", token))
+    print(jsonutil.dumps(body).decode())
+    return 0
+
+
 def _drain(base: str, token: str, args: argparse.Namespace) -> int:
     """``drain`` (``--undo``: undrain) one instance; its agent acknowledges."""
     action = "undrain" if args.undo else "drain"
@@ -379,6 +386,7 @@ _COMMANDS: dict[str, Callable[[str, str, argparse.Namespace], int]] = {
     "add": _add,
     "role": _role,
     "requests": _requests,
+    "debug": _debug,
     "drain": _drain,
     "rollout": _rollout,
 }

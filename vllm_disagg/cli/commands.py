@@ -40,6 +40,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
         "attach a running engine by URL (the orchestrator runs its agent)",
     ),
     ("requests", "vllm_disagg.cli.admin", "recent requests: where each went, and why"),
+    ("debug", "vllm_disagg.cli.admin", "the scheduler's and the planner's state now, as JSON"),
     (
         "rollout",
         "vllm_disagg.cli.admin",

@@ -433,7 +433,7 @@ async def test_status_and_drain_commands_talk_to_the_admin_api(
     assert "HTTP 404" in capsys.readouterr().err
 
 
-async def test_status_json_and_requests_show_the_cluster_and_where_each_request_went(
+async def test_status_json_requests_and_debug_show_the_cluster_where_each_request_went_and_why(
     orch: OrchestratorServer,
     fake_agent: AgentFactory,
     sim_engine: EngineFactory,
@@ -458,6 +458,9 @@ async def test_status_json_and_requests_show_the_cluster_and_where_each_request_
     assert (record["request_id"], record["decode"]) == ("cli-1", "d0") and record["explanation"]
     assert await asyncio.to_thread(cli_main, ["requests", "never-seen", "--url", orch.url]) == 1
     assert "HTTP 404" in capsys.readouterr().err
+    assert await asyncio.to_thread(cli_main, ["debug", "--url", orch.url]) == 0
+    state = jsonutil.loads(capsys.readouterr().out)
+    assert state["scheduler"]["models"][MODEL]["decode"]["eligible"] == ["d0"]
 
 
 async def test_events_prints_the_event_log_one_line_each(

@@ -25,6 +25,7 @@ from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.admin import openapi
 from vllm_disagg.orchestrator.admin.admission import AdmissionAdmin
 from vllm_disagg.orchestrator.admin.auth import guarded
+from vllm_disagg.orchestrator.admin.debug import DebugAdmin
 from vllm_disagg.orchestrator.admin.openapi import AdminRoute
 from vllm_disagg.orchestrator.admin.shapes import (
     add_request,
@@ -101,6 +102,7 @@ class Admin:
         self._intent = intent  # replicas: operators' word goes to etcd before it is acted on
         self._stopping = False  # shutting down: health and readiness fail, so load balancers move on
         self._admission = AdmissionAdmin(admission, workers, intent)  # the gateway's queue (None: off)
+        self._debug = DebugAdmin(registry, clock, scheduler, describe_scheduler, planner, workers, replicas)
         # A replica is not ready before every agent has had the time to say Hello to it (the longest
         # Hello backoff, 2 s, past a heartbeat timeout), lest it route on part of the cluster.
         self._started = clock.monotonic()
@@ -546,6 +548,7 @@ class Admin:
             AdminRoute("POST", "/admin/v1/events", self.add_event),
             AdminRoute("GET", "/admin/v1/requests/{request_id}", self.request_record),
             *self._admission.routes(),
+            *self._debug.routes(),
         ]
 
     def add_admin_routes(self, app: web.Application, token: str) -> None:

@@ -124,6 +124,29 @@ class _Profile:
         self._memo[model] = result
         return result
 
+    def state(self, ctx: ProfileContext, population: tuple[str, ...]) -> dict[str, Any]:
+        """The debug dump of this profile for ``ctx``'s model now: its plugins, the instances its
+        static filters leave (and whom each filter took out, why where it says), and their shards."""
+        eligible, stages, _, sharded = self._eligible(ctx, population)
+        filtered = []
+        for stage in stages:
+            kept = set(stage.kept_out)
+            out = [i for i in stage.kept_in if i not in kept]
+            filtered.append({"filter": stage.filter, "out": out, "reasons": dict(stage.reasons or {})})
+        return {
+            "filters": [f.name for f in self.static] + [f.name for f, _ in self.dynamic],
+            "weights": dict(self.weights),
+            "picker": self.picker.name,
+            "max_candidates": self.max_candidates,
+            "eligible": list(eligible),
+            "filtered": filtered,
+            "shards": None
+            if sharded is None
+            else [
+                {"shard": n, "instances": list(g)} for n, g in zip(sharded.names, sharded.groups, strict=True)
+            ],
+        }
+
     def _sample(
         self, ctx: ProfileContext, eligible: tuple[str, ...], ids: frozenset[str], sharded: Shards | None
     ) -> tuple[Sequence[str], str | None]:
@@ -334,6 +357,29 @@ class PluginScheduler:
         if choice.mode == "colocated" or ptrace.picked < 0:
             return Decision("colocated", None, d.agent_id, explanation)
         return Decision("disaggregated", p.agent_id, d.agent_id, explanation)
+
+    def state(self, snapshot: RegistrySnapshot, now: float) -> dict[str, Any]:
+        """What the scheduler would work from now, per model and profile (``GET /admin/v1/debug/state``):
+        the eligible instances and their shards as a request would find them, the plugins and weights."""
+        models: dict[str, dict[str, Any]] = {}
+        for model, population in sorted(snapshot.model_ids.items()):
+            request = SchedulingRequest(
+                request_id="debug", model=model, prompt_len=0, is_chat=False, stream=False
+            )
+            models[model] = {
+                name: profile.state(ProfileContext(request, snapshot, now, name), population)
+                for name, profile in self._profiles.items()
+            }
+        shard = self.config.shards
+        return {
+            "config": self.config.source,
+            "decider": self._decider.name,
+            "pairing": self._pairing.name if self._pairing is not None else None,
+            "shards": None
+            if shard is None
+            else {"key": shard.key, "size": shard.size, "fanout": shard.fanout, "above": shard.above},
+            "models": models,
+        }
 
     def weights(self) -> dict[str, dict[str, float]]:
         """Each profile's scorer weights."""

@@ -208,3 +208,12 @@ async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_
         timeout=60,
         what=f"{request_id}'s decode leg, after its failed prefill, with decode-0's vLLM span under it",
     )
+    # The retried request's one trace: the prefill leg that failed on prefill-0, then the fallback.
+    root = next(s for s in traces.spans if s.attributes.get("vllm_disagg.request_id") == request_id)
+    failed = [
+        s
+        for s in traces.trace(root.trace_id)
+        if s.name == "prefill" and s.parent_id == root.span_id and s.status == 2  # error
+    ]
+    assert [s.attributes["vllm_disagg.instance"] for s in failed] == ["prefill-0"], failed
+    assert "fallback" in root.events, root.events

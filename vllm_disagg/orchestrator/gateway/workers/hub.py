@@ -395,7 +395,13 @@ class WorkerHub:
     def describe(self) -> list[dict[str, Any]]:
         """The workers, for the admin API."""
         return [
-            {"index": w.index, "pid": w.process.pid, "serving": w.serving, "restarts": w.restarts}
+            {
+                "index": w.index,
+                "pid": w.process.pid,
+                "serving": w.serving,
+                "restarts": w.restarts,
+                "in_flight": dict(w.in_flight),  # requests per instance, as it last said
+            }
             for w in self._workers.values()
         ]
 
