@@ -97,11 +97,12 @@ def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
             k = cached(a, 0)
             load = m.num_running + m.num_waiting + f
             u = m.kv_cache_usage
+            p = predict(m, f, k, n, default)  # >= 0 (the registry's metrics are in range); else worst
             append(
                 0.0
                 + wq * (0.0 if load >= max_queue else (1.0 - load / max_queue if load > 0 else 1.0))
                 + wkv * (1.0 - u if 0.0 < u < 1.0 else (0.0 if u >= 1.0 else 1.0))
-                + wp * (slo / (slo + predict(m, f, k, n, default)))
+                + wp * (slo / (slo + p) if p >= 0.0 else 0.0)
                 + wx * ((1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0)
             )
         return out

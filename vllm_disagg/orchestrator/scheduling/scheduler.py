@@ -20,6 +20,7 @@ keeps state beyond a memo of step 1 keyed by membership version, so ``decide`` i
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -59,6 +60,7 @@ from vllm_disagg.orchestrator.scheduling.shards import ShardConfig, Shards
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
 NAME = explain.NAME
+log = logging.getLogger(__name__)
 
 # A profile's eligible agent ids, their filter stages, the ids as a set, and their shards (None: flat).
 _Eligible = tuple[tuple[str, ...], tuple[Stage, ...], frozenset[str], Shards | None]
@@ -204,13 +206,15 @@ class _Profile:
                 self.picker.name,
                 -1,
             )
-        plugins, combine, fused = self._scoring
-        scores: tuple[Sequence[float], ...] | None
-        if fused is not None:
-            scores, totals = None, fused(ctx, candidates)
-        else:
-            scores = tuple([s.score(ctx, candidates) for s in plugins])
-            totals = combine(scores, len(candidates))
+        plugins = self._scoring[0]
+        try:
+            scores, totals = self._score(ctx, candidates)
+        except Exception:  # a plugin's bug, or figures it cannot take: never a failed request
+            candidates, dropped = self._scorable(ctx, candidates)
+            dyn = (*dyn, dropped)
+            if not candidates:
+                raise NoCapacity(f"no {self.name} candidate could be scored (see the log)") from None
+            scores, totals = self._score(ctx, candidates)
         picked = self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
         return ProfileTrace(
             self.name,
@@ -228,6 +232,32 @@ class _Profile:
             plugins,
             shard,
         )
+
+    def _score(
+        self, ctx: ProfileContext, candidates: Sequence[InstanceView]
+    ) -> tuple[tuple[Sequence[float], ...] | None, Sequence[float]]:
+        """Each scorer's scores (None where the fused pass computed only the totals), and the totals."""
+        plugins, combine, fused = self._scoring
+        if fused is not None:
+            return None, fused(ctx, candidates)
+        scores = tuple([s.score(ctx, candidates) for s in plugins])
+        return scores, combine(scores, len(candidates))
+
+    def _scorable(
+        self, ctx: ProfileContext, candidates: Sequence[InstanceView]
+    ) -> tuple[list[InstanceView], Stage]:
+        """Scoring raised: the candidates that score alone, and the others as a filter stage, each one's
+        error logged and given as its reason."""
+        kept, why = [], {}
+        for c in candidates:
+            try:
+                self._score(ctx, [c])
+            except Exception as exc:
+                log.exception("%s profile: %s dropped: scoring it raised", self.name, c.agent_id)
+                why[c.agent_id] = f"scoring raised {type(exc).__name__}: {exc}"
+            else:
+                kept.append(c)
+        return kept, Stage("scoring-failed", candidates, kept, why)
 
     def _dynamic(
         self, ctx: ProfileContext, pool: Sequence[InstanceView]

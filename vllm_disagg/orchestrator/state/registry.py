@@ -36,6 +36,7 @@ from vllm_disagg.orchestrator.state.health import (
 from vllm_disagg.orchestrator.state.intent import NO_INTENT, InstanceIntent
 from vllm_disagg.orchestrator.state.kv_audit import DecodeAudit, Outcome
 from vllm_disagg.orchestrator.state.link_rates import LinkRates
+from vllm_disagg.orchestrator.state.metrics_check import MetricsCheck
 from vllm_disagg.orchestrator.state.views import (
     DECODE_ROLES,
     PREFILL_ROLES,
@@ -50,8 +51,7 @@ from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, 
 
 RemoteSource = Literal["workers", "peers"]  # where requests counted outside this process run
 
-# The views live in ``views``; these names are here too, so that what reads a registry imports it and
-# what it hands out from one place.
+# The views live in ``views``; named here too, so that a reader imports a registry and its views at once.
 __all__ = [
     "DECODE_ROLES",
     "INSTANCE_STATES",
@@ -143,8 +143,7 @@ class Registry(SnapshotSource):
         self._suspect_after = suspect_after_s if suspect_after_s is not None else float("inf")
         self._policy = breaker or BreakerPolicy()
         self._instances: dict[str, _Instance] = {}
-        # ``_flight`` (the base class's) sums in-flight counts pushed from elsewhere by source: the gateway
-        # workers' (``--gateway-workers``), the other replicas' (``orchestrator/replicas``).
+        self._check = MetricsCheck()  # what agents report, in range before anything reads it
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._intent: dict[str, InstanceIntent] = {}  # operators' word by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
@@ -246,16 +245,17 @@ class Registry(SnapshotSource):
         lost = hb.engine_state in _ENGINE_LOST and inst.engine_state not in _ENGINE_LOST
         inst.last_heartbeat = now
         inst.heartbeats += 1
-        if hb.metrics.scraped_at != inst.metrics.scraped_at:  # a new scrape: what was in flight then
+        metrics = self._check(agent_id, hb.metrics)
+        if metrics.scraped_at != inst.metrics.scraped_at:  # a new scrape: what was in flight then
             self._scraped(agent_id)
-        inst.metrics = hb.metrics
-        self._use_links(self.link_rates.metrics(agent_id, hb.metrics, now))
+        inst.metrics = metrics
+        self._use_links(self.link_rates.metrics(agent_id, metrics, now))
         inst.engine_state = hb.engine_state
         inst.agent_draining = hb.draining
         inst.late = False
         self._update(inst, f"engine {hb.engine_state}" if lost else "")
         if inst.audit is not None:
-            self._judge_links(inst.agent_id, inst.audit.observe(hb.metrics, now, wall), now)
+            self._judge_links(inst.agent_id, inst.audit.observe(metrics, now, wall), now)
         return self._views[agent_id]
 
     # --- the KV audit of decode legs (see ``kv_audit``) -------------------------------------------

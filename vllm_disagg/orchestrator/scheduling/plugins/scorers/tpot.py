@@ -44,7 +44,7 @@ class TpotScorer:
         self.params = params
 
     def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
-        """One score per candidate in (0, 1]."""
+        """One score per candidate in [0, 1]."""
         return column(self.term(), ctx, candidates)
 
     def term(self) -> Term:
@@ -52,7 +52,8 @@ class TpotScorer:
         slo, default = self.params.slo_s, self.params.default_tpot_s
 
         def tpot(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
-            return slo / (slo + tpot_s(m, f, k, n, default))
+            p = tpot_s(m, f, k, n, default)
+            return slo / (slo + p) if p >= 0.0 else 0.0  # a prediction below 0 or NaN: the worst
 
         return tpot
 

@@ -46,7 +46,7 @@ class TtftScorer:
         self.params = params
 
     def score(self, ctx: ProfileContext, candidates: Sequence[InstanceView]) -> Sequence[float]:
-        """One score per candidate in (0, 1]."""
+        """One score per candidate in [0, 1]."""
         return column(self.term(), ctx, candidates)
 
     def term(self) -> Term:
@@ -54,7 +54,8 @@ class TtftScorer:
         slo, default = self.params.slo_s, self.params.default_prefill_tokens_per_s
 
         def ttft(m: MetricsSnapshot, f: int, k: int, n: int, inv: float) -> float:
-            return slo / (slo + ttft_s(m, f, k, n, default))
+            p = ttft_s(m, f, k, n, default)
+            return slo / (slo + p) if p >= 0.0 else 0.0  # a prediction below 0 or NaN: the worst
 
         return ttft
 
