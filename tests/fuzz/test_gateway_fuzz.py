@@ -25,6 +25,7 @@ from tests.helpers import eventually, metric_sum, parse_prometheus
 from tests.integration.orchestrator_support import MODEL, FakeAgent, orch_config
 from vllm_disagg.config import SimEngineConfig
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
+from vllm_disagg.orchestrator.state.metrics_check import checked
 from vllm_disagg.protocol.messages import Heartbeat, MetricsSnapshot
 from vllm_disagg.sim_engine.engine import SimServer, start_engine
 from vllm_disagg.sim_engine.textgen import expected_chat_text, expected_text
@@ -66,16 +67,19 @@ class Service:
             conn.close()
 
     def report(self, metrics: MetricsSnapshot) -> None:
-        """Both agents heartbeat these engine metrics (as a buggy or hostile agent might), and only these."""
+        """Both agents heartbeat these engine metrics (as a buggy or hostile agent might), and only these;
+        back once the registry holds them (in range: ``state.metrics_check``)."""
 
         async def beat() -> None:
             for agent in self.agents:
                 agent.stop_heartbeats()  # its own heartbeats would overwrite them
                 agent.transport.send(Heartbeat(seq=1_000_000, engine_state="ready", metrics=metrics))
 
+            kept = checked(metrics)[0]  # the registry keeps them brought into range
+
             def applied() -> bool:
                 views = self.server.registry.snapshot().by_id
-                return all(repr(views[a.agent_id].metrics) == repr(metrics) for a in self.agents)  # NaN-safe
+                return all(views[a.agent_id].metrics == kept for a in self.agents)
 
             await eventually(applied, what="the reported metrics in the registry")
 
