@@ -74,7 +74,7 @@ class DebugAdmin:
                 "models": sorted(snapshot.known_models),
             },
             "scheduler": scheduler,
-            "instances": {v.agent_id: self._instance(v, snapshot, now) for v in snapshot.instances},
+            "instances": self._instances(snapshot, now),
             "links": {
                 "blocked": sorted([p, d] for p, d in snapshot.blocked_links),
                 **links_json(snapshot.links, snapshot.by_id, now),
@@ -84,33 +84,43 @@ class DebugAdmin:
             "replica": self._replicas() if self._replicas is not None else None,
         }
 
-    def _instance(self, view: InstanceView, snapshot: RegistrySnapshot, now: float) -> dict[str, Any]:
-        """What the filters and scorers read of one instance."""
-        agent_id, metrics = view.agent_id, view.metrics
-        by_process = {"here": self._registry.own_in_flight().get(agent_id, 0)}
-        for source in ("workers", "peers"):
-            count = self._registry.remote_in_flight(source).get(agent_id, 0)
-            if count:
-                by_process[source] = count
-        return {
-            "model": view.info.model,
-            "role": view.info.role,
-            "state": view.state,
-            "engine_state": view.engine_state,
-            "draining": view.agent_draining or view.admin_draining,
-            "cordoned": view.admin_cordoned,
-            "breaker": {"state": view.breaker.state, "failures": view.breaker.failures},
-            "labels": dict(view.info.labels),
-            "in_flight": snapshot.in_flight.get(agent_id, 0),
-            "in_flight_by_process": by_process,
-            "ended_since_scrape": snapshot.ended_since_scrape.get(agent_id, 0),
-            "engine": {
-                "running": metrics.num_running,
-                "waiting": metrics.num_waiting,
-                "kv_cache_usage": metrics.kv_cache_usage,
-                "ttft_s": metrics.ttft_s,
-                "tpot_s": metrics.tpot_s,
-                "queue_s": metrics.queue_s,
-            },
-            "seconds_since_heartbeat": round(max(0.0, now - view.last_heartbeat), 3),
-        }
+    def _instances(self, snapshot: RegistrySnapshot, now: float) -> dict[str, dict[str, Any]]:
+        """Each instance as ``_instance`` shows it; the in-flight maps copied once, not per instance."""
+        here = self._registry.own_in_flight()
+        remote = {source: self._registry.remote_in_flight(source) for source in ("workers", "peers")}
+        out = {}
+        for view in snapshot.instances:
+            agent_id = view.agent_id
+            by_process = {"here": here.get(agent_id, 0)}
+            by_process.update({s: n for s, counts in remote.items() if (n := counts.get(agent_id, 0))})
+            out[agent_id] = _instance(view, snapshot, now, by_process)
+        return out
+
+
+def _instance(
+    view: InstanceView, snapshot: RegistrySnapshot, now: float, by_process: dict[str, int]
+) -> dict[str, Any]:
+    """What the filters and scorers read of one instance."""
+    agent_id, metrics = view.agent_id, view.metrics
+    return {
+        "model": view.info.model,
+        "role": view.info.role,
+        "state": view.state,
+        "engine_state": view.engine_state,
+        "draining": view.agent_draining or view.admin_draining,
+        "cordoned": view.admin_cordoned,
+        "breaker": {"state": view.breaker.state, "failures": view.breaker.failures},
+        "labels": dict(view.info.labels),
+        "in_flight": snapshot.in_flight.get(agent_id, 0),
+        "in_flight_by_process": by_process,
+        "ended_since_scrape": snapshot.ended_since_scrape.get(agent_id, 0),
+        "engine": {
+            "running": metrics.num_running,
+            "waiting": metrics.num_waiting,
+            "kv_cache_usage": metrics.kv_cache_usage,
+            "ttft_s": metrics.ttft_s,
+            "tpot_s": metrics.tpot_s,
+            "queue_s": metrics.queue_s,
+        },
+        "seconds_since_heartbeat": round(max(0.0, now - view.last_heartbeat), 3),
+    }
