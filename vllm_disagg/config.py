@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field, fields
 
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.protocol.engine_urls import EngineNetworks, host_local_endpoint
 from vllm_disagg.protocol.messages import ROLES, Role, label_problem
 
 
@@ -351,6 +352,12 @@ class OrchestratorConfig:
     # Latency targets of requests that bring none (``x-slo-ttft-ms``/``x-slo-tpot-ms``); None: no target.
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Slow clients on the gateway's port (docs/operations.md, "Slow clients"; gateway/deadlines.py).
+    client_head_timeout_s: float = 10.0
+    client_body_timeout_s: float = 20.0  # plus 1 s per client_body_min_rate bytes received
+    client_body_min_rate: float = 500.0  # bytes/s
+    client_write_timeout_s: float = 30.0  # a client reading none of its answer this long is dropped
+    max_client_connections: int = 4096  # per gateway process; past it, 503 and close
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     # --- the admin API (docs/security.md) ---
     # The bearer token every /admin/v1 call must carry; "" closes the admin API. Read from a file or
@@ -362,12 +369,23 @@ class OrchestratorConfig:
     # --- agent authentication (docs/security.md): both set, or neither ---
     curve_secret_key_file: str = ""  # the orchestrator's .key_secret (vllm-disagg keys)
     agent_keys_dir: str = ""  # one <agent id>.key per agent admitted; an id is bound to its key
+    # Without keys, an agent endpoint other hosts can reach lets any of them register an engine and
+    # receive users' prompts: refused unless this says the network is trusted.
+    insecure_agents: bool = False
     # --- what engines see of a client (docs/security.md) ---
     # The key engines were started with (vLLM's --api-key), sent as the gateway's own Authorization.
     engine_api_key: str = field(default="", repr=False)
     # Without an engine key: pass the client's Authorization header through (engines check clients'
     # keys themselves). Off: a client's credentials never reach an engine.
     forward_client_authorization: bool = False
+    # --- where engines may be, and how much of their answers is read (docs/security.md) ---
+    # Networks a Hello's engine URL may name beside the agent's own address (and loopback, for an
+    # agent on this host): CIDRs separated by commas, or "any" (protocol/engine_urls.py).
+    engine_networks: str = ""
+    # An engine's whole answer (a prefill's, a non-streamed one's, an error's body), and one event of a
+    # streamed answer: past these the leg fails as the engine's error instead of buffering on.
+    max_engine_body_bytes: int = 64 << 20
+    max_engine_event_bytes: int = 16 << 20
     # --- replicas (docs/operations.md): one replica of a cluster in etcd; None: a single orchestrator
     replica: ReplicaConfig | None = None
     # OpenTelemetry traces of requests (docs/observability.md); None: off, no span is made.
@@ -402,8 +420,19 @@ class OrchestratorConfig:
             breaker_open_s=self.breaker_open_s,
             tokenize_queue=self.tokenize_queue,
             gateway_workers=self.gateway_workers,
+            client_head_timeout_s=self.client_head_timeout_s,
+            client_body_timeout_s=self.client_body_timeout_s,
+            client_body_min_rate=self.client_body_min_rate,
+            client_write_timeout_s=self.client_write_timeout_s,
+            max_client_connections=self.max_client_connections,
         )
         _non_negative("orchestrator", max_resumes=self.max_resumes)
+        _positive(
+            "orchestrator",
+            max_engine_body_bytes=self.max_engine_body_bytes,
+            max_engine_event_bytes=self.max_engine_event_bytes,
+        )
+        EngineNetworks.parse(self.engine_networks)  # a network that is none fails here, not at a Hello
         if self.suspect_after_s is not None:
             _positive("orchestrator", suspect_after_s=self.suspect_after_s)
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -414,6 +443,13 @@ class OrchestratorConfig:
         if not self.zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
             raise ConfigError(
                 f"orchestrator.zmq_endpoint must be a ZeroMQ endpoint, got {self.zmq_endpoint!r}"
+            )
+        if not (self.curve_secret_key_file or self.insecure_agents or host_local_endpoint(self.zmq_endpoint)):
+            raise ConfigError(
+                f"orchestrator.zmq_endpoint {self.zmq_endpoint} is reachable from other hosts and no agent "
+                "keys are given: anyone who reaches it could register an engine and receive users' prompts. "
+                "Give --curve-secret-key and --agent-keys (vllm-disagg keys; docs/security.md), or "
+                "--insecure-agents on a network you trust"
             )
 
 
@@ -435,6 +471,9 @@ class AgentConfig:
     curve_secret_key_file: str = ""
     orchestrator_key_file: str = ""
     kv_events_endpoint: str = ""  # attach mode: the engine's KV-events PUB to forward; "": none
+    # Attach mode: bind here and let the engine's PUB connect (its endpoint names this host), so
+    # nothing of the engine's listens beyond the host (a pod's loopback); this host only.
+    kv_events_listen: str = ""
     scrape_interval_s: float = 0.25
     metrics_window_s: float = 10.0
     startup_timeout_s: float = 120.0
@@ -525,6 +564,10 @@ class AgentConfig:
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
             raise ConfigError(
                 f"agent.kv_events_endpoint must be a ZeroMQ endpoint, got {self.kv_events_endpoint!r}"
+            )
+        if self.kv_events_listen and not host_local_endpoint(self.kv_events_listen):
+            raise ConfigError(
+                f"agent.kv_events_listen must be ipc:// or loopback, got {self.kv_events_listen!r}"
             )
         if self.engine_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(

@@ -19,12 +19,14 @@ Hierarchy::
         ├── NotFound            404 no such instance, route, record or rollout action
         │   └── ModelNotFound   404 no instance serves the model
         ├── MethodNotAllowed    405 an admin route that takes other methods (``Allow`` names them)
+        ├── RequestTimeout      408 a client sent its request's head or body too slowly
         ├── Conflict            409 what the cluster is doing forbids it now
         ├── PayloadTooLarge     413 body over the gateway limit
         ├── Unprocessable       422 understood and tried, and it failed (connect's reason)
         ├── HeadersTooLarge     431 request line and headers over the gateway limit
         ├── Overloaded          429 admission refused the request (``X-Disagg-Shed-Reason``, ``Retry-After``)
         ├── NoCapacity          503 no ready instance can take the request
+        ├── TooManyConnections  503 the gateway process holds its most client connections
         ├── TimedOut            504 an operation did not finish in time (an engine's restart)
         ├── UpstreamError       502 an engine failed or answered garbage (``cause`` says how)
         │   └── UpstreamTimeout 504 an engine did not answer in time
@@ -173,6 +175,13 @@ class MethodNotAllowed(RequestError):
         self.headers = MappingProxyType({"Allow": ", ".join(allowed)})
 
 
+class RequestTimeout(RequestError):
+    """A client sent its request's line and headers, or its body, too slowly (the gateway's deadlines)."""
+
+    status = 408
+    type = "RequestTimeoutError"
+
+
 class Conflict(RequestError):
     """What the cluster is doing forbids it now: the instance is live, a change is under way."""
 
@@ -224,6 +233,14 @@ class NoCapacity(RequestError):
     status = 503
     type = "ServiceUnavailableError"
     headers: Mapping[str, str] = MappingProxyType({"Retry-After": "1", SHED_REASON_HEADER: "no_capacity"})
+
+
+class TooManyConnections(RequestError):
+    """A connection past the gateway process's cap: answered at once and closed."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+    headers: Mapping[str, str] = MappingProxyType({"Retry-After": "1"})
 
 
 class TimedOut(RequestError):

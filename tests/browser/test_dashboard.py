@@ -181,17 +181,19 @@ async def test_an_operator_watches_requests_sees_a_dead_agent_and_drains_an_inst
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
         sending = asyncio.gather(*(complete(http, cluster, request_id) for request_id in ids))
         try:
-            live = page.locator("#live-requests tbody tr[data-request-id^='dash-']")
+            live = page.locator("#live-requests tbody tr[data-client-request-id^='dash-']")
             await expect(live.first).to_be_visible(timeout=WAIT_MS)
             await browser.screenshot("03-requests-in-flight.png")
         finally:
             await sending
-    recent = page.locator(f"#recent-requests tbody tr[data-request-id='{ids[0]}']")
+    recent = page.locator(f"#recent-requests tbody tr[data-client-request-id='{ids[0]}']")
     await expect(recent).to_be_visible(timeout=WAIT_MS)
+    await expect(recent.locator("td").first).to_have_text(ids[0])  # the client's id, as it sent it
+    own = await recent.get_attribute("data-request-id")  # the gateway's, which keys the details
     await expect(recent.locator("td.status")).to_have_text("200")
     await expect(recent.locator("td").nth(6)).to_contain_text("decode-")  # the decode pick, with its score
     await expect(recent.locator("td").nth(7)).to_contain_text("prefill-")
-    scores = page.locator(f"#recent-requests tr[data-details-for='{ids[0]}']")
+    scores = page.locator(f"#recent-requests tr[data-details-for='{own}']")
     await scores.locator("summary").click()  # every candidate's scores, the picks marked
     await expect(scores.locator(".scores tr.picked")).to_have_count(2)  # the decode and the prefill pick
     flow = page.locator("#flow td[data-pair^='prefill-']")

@@ -243,6 +243,7 @@ async def cluster(link: NetnsLink, tmp_path: Path) -> AsyncIterator[PartitionClu
     )
     orchestrator = cli_argv(
         "orchestrator", "--host", "127.0.0.1", "--port", str(http_port), "--zmq-endpoint", zmq,
+        "--insecure-agents",  # agents in network namespaces, without keys: the partition is the subject
         "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
         "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
         "--connect-timeout-s", "2", "--idle-timeout-s", str(IDLE_TIMEOUT_S), "--no-preload-tokenizer-libs",

@@ -24,16 +24,18 @@ async def test_every_process_logs_json_lines_and_traces_and_a_requests_lines_and
     flags = ("--log-format", "json", "--log-level", "debug", "--gateway-workers", "2")
     try:
         running = start_up(tmp_path, 1, 1, *flags, "--otlp-traces-endpoint", traces.url)
-        await _serve_and_check(running)
+        own = await _serve_and_check(running)
         spans = traces.spans
     finally:
         traces.close()
     served = {s.attributes["vllm_disagg.request_id"] for s in spans if s.name == "POST /v1/completions"}
-    assert served == {f"json-{i}" for i in range(REQUESTS)}, "every request's span, from both processes"
+    assert served == set(own), "every request's span (by the gateway's own id), from both processes"
     assert {s.trace_id for s in spans} == {TRACE_ID}
 
 
-async def _serve_and_check(running: Cluster) -> None:
+async def _serve_and_check(running: Cluster) -> list[str]:
+    """Serve the requests; the gateway's own id of each (its log lines' and spans' ``request_id``)."""
+    own: list[str] = []
     try:
         for i in range(REQUESTS):
             # A connection each: the kernel spreads connections over the processes sharing the port.
@@ -42,6 +44,7 @@ async def _serve_and_check(running: Cluster) -> None:
                 body = {"model": MODEL, "prompt": f"a prompt {i}", "max_tokens": 4}
                 async with session.post(running.base + "/v1/completions", json=body, headers=headers) as resp:
                     assert resp.status == 200, await resp.text()
+                    own.append(resp.headers["X-Disagg-Request-Id"])
     finally:
         assert stop(running) == 0
     lines = [jsonutil.loads(line) for line in running.log.read_text().splitlines() if line.startswith("{")]
@@ -50,8 +53,9 @@ async def _serve_and_check(running: Cluster) -> None:
     text = [line for line in running.log.read_text().splitlines() if " agent decode-0 INFO " in line]
     assert not text, f"text lines from an agent told to write JSON: {text[:3]}"
     for i in range(REQUESTS):
-        about = [line for line in lines if line.get("request_id") == f"json-{i}"]
-        assert about, f"no line about json-{i}"
+        about = [line for line in lines if line.get("request_id") == own[i]]
+        assert about, f"no line about json-{i} ({own[i]})"
         assert {line["trace_id"] for line in about} == {TRACE_ID}
     served_by = {line["process"] for line in lines if line.get("request_id")}
     assert served_by == {"orchestrator", "worker-1"}, "both serving processes logged requests"
+    return own

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import itertools
 import logging
 import math
@@ -39,6 +40,7 @@ from vllm_disagg import jsonutil
 from vllm_disagg.errors import CodecError, FieldTypeError, MalformedFrame, UnknownMessageType
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.codec import decode, encode
+from vllm_disagg.protocol.engine_urls import ENGINE_URL_REFUSED, EngineNetworks, engine_url_problem
 from vllm_disagg.protocol.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
@@ -63,6 +65,8 @@ PROBE_REFUSAL = Refuse(code="unknown_message_type", reason="unknown message type
 REPLY_TIMEOUT_S = 20.0
 MAX_REASON = 1024  # a reason quotes the peer's bytes only in a bounded form
 INT_MIN, UINT_MAX = -(2**63), 2**64 - 1  # msgpack's integer range
+
+LOOPBACK = ipaddress.ip_address("127.0.0.1")
 
 
 # --- valid messages, derived from the annotations (appended fields are fuzzed without edits here) ---
@@ -234,6 +238,9 @@ def expect_for_message(msg: Message) -> Expect:
             return Expect(refuse="version_mismatch")
         if not msg.agent_id or label_problem(msg.instance.labels) is not None:
             return Expect(refuse="invalid_hello")
+        # The peers connect over loopback, to an orchestrator that allows no other engine network.
+        if engine_url_problem(msg.instance.url, LOOPBACK, EngineNetworks()) is not None:
+            return Expect(refuse=ENGINE_URL_REFUSED)
         return Expect(welcome=msg.agent_id)
     if isinstance(msg, Heartbeat | KvEvents):
         return Expect(refuse="unknown_agent")

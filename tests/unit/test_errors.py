@@ -29,10 +29,12 @@ from vllm_disagg.errors import (
     Overloaded,
     PayloadTooLarge,
     RequestError,
+    RequestTimeout,
     RolloutConflict,
     RolloutInvalid,
     RolloutNotFound,
     TimedOut,
+    TooManyConnections,
     Unauthorized,
     Unprocessable,
     UpstreamError,
@@ -48,11 +50,15 @@ ANSWERS = [
     pytest.param(NotFound("x"), 404, "NotFoundError", id="no such thing is a 404"),
     pytest.param(ModelNotFound("x"), 404, "NotFoundError", id="an unknown model is a 404 too"),
     pytest.param(MethodNotAllowed("x", ["POST"]), 405, "MethodNotAllowed", id="another method is a 405"),
+    pytest.param(RequestTimeout("x"), 408, "RequestTimeoutError", id="a head or body too slow is a 408"),
     pytest.param(Conflict("x"), 409, "ConflictError", id="a state that forbids it is a 409"),
     pytest.param(PayloadTooLarge("x"), 413, "PayloadTooLargeError", id="a body over the limit is a 413"),
     pytest.param(Unprocessable("x"), 422, "UnprocessableEntityError", id="a failed attach is a 422"),
     pytest.param(HeadersTooLarge("x"), 431, "RequestHeaderFieldsTooLargeError", id="big headers: 431"),
     pytest.param(NoCapacity("x"), 503, "ServiceUnavailableError", id="no ready instance is a 503"),
+    pytest.param(
+        TooManyConnections("x"), 503, "ServiceUnavailableError", id="a connection past the cap: 503"
+    ),
     pytest.param(
         Overloaded("x", reason="queue_full", retry_after_s=3), 429, "RateLimitError", id="refused: a 429"
     ),

@@ -41,6 +41,7 @@ BASE = frozenset(
         "http_errors",
         "clock",
         "jsonutil",
+        "private_files",
         "config",
         "procfs",
         "runtime",
@@ -53,12 +54,13 @@ BASE = frozenset(
         "trace_context",
     }
 )
-CORE = frozenset({"__init__", "errors", "clock", "jsonutil"})  # the package root, and plain utilities
+CORE = frozenset({"__init__", "errors", "clock", "jsonutil", "private_files"})  # the root, plain utilities
 ALLOWED: dict[str, frozenset[str]] = {
     "errors": frozenset(),
     "http_errors": CORE,
     "clock": frozenset(),
     "jsonutil": frozenset(),
+    "private_files": frozenset({"errors"}),
     "procfs": frozenset(),
     "runtime": frozenset(),
     "protocol": CORE,
@@ -92,9 +94,10 @@ ORCHESTRATOR: dict[str, frozenset[str]] = {
     "gateway": _STATE | {"scheduling", "metrics", "control", "planner", "admission", "loop_lag"},
     "admin": _STATE | {"metrics", "control", "admission", "gateway"},
     "replicas": _STATE | {"metrics", "control"},
+    "kv_warmup": _STATE | {"metrics"},
     "app": _STATE
     | {"scheduling", "metrics", "control", "admission", "planner", "gateway", "admin", "replicas"}
-    | {"loop_lag"},
+    | {"loop_lag", "kv_warmup"},
     "main": _STATE | {"scheduling", "control", "planner", "gateway", "admin", "replicas", "app", "flags"},
 }
 

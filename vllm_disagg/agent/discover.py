@@ -38,6 +38,7 @@ from vllm_disagg.agent.probe import ProbeUnanswered, probe_capabilities
 from vllm_disagg.agent.session import AgentSession, RoleSwitch
 from vllm_disagg.agent.vllm_command import KV_ROLES, uses_pool
 from vllm_disagg.config import AgentConfig
+from vllm_disagg.protocol.engine_urls import host_local_endpoint
 from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, KvLayout, Role
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class EngineFacts:
     dtype: str = ""  # dev mode only
     version: str = ""
     kv_events_endpoint: str = ""  # where to subscribe to its KV-cache events ("": it publishes none)
+    kv_events_exposed: tuple[str, ...] = ()  # its KV-event sockets other hosts can reach (it says)
     dev_mode: bool = False
     notes: tuple[str, ...] = field(default=())  # what could not be learned, for the operator's log
     capabilities: EngineCapabilities = field(default_factory=EngineCapabilities)  # what its answers carry
@@ -229,12 +231,60 @@ def parse_kv_event_sources(body: Any, engine_host: str) -> str:
     if not isinstance(source, dict) or not source.get("enable_kv_cache_events"):
         return ""
     endpoint = source.get("endpoint")
-    if source.get("publisher") != "zmq" or not isinstance(endpoint, str) or not endpoint.startswith("tcp://"):
+    if source.get("publisher") != "zmq" or not isinstance(endpoint, str):
+        return ""
+    if endpoint.startswith("ipc://"):
+        return endpoint  # a socket file: reachable only on the engine's host, as it is
+    if not endpoint.startswith("tcp://"):
         return ""
     host, _, port = endpoint[len("tcp://") :].rpartition(":")
     if host in ("*", "0.0.0.0", "[::]", "::"):
         host = engine_host
     return f"tcp://{host}:{port}"
+
+
+def exposed_kv_event_sources(body: Any) -> tuple[str, ...]:
+    """The ZMQ endpoints in ``/kv_event_sources`` that other hosts can reach: a PUB or replay ROUTER
+    vLLM binds on ``tcp://*`` or a non-loopback address, or a host it sends the events to."""
+    if not isinstance(body, dict):
+        return ()
+    found: list[str] = []
+    for source in body.values():
+        if not isinstance(source, dict) or not source.get("enable_kv_cache_events"):
+            continue
+        for key in ("endpoint", "replay_endpoint"):
+            endpoint = source.get(key)
+            if isinstance(endpoint, str) and endpoint and not host_local_endpoint(endpoint):
+                found.append(endpoint)
+    return tuple(dict.fromkeys(found))
+
+
+def warn_exposed_kv_events(subscribed: str, facts: EngineFacts | None) -> tuple[str, ...]:
+    """Log a warning when an attached engine's KV events can be read from other hosts; which endpoints.
+
+    The events carry every cached block's token ids, users' prompts, and only the agent beside the
+    engine needs them. An attached engine's ``--kv-events-config`` is its operator's, so the agent
+    cannot change it, only say so loudly: ``ipc://`` or a loopback address keeps them on the host."""
+    exposed = list(facts.kv_events_exposed) if facts is not None else []
+    if subscribed and not host_local_endpoint(subscribed):
+        exposed.append(subscribed)
+    exposed = list(dict.fromkeys(exposed))
+    if exposed:
+        log.warning(
+            "the engine's KV-cache events (every cached prompt's token ids) can be read from other hosts "
+            "at %s: start vLLM with --kv-events-config endpoint ipc:///a/private/dir/events.sock (or "
+            "firewall the port) and no replay_endpoint, and pass that endpoint to the agent "
+            "(docs/agent.md, KV events)",
+            ", ".join(exposed),
+        )
+    return tuple(exposed)
+
+
+def _events_endpoint(events: tuple[int, bytes], url: str) -> str:
+    """Where to subscribe to the engine's KV events, from its ``/kv_event_sources`` answer ("": none)."""
+    if events[0] != 200:
+        return ""
+    return parse_kv_event_sources(_json(events[1]), yarl.URL(url).host or "127.0.0.1")
 
 
 async def discover(
@@ -287,11 +337,8 @@ async def discover(
         tensor_parallel_size=dev.get("tensor_parallel_size", 0),
         dtype=dev.get("dtype", ""),
         version=said_version,
-        kv_events_endpoint=(
-            parse_kv_event_sources(_json(events[1]), yarl.URL(url).host or "127.0.0.1")
-            if events[0] == 200
-            else ""
-        ),
+        kv_events_endpoint=_events_endpoint(events, url),
+        kv_events_exposed=exposed_kv_event_sources(_json(events[1])) if events[0] == 200 else (),
         dev_mode=bool(dev),
         notes=tuple(notes),
         capabilities=capabilities,

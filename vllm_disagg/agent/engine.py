@@ -175,6 +175,7 @@ class EngineSupervisor:
 
     def _spawn(self) -> None:
         assert self._command is not None
+        self._command.prepare(self._cfg)
         argv = self._command.argv(self._cfg)
         # Own session: stop() signals the whole group. die_with_parent: the kernel stops the engine
         # even when the agent is SIGKILLed and gets no chance to clean up.

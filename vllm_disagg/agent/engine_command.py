@@ -4,25 +4,42 @@ simulated engine's kind; vLLM's is in ``vllm_command``, and ``engine_kinds`` pic
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import ClassVar
 
+from vllm_disagg.agent.kv.local import local_dir
 from vllm_disagg.config import AgentConfig, SimEngineConfig
 from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, KvLayout
 from vllm_disagg.runtime import SELF_ARGV
 
-KV_EVENTS_PORT_OFFSET = 2000  # an engine publishes KV cache events on its port + 2000 unless told
+KV_EVENTS_PORT_OFFSET = 2000  # the simulated engine publishes KV cache events on its port + 2000 unless told
+_MAX_IPC_PATH = 100  # sun_path is 108 bytes with its NUL; keep a margin
 
 
 def kv_events_port(cfg: AgentConfig) -> int:
-    """The port the engine binds its KV cache event PUB socket on (vLLM and the simulated engine alike)."""
+    """The loopback port the simulated engine binds its KV cache event PUB socket on."""
     return cfg.kv_events_port or cfg.engine_port + KV_EVENTS_PORT_OFFSET
 
 
 def kv_events_endpoint(cfg: AgentConfig) -> str:
-    """Where a subscriber connects to hear this engine's KV cache events."""
-    return f"tcp://{cfg.engine_host}:{kv_events_port(cfg)}"
+    """Where a launched engine publishes its KV cache events, and its agent subscribes.
+
+    The events carry every cached block's token ids (users' prompts) and only the agent on this host
+    reads them, so no other host may reach them. vLLM binds a PUB socket only for ``tcp://*`` (every
+    interface) or ``ipc://`` (a host name makes it connect instead), so it gets a socket file in the
+    agent's 0700 runtime directory: only this user can even connect. The path holds the agent id and
+    engine port (a port is this host's alone, so two agents never share it), or their hash where the
+    path would be too long for a socket. The simulated engine binds loopback only.
+    """
+    if cfg.engine != "vllm":
+        return f"tcp://127.0.0.1:{kv_events_port(cfg)}"
+    name = f"{cfg.agent_id}-{cfg.engine_port}"
+    path = local_dir() / f"events-{name}.sock"
+    if len(str(path).encode()) > _MAX_IPC_PATH:
+        path = path.with_name(f"events-{hashlib.sha256(name.encode()).hexdigest()[:24]}.sock")
+    return f"ipc://{path}"
 
 
 # --- engine kinds -------------------------------------------------------------------------------
@@ -36,6 +53,9 @@ class EngineCommand(ABC):
     @abstractmethod
     def argv(self, cfg: AgentConfig) -> list[str]:
         """The engine's command line."""
+
+    def prepare(self, cfg: AgentConfig) -> None:  # noqa: B027 (a hook: most kinds need nothing)
+        """Make what the engine needs on this host before each launch (nothing by default)."""
 
     def env(self, cfg: AgentConfig) -> Mapping[str, str]:
         """Variables added to the agent's environment for the engine."""

@@ -1,12 +1,12 @@
 """Forwarding the engine's KV-cache events to the orchestrator, which indexes who caches what.
 
-A SUB socket on the engine's KV-events PUB (vLLM's ``--kv-events-config``, the sim's
-``--kv-events-port``). Each loop drains everything readable: every engine batch is decoded
-(``decode_frames``), turned into protocol ``KvEvent``s, applied to the agent's ``KvMirror`` of the
-engine's blocks and queued; then, while a session is registered, its queue goes out as ``KvEvents``
-messages of at most ``MAX_MESSAGE_EVENTS`` events and ``MAX_MESSAGE_ITEMS`` token ids plus hashes, far
-below the orchestrator's 1 MiB frame limit (an event too big for one message is split into chained
-pieces first).
+A SUB socket on the engine's KV-events PUB (vLLM's ``--kv-events-config``, an ``ipc://`` socket in the
+agent's runtime directory; the sim's ``--kv-events-port``, on loopback). Each loop drains everything
+readable: every engine batch is decoded (``decode_frames``), turned into protocol ``KvEvent``s, applied to
+the agent's ``KvMirror`` of the engine's blocks and queued; then, while a session is registered, its queue
+goes out as ``KvEvents`` messages of at most ``MAX_MESSAGE_EVENTS`` events and ``MAX_MESSAGE_ITEMS`` token
+ids plus hashes, far below the orchestrator's 1 MiB frame limit (an event too big for one message is split
+into chained pieces first).
 
 Each session (one per orchestrator replica) has a *lane* of its own: its queue, its resync, its
 ``missed`` count and its messages' ``seq``. A batch is queued once and shared by every lane's queue.
@@ -36,7 +36,7 @@ from typing import Protocol
 import zmq
 import zmq.asyncio
 
-from vllm_disagg.agent.engine_command import kv_events_port
+from vllm_disagg.agent.engine_command import kv_events_endpoint
 from vllm_disagg.agent.kv_mirror import KvMirror
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
@@ -58,9 +58,9 @@ _CLEARED = KvEvent(kind="cleared")
 def forwarder_endpoint(cfg: AgentConfig) -> str:
     """The engine's KV-events endpoint the agent subscribes to; "" for none (attach mode without one)."""
     if cfg.attach_url:
-        return cfg.kv_events_endpoint
-    # The agent launched the engine on this host: vLLM binds every interface, the sim loopback only.
-    return f"tcp://127.0.0.1:{kv_events_port(cfg)}"
+        return cfg.kv_events_listen or cfg.kv_events_endpoint
+    # The agent launched the engine on this host, where it publishes for this agent alone.
+    return kv_events_endpoint(cfg)
 
 
 def _items(event: KvEvent) -> int:
@@ -143,8 +143,10 @@ class KvEventForwarder:
         max_queued_items: int = MAX_QUEUED_ITEMS,
         flush_interval_s: float = FLUSH_INTERVAL_S,
         mirror: KvMirror | None = None,
+        bind: bool = False,
     ) -> None:
         self.endpoint = endpoint
+        self._bind = bind  # bind ``endpoint`` and let the engine's PUB connect (``--kv-events-listen``)
         self._flush_interval_s = flush_interval_s
         sinks = list(sessions) if isinstance(sessions, Sequence) else [sessions]
         self._lanes = [_Lane(sink) for sink in sinks]
@@ -190,7 +192,10 @@ class KvEventForwarder:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, _RCV_HWM)
             sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.connect(self.endpoint)  # connects whenever the engine binds, and again after restarts
+            if self._bind:  # the engine's PUB connects here, and again after its restarts
+                sock.bind(self.endpoint)
+            else:
+                sock.connect(self.endpoint)  # connects whenever the engine binds, and again after restarts
             self._sub = zmq.Socket.shadow(sock.underlying)
             log.info("forwarding KV events from %s", self.endpoint)
             while True:

@@ -15,7 +15,7 @@ import aiohttp
 
 from vllm_disagg import logs
 from vllm_disagg.agent.command_log import CommandLog
-from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch
+from vllm_disagg.agent.discover import AttachedEngine, DiscoveryError, role_switch, warn_exposed_kv_events
 from vllm_disagg.agent.engine import EngineSupervisor
 from vllm_disagg.agent.engine_kinds import instance_info
 from vllm_disagg.agent.kv.agent_pool import KvPool
@@ -59,7 +59,15 @@ _AGENT_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--kv-events-endpoint",
         "kv_events_endpoint",
         str,
-        "with --attach: the engine's KV-events PUB endpoint to forward (default: none)",
+        "with --attach: the engine's KV-events PUB endpoint to forward (default: none); keep it on this "
+        "host (ipc:// or loopback): the events carry prompts",
+    ),
+    (
+        "--kv-events-listen",
+        "kv_events_listen",
+        str,
+        "with --attach: bind this ipc:// or loopback endpoint and let the engine's PUB connect to it "
+        "(vLLM connects when its kv-events endpoint names a host, e.g. tcp://127.0.0.1:5557)",
     ),
     (
         "--curve-secret-key",
@@ -117,7 +125,12 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "seconds a prefill engine keeps KV no decode engine pulls (vLLM's kv_lease_duration); 0: 30",
     ),
     ("--nixl-side-channel-port", "nixl_side_channel_port", int, "NIXL handshake port (0: engine port+1000)"),
-    ("--kv-events-port", "kv_events_port", int, "KV cache events PUB port (0: engine port+2000)"),
+    (
+        "--kv-events-port",
+        "kv_events_port",
+        int,
+        "the sim's KV cache events PUB port on loopback (0: engine port+2000); vLLM's is an ipc:// socket",
+    ),
     ("--omp-threads-bind", "omp_threads_bind", str, "VLLM_CPU_OMP_THREADS_BIND on CPU (auto, 0, 0-3...)"),
     ("--kv-cache-space-gib", "kv_cache_space_gib", int, "VLLM_CPU_KVCACHE_SPACE on CPU"),
     (
@@ -263,10 +276,12 @@ def _wire(
     if attached is not None:
         # Any session will do: a new instance it says goes to every orchestrator (shared.py).
         attached.session = sessions.members[0]
-    endpoint = forwarder_endpoint(cfg)
+    endpoint, bind = forwarder_endpoint(cfg), bool(cfg.kv_events_listen)
     if not endpoint and attached is not None and attached.facts is not None:
         endpoint = attached.facts.kv_events_endpoint  # the engine said where it publishes
-    forwarder = KvEventForwarder(endpoint, sessions.members) if endpoint else None
+    if cfg.attach_url and not bind:  # its operator chose where it publishes: say if others can read it
+        warn_exposed_kv_events(endpoint, attached.facts if attached is not None else None)
+    forwarder = KvEventForwarder(endpoint, sessions.members, bind=bind) if endpoint else None
     if forwarder is not None:
         engine.on_restart = forwarder.engine_restarted
         # Rebuild the KV index of the orchestrator that welcomed us, and of no other.

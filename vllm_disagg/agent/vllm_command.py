@@ -15,15 +15,13 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.engine_command import (
-    EngineCommand,
-    kv_events_port,
-)
+from vllm_disagg.agent.engine_command import EngineCommand, kv_events_endpoint
 from vllm_disagg.agent.kv.local import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,
     CONNECTOR_NAME,
     local_endpoint,
+    make_local_dir,
 )
 from vllm_disagg.agent.layout import launched_layout
 from vllm_disagg.agent.vllm_plugin import NIXL_PROGRESS_NICE_ENV
@@ -123,11 +121,13 @@ def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, object]:
 
 
 def kv_events_config(cfg: AgentConfig) -> dict[str, object]:
-    """The ``--kv-events-config`` object: a PUB socket vLLM binds (``*`` binds; a host would connect)."""
+    """The ``--kv-events-config`` object: a PUB socket vLLM binds on an ``ipc://`` path only this user
+    can reach (``kv_events_endpoint``), never ``tcp://*``: the events carry users' prompts. No
+    ``replay_endpoint``: vLLM would bind a ROUTER there serving the same events again."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": f"tcp://*:{kv_events_port(cfg)}",
+        "endpoint": kv_events_endpoint(cfg),
         "topic": KV_EVENTS_TOPIC,
     }
 
@@ -253,6 +253,10 @@ class VllmEngineCommand(EngineCommand):
     def env(self, cfg: AgentConfig) -> Mapping[str, str]:
         """NIXL side channel, CPU backend settings, offline switches."""
         return vllm_env(cfg, self.device(cfg))
+
+    def prepare(self, cfg: AgentConfig) -> None:
+        """The 0700 directory of the KV-events socket: vLLM binds there, and cannot make it itself."""
+        make_local_dir(kv_events_endpoint(cfg))
 
     def instance_info(self, cfg: AgentConfig) -> InstanceInfo:
         """Served name, block size and connector as the launched engine will use them."""

@@ -2,8 +2,10 @@
 
 The simulated engine's output is a pure function of the prompt (``sim.textgen``), and its bytes come
 from ``sim.openai_api.ResponseEncoder``; the only things a response carries that the request does not
-fix are the request id (ours, from ``X-Request-Id``) and ``created`` (the engine's clock), which is
-read from the response itself. So the exact expected body or SSE stream can be rebuilt and compared.
+fix are the engine's request id (``cmpl-<id>``: the gateway's own id of the request, not the client's
+``X-Request-Id``, ``gateway/request_ids.py``) and ``created`` (the engine's clock), both read from the
+response's first object. So the exact expected body or SSE stream can be rebuilt and compared: every
+later event must carry the same id (a resumed leg's are rewritten to the first leg's).
 
 Verdicts: a clean 200 whose bytes differ is *garbled*; a non-200, a transport error, a stream without
 ``data: [DONE]`` or with an error event is *failed*; the exact bytes are *completed*.
@@ -122,20 +124,23 @@ class Checker:
             self._memo.popitem(last=False)
         return out
 
-    def _encoder(self, spec: RequestSpec, out: _Output, created: int) -> ResponseEncoder:
+    def _encoder(
+        self, spec: RequestSpec, out: _Output, created: int, request_id: str | None
+    ) -> ResponseEncoder:
         return ResponseEncoder(
             spec.kind,
-            spec.request_id,
+            spec.request_id if request_id is None else request_id,
             self.model,
             created,
             include_usage=spec.include_usage,
             prompt_token_ids=out.prompt_ids,
         )
 
-    def expected_stream(self, spec: RequestSpec, created: int) -> bytes:
-        """The exact SSE bytes the engine sends for ``spec`` at wall second ``created``."""
+    def expected_stream(self, spec: RequestSpec, created: int, request_id: str | None = None) -> bytes:
+        """The exact SSE bytes the engine sends for ``spec`` at wall second ``created`` (``request_id``:
+        the engine's, default the spec's)."""
         out = self._output(spec)
-        enc = self._encoder(spec, out, created)
+        enc = self._encoder(spec, out, created, request_id)
         last = len(out.token_json) - 1
         parts = [enc.role_chunk()]
         parts += [enc.token_chunk(word, i == last, i) for i, word in enumerate(out.token_json)]
@@ -144,10 +149,12 @@ class Checker:
         parts.append(DONE)
         return b"".join(parts)
 
-    def expected_body(self, spec: RequestSpec, created: int) -> bytes:
+    def expected_body(self, spec: RequestSpec, created: int, request_id: str | None = None) -> bytes:
         """The exact non-streaming body the engine sends for ``spec`` at wall second ``created``."""
         out = self._output(spec)
-        return self._encoder(spec, out, created).full(out.text, len(out.prompt_ids), spec.max_tokens, None)
+        return self._encoder(spec, out, created, request_id).full(
+            out.text, len(out.prompt_ids), spec.max_tokens, None
+        )
 
     def check(self, spec: RequestSpec, status: int | None, body: bytes, error: str = "") -> Verdict:
         """Judge one response: its status (None when none came), the bytes received, any transport error."""
@@ -157,35 +164,43 @@ class Checker:
             return Verdict("failed", f"HTTP {status}")
         if spec.stream:
             return self._check_stream(spec, body)
-        created = _created(body)
-        if created is None:
-            return Verdict("garbled", "the body is not a completion object with an integer 'created'")
-        want = self.expected_body(spec, created)
+        head = _head(body)
+        if head is None:
+            return Verdict(
+                "garbled", "the body is not a completion object with an id and an integer 'created'"
+            )
+        want = self.expected_body(spec, head[1], head[0])
         return Verdict("completed") if body == want else Verdict("garbled", difference(body, want))
 
     def _check_stream(self, spec: RequestSpec, body: bytes) -> Verdict:
         if not body.endswith(DONE):
             return Verdict("failed", "the stream ended without data: [DONE]")
         first = body.split(b"\n\n", 1)[0]
-        created = _created(first.removeprefix(b"data: ")) if first.startswith(b"data: ") else None
-        want = self.expected_stream(spec, created) if created is not None else None
+        head = _head(first.removeprefix(b"data: ")) if first.startswith(b"data: ") else None
+        want = self.expected_stream(spec, head[1], head[0]) if head is not None else None
         if want is not None and body == want:
             return Verdict("completed")
         error = error_event(body)
         if error is not None:
             return Verdict("failed", f"error event: {error}")
         if want is None:
-            return Verdict("garbled", "the first event is not a chunk with an integer 'created'")
+            return Verdict("garbled", "the first event is not a chunk with an id and an integer 'created'")
         return Verdict("garbled", difference(body, want))
 
 
-def _created(raw: bytes) -> int | None:
+def _head(raw: bytes) -> tuple[str, int] | None:
+    """A response object's engine request id (its ``id`` less ``cmpl-``/``chatcmpl-``) and ``created``."""
     try:
         obj = jsonutil.loads(raw)
     except ValueError:
         return None
-    created = obj.get("created") if isinstance(obj, dict) else None
-    return created if isinstance(created, int) and not isinstance(created, bool) else None
+    if not isinstance(obj, dict):
+        return None
+    created, full_id = obj.get("created"), obj.get("id")
+    if not isinstance(created, int) or isinstance(created, bool) or not isinstance(full_id, str):
+        return None
+    prefix, _, request_id = full_id.partition("-")
+    return (request_id, created) if prefix in ("cmpl", "chatcmpl") and request_id else None
 
 
 def error_event(body: bytes) -> str | None:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import functools
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -362,10 +363,16 @@ def policy_from_args(args: argparse.Namespace) -> RestartPolicy:
 
 
 def with_keys(spec: ClusterSpec, directory: Path) -> ClusterSpec:
-    """New CurveZMQ keys in ``directory`` for the orchestrator and each agent (docs/security.md)."""
+    """New CurveZMQ keys in ``directory`` for the orchestrator and each agent (docs/security.md).
+
+    The agents' directory is emptied first: the orchestrator admits every key listed there, so a key
+    of an earlier, larger run (decode-3 of a 2P4D run, now 1P1D) would stay admitted.
+    """
     make_keypair(directory, "orchestrator")
+    agents = directory / "agents"
+    shutil.rmtree(agents, ignore_errors=True)
     for plan in spec.plans():
-        make_keypair(directory / "agents", plan.agent_id)
+        make_keypair(agents, plan.agent_id)
     return replace(spec, keys_dir=str(directory))
 
 

@@ -27,12 +27,14 @@ from vllm_disagg.orchestrator.control.plane import ControlPlane, cancel_and_wait
 from vllm_disagg.orchestrator.control.roles import RoleChanger
 from vllm_disagg.orchestrator.control.rollout import Rollouts
 from vllm_disagg.orchestrator.control.spawner import AgentSpawner
+from vllm_disagg.orchestrator.gateway.deadlines import ClientLimits
+from vllm_disagg.orchestrator.gateway.listener import GatewayServer, gateway_runner
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import OpenAIRoutes
-from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.gateway.service import Gateway
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
 from vllm_disagg.orchestrator.gateway.workers.hub import JournaledKvIndex, WorkerHub
+from vllm_disagg.orchestrator.kv_warmup import KvLinkWarmup
 from vllm_disagg.orchestrator.loop_lag import watch_loop_lag
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
 from vllm_disagg.orchestrator.planner.config import PlannerConfig, load_planner_config_file
@@ -53,6 +55,7 @@ from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.health import BreakerPolicy
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.kv_limits import KvGate, KvLimits
 from vllm_disagg.orchestrator.state.leadership import Leadership, LeaderView
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.messages import HELLO_BACKOFF_MAX_S
@@ -97,6 +100,8 @@ async def _control_ctx(app: web.Application) -> AsyncIterator[None]:
     if planner.config.enabled:
         tasks.append(asyncio.create_task(planner.run(), name="orchestrator-planner"))
     tasks.append(asyncio.create_task(app[ROLLOUTS_KEY].run(), name="orchestrator-rollouts"))
+    warmup = KvLinkWarmup(app[REGISTRY_KEY], app[CONFIG_KEY], app[METRICS_KEY])  # ready: its KV link works
+    tasks.append(asyncio.create_task(warmup.run(), name="orchestrator-kv-warmup"))
     for task in tasks:
         task.add_done_callback(_log_crash)
     try:
@@ -148,12 +153,15 @@ class _State:
             config.heartbeat_timeout_s,
             suspect_after_s=config.suspect_after_s,
             breaker=BreakerPolicy(failures_to_open=config.breaker_failures, open_s=config.breaker_open_s),
+            prove_kv_links=True,  # by ``kv_warmup``, run with the control plane
         )
         # With gateway workers the index keeps a journal of its writes, which the workers replay.
-        kv_index = KvIndex() if config.gateway_workers == 1 else JournaledKvIndex()
+        gate = KvGate(KvLimits(), clock.monotonic)  # bounds what one agent's KV events can index
+        kv_index = KvIndex(gate) if config.gateway_workers == 1 else JournaledKvIndex(gate)
         metrics = OrchestratorMetrics(
             registry.snapshot, kv_index.blocks_of, pool_blocks=kv_index.pool_blocks_of
         )
+        gate.sink = metrics.kv_events_dropped
         return cls(registry, kv_index, metrics, EventLog(clock.wall))
 
 
@@ -506,10 +514,8 @@ async def start_orchestrator(
 ) -> OrchestratorServer:
     """Build and start the orchestrator on ``config.host:config.port`` (port 0: any free port)."""
     app = build_app(config, clock, scheduler, kv_moves=kv_moves)
-    # handler_cancellation: a client that disconnects cancels its handler, which closes the engine legs.
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
-    )
+    limits = ClientLimits.of(config)
+    runner = gateway_runner(app, limits, shutdown_timeout_s)
     runners = [runner]
     routes = app[ROUTES_KEY]
     listener: GatewayServer | None = None
@@ -518,7 +524,8 @@ async def start_orchestrator(
         assert runner.server is not None
         routes.route_directly(runner.server, app)
         # The gateway's port: its own server for the OpenAI routes, aiohttp's for the rest.
-        listener = GatewayServer(routes.fast(), runner.server, config.max_body_bytes)
+        closed = app[METRICS_KEY].client_connection_closed  # connections closed on a limit, by reason
+        listener = GatewayServer(routes.fast(), runner.server, config.max_body_bytes, limits, closed)
         hub = app.get(WORKERS_KEY)
         # With workers the port is only bound until every worker serves on it too: the orchestrator
         # answers nothing (admin on this port included) before the whole gateway is up, so whoever

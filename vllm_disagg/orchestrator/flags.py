@@ -92,6 +92,55 @@ SHARED_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         int,
         "gateway processes on the port (SO_REUSEPORT), sharing one scheduler state; 1: this process only",
     ),
+    (
+        "--engine-networks",
+        "engine_networks",
+        str,
+        "CIDRs (10.0.0.0/8,fd00::/8) an agent's engine URL may name beside the agent's own address and "
+        "loopback, or 'any' (docs/security.md)",
+    ),
+    (
+        "--max-engine-body-bytes",
+        "max_engine_body_bytes",
+        int,
+        "an engine's whole answer (non-streamed, a prefill's) past this fails the leg",
+    ),
+    (
+        "--max-engine-event-bytes",
+        "max_engine_event_bytes",
+        int,
+        "one event of an engine's streamed answer past this fails the leg",
+    ),
+    (
+        "--client-head-timeout-s",
+        "client_head_timeout_s",
+        float,
+        "a client's request line and headers must arrive within this (else 408 and close)",
+    ),
+    (
+        "--client-body-timeout-s",
+        "client_body_timeout_s",
+        float,
+        "a request body must arrive within this, plus a second per --client-body-min-rate bytes received",
+    ),
+    (
+        "--client-body-min-rate",
+        "client_body_min_rate",
+        float,
+        "bytes/s: a body sent slower than this (after --client-body-timeout-s) is cut with 408",
+    ),
+    (
+        "--client-write-timeout-s",
+        "client_write_timeout_s",
+        float,
+        "a client that reads none of its answer for this long is dropped (its engine legs cancelled)",
+    ),
+    (
+        "--max-client-connections",
+        "max_client_connections",
+        int,
+        "open client connections per gateway process; past it a new one is answered 503 and closed",
+    ),
 )
 
 

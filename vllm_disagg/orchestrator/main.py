@@ -30,6 +30,7 @@ from vllm_disagg.orchestrator.gateway.tokenize import preload_tokenizer_libs
 from vllm_disagg.orchestrator.planner.config import load_planner_config_file
 from vllm_disagg.orchestrator.scheduling.config import load_scheduler_config
 from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.protocol.engine_urls import host_local_endpoint
 from vllm_disagg.runtime import run_service
 
 _DEFAULTS = OrchestratorConfig()
@@ -117,6 +118,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="directory of <agent id>.key public keys: each admits one agent, bound to that id",
     )
     admin.add_argument(
+        "--insecure-agents",
+        action="store_true",
+        help="allow a --zmq-endpoint other hosts can reach without agent keys (a trusted network only: "
+        "anyone reaching it can register an engine and receive prompts)",
+    )
+    admin.add_argument(
         "--engine-api-key-file",
         default="",
         metavar="FILE",
@@ -194,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> OrchestratorConfig:
         admin_port=args.admin_port,
         curve_secret_key_file=args.curve_secret_key_file,
         agent_keys_dir=args.agent_keys_dir,
+        insecure_agents=args.insecure_agents,
         replica=replica_from_args(args),
         admission=admission_from_args(args),
         tracing=tracing_from_args(args, os.environ),
@@ -233,6 +241,12 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"orchestrator: http {server.url}  agents {server.zmq_endpoint}{admin}{replica}", flush=True
             )
+            if not (config.curve_secret_key_file or host_local_endpoint(config.zmq_endpoint)):
+                logging.getLogger(__name__).warning(
+                    "INSECURE: agents connect to %s without keys: any host that reaches it can register "
+                    "an engine and receive users' prompts (--insecure-agents; docs/security.md)",
+                    server.zmq_endpoint,
+                )
             if not config.admin_token:
                 logging.getLogger(__name__).warning(
                     "no admin token (--admin-token-file or %s): the admin API refuses every call",

@@ -75,6 +75,7 @@ class OrchestratorMetrics:
         self._declare_failures(r)
         self._declare_kv_audit(r)
         self._declare_control(r)
+        self._declare_kv_events(r)
         self._declare_kv_moves(r)
         self._instances = InstanceCollector(snapshot, kv_blocks, pool_blocks) if instances else None
         self._request_children = _Bound(self._requests)
@@ -185,6 +186,12 @@ class OrchestratorMetrics:
 
     def _declare_failures(self, r: CollectorRegistry) -> None:
         """What failed, and how the gateway recovered (retries, fallbacks, resumes)."""
+        self._kv_warmups = Counter(
+            "vllm_disagg_kv_link_warmups",
+            "Warm-up requests over a fresh engine's KV link before it is routed to, by outcome (ok, failed)",
+            ["outcome"],
+            registry=r,
+        )
         self._refused = Counter(
             "vllm_disagg_protocol_refused",
             "Refuse messages sent to agents, by code",
@@ -228,6 +235,13 @@ class OrchestratorMetrics:
             "vllm_disagg_stream_events_unread",
             "Events of a decode engine's stream the gateway could not read (not JSON, not a chunk), "
             "passed on to the client as they came",
+            registry=r,
+        )
+        self._connections_closed = Counter(
+            "vllm_disagg_client_connections_closed",
+            "Client connections the gateway's server closed on a limit, by reason (head_timeout, "
+            "body_timeout, write_timeout, cap)",
+            ["reason"],
             registry=r,
         )
 
@@ -308,19 +322,8 @@ class OrchestratorMetrics:
             registry=r,
         )
 
-    def _declare_kv_moves(self, r: CollectorRegistry) -> None:
-        """KV releases, KV events and the moves between the agents' pools."""
-        self._kv_released = Counter(
-            "vllm_disagg_kv_released",
-            "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
-            registry=r,
-        )
-        self._kv_release_failures = Counter(
-            "vllm_disagg_kv_release_failures",
-            "One-token KV-freeing decodes that failed: the prefill's KV stays held until its lease ends",
-            ["cause"],
-            registry=r,
-        )
+    def _declare_kv_events(self, r: CollectorRegistry) -> None:
+        """KV events from agents: applied, lost, dropped at the index's limits."""
         self._kv_events = Counter(
             "vllm_disagg_kv_events",
             "KV-cache events from the instance's agent applied to the KV index",
@@ -331,6 +334,24 @@ class OrchestratorMetrics:
             "vllm_disagg_kv_events_missed",
             "Engine KV event batches the instance's agent reported lost (sequence gaps, full buffer)",
             ["instance"],
+            registry=r,
+        )
+        help_ = "Blocks of KV events from the instance's agent beyond its limits, not indexed (by reason)"
+        self._kv_dropped = Counter(
+            "vllm_disagg_kv_events_dropped", help_, ["instance", "medium", "reason"], registry=r
+        )
+
+    def _declare_kv_moves(self, r: CollectorRegistry) -> None:
+        """KV releases and the moves between the agents' pools."""
+        self._kv_released = Counter(
+            "vllm_disagg_kv_released",
+            "One-token decodes sent to free a prefill's KV after its client left (see docs/operations.md)",
+            registry=r,
+        )
+        self._kv_release_failures = Counter(
+            "vllm_disagg_kv_release_failures",
+            "One-token KV-freeing decodes that failed: the prefill's KV stays held until its lease ends",
+            ["cause"],
             registry=r,
         )
         self._pool_transfers = Counter(
@@ -459,6 +480,10 @@ class OrchestratorMetrics:
         """Count events passed on unread."""
         self._unread_events.inc(n)
 
+    def client_connection_closed(self, reason: str) -> None:
+        """Count a client connection closed on a limit (``listener.GatewayServer``'s deadlines and cap)."""
+        self._connections_closed.labels(reason).inc()
+
     def kv_recomputed(self, prefill: str, decode: str, tokens: int) -> None:
         """Count a decode leg that recomputed ``tokens`` of the prompt instead of loading their KV."""
         self._kv_recomputed.labels(prefill, decode).inc()
@@ -525,6 +550,14 @@ class OrchestratorMetrics:
         """Count one ``KvEvents`` message from an instance's agent (both series appear with the first)."""
         self._kv_events_children[(agent_id,)].inc(applied)
         self._kv_missed_children[(agent_id,)].inc(missed)
+
+    def kv_link_warmup(self, outcome: str) -> None:
+        """Count a warm-up request over a fresh engine's KV link (``kv_warmup``): ``ok`` or ``failed``."""
+        self._kv_warmups.labels(outcome).inc()
+
+    def kv_events_dropped(self, agent_id: str, medium: str, reason: str, blocks: int) -> None:
+        """Count an instance's blocks of KV events the index's limits dropped (``state/kv_limits.py``)."""
+        self._kv_dropped.labels(agent_id, medium, reason).inc(blocks)
 
     def families(self) -> list[Metric]:
         """This process's gateway and control metrics (not the per-instance gauges)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from vllm_disagg.protocol.kv_pool import ENDPOINT, MAX_COMMAND_KEYS, MAX_KEY_BYTES, Z85_KEY, split_keys
@@ -66,7 +66,8 @@ class KvGrant:
     for ``ttl_s`` seconds."""
 
     KIND: ClassVar[CommandKind] = "kv_grant"
-    token: str  # random per move: whoever holds it may fetch these blocks, so it never reaches a log
+    # Random per move: whoever holds it may fetch these blocks, so it never reaches a log (not in repr).
+    token: str = field(repr=False)
     keys: list[bytes]  # vLLM block hashes (wire/block_hash.py), first block first
     peer_key: str  # the receiver agent's CurveZMQ public key (z85); "" without agent keys
     ttl_s: float
@@ -77,7 +78,7 @@ class KvFetch:
     """To the receiver: fetch ``keys`` with ``token`` from the holder's pool at ``endpoint``."""
 
     KIND: ClassVar[CommandKind] = "kv_fetch"
-    token: str
+    token: str = field(repr=False)
     keys: list[bytes]
     endpoint: str  # the holder's ``InstanceInfo.kv_pool_endpoint``
     peer_key: str  # the holder agent's CurveZMQ public key (z85); "" without agent keys

@@ -11,7 +11,6 @@ both (mode 0600). ``vllm-disagg keys`` makes them; only their paths ever appear 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ import zmq.auth
 from zmq.auth.asyncio import AsyncioAuthenticator
 
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.private_files import private_dir, write_private
 
 SECRET_SUFFIX = ".key_secret"
 PUBLIC_SUFFIX = ".key"
@@ -52,11 +52,17 @@ class ClientCurve:
 
 
 def make_keypair(directory: Path, name: str) -> tuple[Path, Path]:
-    """Write ``NAME.key`` and ``NAME.key_secret`` (0600) in ``directory``; their paths."""
-    directory.mkdir(parents=True, exist_ok=True)
-    public, secret = zmq.auth.create_certificates(str(directory), name)
-    os.chmod(secret, 0o600)
-    return Path(public), Path(secret)
+    """Write ``NAME.key`` and ``NAME.key_secret`` in ``directory`` (made 0700, this user's); their paths.
+
+    The secret file is 0600 from its creation: ``zmq.auth.create_certificates`` writes it under the
+    umask and leaves the mode to the caller, so a reader could open it before a ``chmod``.
+    """
+    private_dir(directory)
+    public_key, secret_key = zmq.curve_keypair()
+    public, secret = directory / f"{name}{PUBLIC_SUFFIX}", directory / f"{name}{SECRET_SUFFIX}"
+    write_public(public, public_key)
+    write_private(secret, _certificate("Secret", public_key, secret_key).encode())
+    return public, secret
 
 
 def load_keypair(path: str) -> Keypair:
@@ -97,9 +103,15 @@ def load_agent_keys(directory: str) -> dict[bytes, str]:
 
 def write_public(path: Path, public_key: bytes) -> None:
     """Write a ``.key`` file holding only ``public_key`` (z85), in the format ``load_public`` reads."""
-    path.write_text(
-        f'#   ZeroMQ CURVE Public Certificate\nmetadata\ncurve\n    public-key = "{public_key.decode()}"\n'
-    )
+    path.write_text(_certificate("Public", public_key))
+
+
+def _certificate(kind: str, public_key: bytes, secret_key: bytes | None = None) -> str:
+    """A ZeroMQ certificate file's text (``zmq.auth``'s format, which ``load_certificate`` reads)."""
+    text = f'#   ZeroMQ CURVE {kind} Certificate\nmetadata\ncurve\n    public-key = "{public_key.decode()}"\n'
+    if secret_key is not None:
+        text += f'    secret-key = "{secret_key.decode()}"\n'
+    return text
 
 
 def _load(path: str) -> tuple[bytes, bytes | None]:

@@ -24,6 +24,13 @@ POOL_PARAMS = "vllm_disagg"  # the key of the connector's handle in ``kv_transfe
 # computes them.
 MAX_COMMAND_KEYS = 8192
 MAX_KEY_BYTES = 64  # vLLM's block hashes are 32 bytes (sha256); room for a longer one
+# The longest a grant may pin blocks unfetched, and a fetch may take: the orchestrator's settings are
+# bounded by these, and an agent caps what it is told by them too (a stalled receiver, or an
+# orchestrator's mistake, never pins a holder's blocks for long). A grant in use ends, its pins
+# released, by ``ttl_s + MAX_STREAM_S`` after it was made, whatever its fetch said.
+MAX_GRANT_TTL_S = 300.0
+MAX_FETCH_TIMEOUT_S = 60.0
+MAX_STREAM_S = MAX_FETCH_TIMEOUT_S + 5.0  # a receiver has given up by then: nothing it asked lands
 _HEX = re.compile(r"(?:[0-9a-f]{2}){1,64}")
 ENDPOINT = re.compile(r"[a-z]+://\S+")  # a ZeroMQ endpoint, e.g. tcp://10.0.0.5:11100
 Z85_KEY = re.compile(r"[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}")  # a CurveZMQ public key

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import zmq
@@ -72,9 +72,24 @@ class Incoming:
     message: Message | None
     error: CodecError | None
     user: str = ""  # with agent keys: the agent id the sender's key belongs to
+    # The ROUTER's frame naming the connection: its address is read from it only when asked (a Hello),
+    # not for every heartbeat.
+    origin: zmq.Frame | None = field(default=None, compare=False, repr=False)
+
+    def peer_address(self) -> str:
+        """The connection's remote IP address as libzmq saw it; "" where it has none (``ipc://``
+        gives no IP, ``inproc://`` nothing)."""
+        if self.origin is None:
+            return ""
+        try:
+            return str(self.origin.get("Peer-Address"))
+        except zmq.ZMQError:
+            return ""
 
 
-def _incoming(peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int, user: str = "") -> Incoming:
+def _incoming(
+    peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int, user: str = "", origin: zmq.Frame | None = None
+) -> Incoming:
     """Decode a message's payload parts (one, for a protocol frame) without copying them."""
     if len(parts) != 1:
         size = sum(len(part) for part in parts)
@@ -83,11 +98,12 @@ def _incoming(peer: bytes, parts: Sequence[zmq.Frame], max_bytes: int, user: str
             None,
             MalformedFrame(f"expected 1 frame part, got {len(parts)} ({size} bytes in all)"),
             user,
+            origin,
         )
     try:
-        return Incoming(peer, decode(parts[0].buffer, max_bytes=max_bytes), None, user)
+        return Incoming(peer, decode(parts[0].buffer, max_bytes=max_bytes), None, user, origin)
     except CodecError as exc:
-        return Incoming(peer, None, exc, user)
+        return Incoming(peer, None, exc, user, origin)
 
 
 class RouterTransport:
@@ -130,7 +146,7 @@ class RouterTransport:
         """The next frame from any agent."""
         parts = await self._sock.recv_multipart(copy=False)
         user = str(parts[0].get("User-Id")) if self._auth is not None else ""
-        return _incoming(parts[0].bytes, parts[1:], self._max, user)
+        return _incoming(parts[0].bytes, parts[1:], self._max, user, parts[0])
 
     def send(self, peer: bytes, message: Message) -> bool:
         """Send to one connection; False when it is closed (or closing) or its queue is full."""

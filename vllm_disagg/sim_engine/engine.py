@@ -20,7 +20,7 @@ from vllm_disagg.errors import BadRequest, NotFound, RequestError
 from vllm_disagg.http_errors import error_response
 from vllm_disagg.sim_engine import perf_model
 from vllm_disagg.sim_engine.core import ABORTED, EngineCore, Seq
-from vllm_disagg.sim_engine.kv_publisher import KvEventPublisher
+from vllm_disagg.sim_engine.kv_publisher import KvEventPublisher, publisher_endpoint
 from vllm_disagg.sim_engine.metrics import CONTENT_TYPE
 from vllm_disagg.sim_engine.openai_api import (
     DONE,
@@ -336,7 +336,8 @@ async def kv_event_sources(request: web.Request) -> web.Response:
         sources["0"] = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{config.kv_events_port}",
+            # What it binds (loopback), not vLLM's usual "tcp://*": an agent follows what it is told.
+            "endpoint": publisher_endpoint(config.kv_events_port),
             "topic": "",
         }
     return web.Response(body=jsonutil.dumps(sources), content_type="application/json")

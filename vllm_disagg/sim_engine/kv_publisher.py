@@ -17,6 +17,11 @@ from vllm_disagg.wire.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 _SEND_HWM = 10_000  # batches queued for a subscriber before new ones are dropped
 
 
+def publisher_endpoint(port: int) -> str:
+    """Where the sim publishes: loopback only, as the events carry prompts and only its agent reads them."""
+    return f"tcp://127.0.0.1:{port}"
+
+
 class KvEventPublisher:
     """Publishes one batch per prefix-cache change on ``tcp://127.0.0.1:<port>`` (a ``CacheListener``)."""
 
@@ -30,7 +35,7 @@ class KvEventPublisher:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.SNDHWM, _SEND_HWM)
         try:
-            self._sock.bind(f"tcp://127.0.0.1:{port}")
+            self._sock.bind(publisher_endpoint(port))
         except zmq.ZMQError:
             self.close()
             raise

@@ -118,7 +118,7 @@ def _spawn(d: Deployment, host: str, argv: list[str]) -> subprocess.Popen[bytes]
 def _orchestrator_argv() -> list[str]:
     return cli_argv(
         "orchestrator", "--host", "0.0.0.0", "--port", str(HTTP_PORT),
-        "--zmq-endpoint", f"tcp://0.0.0.0:{AGENTS_PORT}",
+        "--zmq-endpoint", f"tcp://0.0.0.0:{AGENTS_PORT}", "--insecure-agents",
         "--heartbeat-interval-s", "0.2", "--heartbeat-timeout-s", "3.0",
         "--no-preload-tokenizer-libs",
     )  # fmt: skip

@@ -204,7 +204,7 @@ class ReplicaCluster:
             *place.wrap,
             *cli_argv(
                 "orchestrator", "--host", place.host, "--port", str(port),
-                "--zmq-endpoint", f"tcp://{place.host}:{zmq_port}",
+                "--zmq-endpoint", f"tcp://{place.host}:{zmq_port}", "--insecure-agents",
                 "--heartbeat-interval-s", str(HEARTBEAT_INTERVAL_S),
                 "--heartbeat-timeout-s", str(HEARTBEAT_TIMEOUT_S),
                 "--shutdown-timeout-s", str(SHUTDOWN_TIMEOUT_S), "--shutdown-delay-s", str(SHUTDOWN_DELAY_S),

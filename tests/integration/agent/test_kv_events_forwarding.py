@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from pathlib import Path
 from typing import Literal
 
 import aiohttp
@@ -23,10 +24,11 @@ from tests.integration.orchestrator_support import MODEL, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.main import serve
 from vllm_disagg.config import AgentConfig, SimTiming
+from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.app import OrchestratorServer
 from vllm_disagg.protocol.messages import Heartbeat, KvEvent, KvEvents
 from vllm_disagg.sim_engine.textgen import tokenize
-from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames
+from vllm_disagg.wire.kv_events import BlockRemoved, BlockStored, decode_frames, encode_batch
 
 AGENT = "agent-kv"
 BLOCK = 16
@@ -183,7 +185,7 @@ async def test_kv_events_from_an_agent_without_a_session_are_refused_as_unknown_
 async def test_kv_events_from_a_live_session_are_applied_and_counted(
     orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory
 ) -> None:
-    agent = await fake_agent("p0", "http://x", "both")
+    agent = await fake_agent("p0", "http://127.0.0.1:9", "both")
     agent.transport.send(KvEvents(seq=1, events=[STORED, KvEvent("removed", [102])], missed=3))
     await eventually(lambda: orch.kv_index.blocks_of("p0") == 1, what="the events applied")
     assert orch.kv_index.cached_tokens(PROMPT_IDS) == {"p0": BLOCK}
@@ -197,8 +199,8 @@ async def test_kv_events_from_a_live_session_are_applied_and_counted(
 async def test_an_instances_entries_are_dropped_when_its_session_or_engine_ends(
     orch: OrchestratorServer, fake_agent: AgentFactory, how: str
 ) -> None:
-    agent = await fake_agent("d0", "http://x", "both")
-    other = await fake_agent("d1", "http://y", "both")
+    agent = await fake_agent("d0", "http://127.0.0.1:9", "both")
+    other = await fake_agent("d1", "http://127.0.0.1:10", "both")
     for who in (agent, other):
         who.transport.send(KvEvents(seq=1, events=[STORED]))
     await eventually(
@@ -262,3 +264,57 @@ async def test_an_agent_that_launches_the_simulated_engine_subscribes_where_it_p
         stop.set()
         with contextlib.suppress(asyncio.CancelledError):
             await agent
+
+
+async def test_an_agent_listening_for_its_engine_forwards_what_the_engine_publishes_to_it(
+    orch: OrchestratorServer, http: aiohttp.ClientSession, sim_engine: EngineFactory, tmp_path: Path
+) -> None:
+    """``--kv-events-listen`` (a pod's loopback, Kubernetes): the agent binds, the engine's PUB connects
+    (vLLM does when its endpoint names a host), so nothing of the engine's listens beyond the host."""
+    engine = await sim_engine(timing=SimTiming(block_size=BLOCK))
+    listen = f"ipc://{tmp_path}/kv-events.sock"
+    cfg = AgentConfig(
+        agent_id=AGENT,
+        role="both",
+        orchestrator=orch.zmq_endpoint,
+        model=MODEL,
+        attach_url=engine.url,
+        kv_events_listen=listen,
+        scrape_interval_s=0.05,
+        sim=SimTiming(block_size=BLOCK),
+    )
+    stop = asyncio.Event()
+    agent = asyncio.create_task(serve(cfg, stop))
+    ctx = zmq.asyncio.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    try:
+        await eventually(lambda: orch.registry.get(AGENT), what="the agent's Hello")
+        pub.connect(listen)  # as vLLM's publisher does with tcp://127.0.0.1:P
+        ids = PROMPT_IDS[: 2 * BLOCK]
+        seq = iter(range(1_000_000))
+
+        async def indexed() -> bool:
+            # A PUB drops what it sends before the subscriber's handshake is done: send until heard.
+            stored = BlockStored((201, 202), None, tuple(ids), BLOCK)
+            await pub.send_multipart(encode_batch(next(seq), 0.0, [stored]))
+            return orch.kv_index.cached_tokens(ids).get(AGENT) == 2 * BLOCK
+
+        await eventually(indexed, what="the engine's events in the orchestrator's index")
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait_for(agent, 30)
+        pub.close(linger=0)
+        ctx.term()
+
+
+def test_an_agent_listens_for_kv_events_only_on_its_own_host() -> None:
+    with pytest.raises(ConfigError, match="kv_events_listen must be ipc:// or loopback"):
+        AgentConfig(
+            agent_id="a",
+            role="both",
+            model="m",
+            attach_url="http://127.0.0.1:1",
+            kv_events_listen="tcp://*:5557",
+        )

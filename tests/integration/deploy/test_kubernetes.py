@@ -371,9 +371,11 @@ def test_each_engine_pod_is_one_vllm_and_one_agent_attached_to_it(path: str) -> 
         assert transfer == {"kv_connector": "NixlConnector", "kv_role": KV_ROLE[args.role]}
         assert args.role == pod.labels["app.kubernetes.io/component"]
         events = json.loads(flag(vllm_args, "--kv-events-config"))
-        port = container_port(vllm, "kv-events")
-        assert events["endpoint"] == f"tcp://*:{port}"  # bound (engine.md): the agent connects
-        assert args.kv_events_endpoint == f"tcp://127.0.0.1:{port}"
+        # The events carry prompts: the agent listens on the pod's loopback and vLLM connects to it
+        # (an endpoint naming a host), so nothing listens for them on the pod's IP.
+        assert events["endpoint"] == args.kv_events_listen == "tcp://127.0.0.1:5557"
+        assert "kv-events" not in {p["name"] for p in vllm.get("ports", [])}
+        assert not args.kv_events_endpoint
         assert (args.model, args.model_path) == (flag(vllm_args, "--served-model-name"), vllm_args[2])
         # The agent labels its instance with the node the pod runs on (docs/kubernetes.md, topology).
         assert resolve_labels(args.labels, pod.env(agent)) == (("node", NODE_NAME),)

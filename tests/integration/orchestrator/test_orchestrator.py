@@ -179,7 +179,7 @@ async def test_garbage_frame_is_refused_and_everything_keeps_serving(
 ) -> None:
     good = await fake_agent("d0", (await sim_engine()).url, "decode")
     await eventually(lambda: orch.registry.snapshot().ready_decode, what="d0 ready")
-    rogue = await fake_agent("rogue", "http://unused", "decode", join=False)
+    rogue = await fake_agent("rogue", "http://127.0.0.1:9", "decode", join=False)
     await rogue.hello()  # connected and known; now misbehave
 
     cases = [
@@ -373,7 +373,7 @@ async def test_admin_shutdown_returns_the_agents_ack(
 async def test_commands_to_a_dead_instance_fail_fast(
     orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory
 ) -> None:
-    gone = await fake_agent("gone", "http://x", "decode")
+    gone = await fake_agent("gone", "http://127.0.0.1:9", "decode")
     await gone.close(goodbye=True)
     await eventually(lambda: registered(orch, "gone").state == "dead", what="gone dead")
     status, body, _ = await post_json(http, f"{orch.url}/admin/v1/instances/gone/drain")
@@ -449,13 +449,15 @@ async def test_status_json_requests_and_debug_show_the_cluster_where_each_reques
     body = jsonutil.dumps({"model": MODEL, "prompt": "where did I go?", "max_tokens": 2})
     async with http.post(f"{orch.url}/v1/completions", data=body, headers={"X-Request-Id": "cli-1"}) as r:
         assert r.status == 200
+        own = r.headers["X-Disagg-Request-Id"]  # the gateway's id of it: records are kept under it
     assert await asyncio.to_thread(cli_main, ["requests", "--url", orch.url]) == 0
     header, row = capsys.readouterr().out.splitlines()[:2]
     assert header.split()[:5] == ["REQUEST", "STATUS", "MODE", "PREFILL", "DECODE"]
-    assert row.split()[:5] == ["cli-1", "200", "colocated", "-", "d0"]
+    assert row.split()[:5] == [own, "200", "colocated", "-", "d0"]
     assert await asyncio.to_thread(cli_main, ["requests", "cli-1", "--url", orch.url]) == 0
     record = jsonutil.loads(capsys.readouterr().out)
-    assert (record["request_id"], record["decode"]) == ("cli-1", "d0") and record["explanation"]
+    assert (record["request_id"], record["client_request_id"], record["decode"]) == (own, "cli-1", "d0")
+    assert record["explanation"]
     assert await asyncio.to_thread(cli_main, ["requests", "never-seen", "--url", orch.url]) == 1
     assert "HTTP 404" in capsys.readouterr().err
     assert await asyncio.to_thread(cli_main, ["debug", "--url", orch.url]) == 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 
@@ -10,12 +11,14 @@ from vllm_disagg.agent.discover import (
     DiscoveryError,
     EngineFacts,
     attached_instance_info,
+    exposed_kv_event_sources,
     metric_labels,
     parse_kv_event_sources,
     parse_metrics,
     parse_models,
     parse_server_info,
     role_switch,
+    warn_exposed_kv_events,
 )
 from vllm_disagg.config import AgentConfig
 
@@ -101,14 +104,81 @@ def test_server_info_without_a_connector_or_with_odd_types_leaves_those_out() ->
             {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://10.0.0.9:5557"}},
             "tcp://10.0.0.9:5557",
         ),
+        (
+            {"0": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "ipc:///run/v/ev.sock"}},
+            "ipc:///run/v/ev.sock",
+        ),
         ({"0": {"enable_kv_cache_events": False, "publisher": "zmq", "endpoint": "tcp://*:1"}}, ""),
         ({"0": {"enable_kv_cache_events": True, "publisher": "null", "endpoint": "tcp://*:1"}}, ""),
         ({}, ""),
     ],
-    ids=["wildcard bind: the engine's host", "a host as given", "events off", "no zmq publisher", "none"],
+    ids=[
+        "wildcard bind: the engine's host",
+        "a host as given",
+        "an ipc socket as given",
+        "events off",
+        "no zmq publisher",
+        "none",
+    ],
 )
 def test_kv_event_sources_say_where_to_subscribe(body: object, endpoint: str) -> None:
     assert parse_kv_event_sources(body, "10.0.0.5") == endpoint
+
+
+def _source(endpoint: str, replay: str | None = None) -> dict[str, object]:
+    return {
+        "0": {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": endpoint,
+            "replay_endpoint": replay,
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    ("body", "exposed"),
+    [
+        pytest.param(_source("tcp://*:5557"), ("tcp://*:5557",), id="wildcard bind: every interface"),
+        pytest.param(_source("tcp://0.0.0.0:5557"), ("tcp://0.0.0.0:5557",), id="0.0.0.0"),
+        pytest.param(_source("tcp://10.0.0.9:5557"), ("tcp://10.0.0.9:5557",), id="sent to another host"),
+        pytest.param(_source("ipc:///run/v/ev.sock"), (), id="ipc: this host only"),
+        pytest.param(_source("tcp://127.0.0.1:5557"), (), id="loopback"),
+        pytest.param(
+            _source("ipc:///run/v/ev.sock", "tcp://*:5558"), ("tcp://*:5558",), id="a public replay socket"
+        ),
+        pytest.param({"0": {"enable_kv_cache_events": False, "endpoint": "tcp://*:1"}}, (), id="events off"),
+    ],
+)
+def test_kv_event_sources_other_hosts_can_reach(body: object, exposed: tuple[str, ...]) -> None:
+    assert exposed_kv_event_sources(body) == exposed
+
+
+@pytest.mark.parametrize(
+    ("subscribed", "said", "warned"),
+    [
+        pytest.param(
+            "tcp://127.0.0.1:5557", ("tcp://*:5557",), "tcp://*:5557", id="bound on * though read on lo"
+        ),
+        pytest.param(
+            "tcp://10.0.0.9:5557", (), "tcp://10.0.0.9:5557", id="an operator's non-loopback endpoint"
+        ),
+        pytest.param("ipc:///run/v/ev.sock", (), "", id="ipc: quiet"),
+        pytest.param("tcp://127.0.0.1:5557", (), "", id="loopback: quiet"),
+    ],
+)
+def test_an_attached_engine_publishing_beyond_its_host_is_warned_about(
+    subscribed: str, said: tuple[str, ...], warned: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    facts = EngineFacts(served_names=("tiny",), kv_events_exposed=said)
+    with caplog.at_level(logging.WARNING, logger="vllm_disagg.agent.discover"):
+        assert warn_exposed_kv_events(subscribed, facts) == ((warned,) if warned else ())
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    if warned:
+        (message,) = warnings
+        assert warned in message and "other hosts" in message and "ipc://" in message
+    else:
+        assert warnings == []
 
 
 FACTS = EngineFacts(

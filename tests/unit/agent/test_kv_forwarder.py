@@ -16,6 +16,7 @@ import pytest
 import zmq
 
 from tests.helpers import eventually, free_port
+from vllm_disagg.agent.kv.local import local_dir
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, _items, forwarder_endpoint, to_protocol
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.session import AgentSession
@@ -347,6 +348,11 @@ async def test_nothing_is_lost_while_the_orchestrator_is_not_connected() -> None
             {"engine_host": "0.0.0.0", "kv_events_port": 9999},
             "tcp://127.0.0.1:9999",
             id="launched: the configured port, on loopback whatever the engine's host",
+        ),
+        pytest.param(
+            {"engine": "vllm", "engine_host": "0.0.0.0"},
+            f"ipc://{local_dir()}/events-a-8100.sock",
+            id="launched vLLM: its ipc socket in the agent's private directory, never tcp",
         ),
         pytest.param({"attach_url": "http://10.0.0.5:8000"}, "", id="attached without an endpoint: off"),
         pytest.param(

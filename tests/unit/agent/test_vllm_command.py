@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import stat
 import sys
+from pathlib import Path
 
 import pytest
 
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.engine_command import kv_events_endpoint
+from vllm_disagg.agent.engine_command import SimEngineCommand, kv_events_endpoint
 from vllm_disagg.agent.engine_kinds import engine_command, instance_info
-from vllm_disagg.agent.kv.local import CONNECTOR_NAME
+from vllm_disagg.agent.kv.local import CONNECTOR_NAME, local_dir
+from vllm_disagg.agent.kv_forwarder import forwarder_endpoint
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.vllm_command import (
     VllmEngineCommand,
@@ -133,36 +137,54 @@ def test_on_cpu_the_users_flags_win_over_the_test_settings() -> None:
     assert flags(argv)["--dtype"] == "bfloat16"  # the last one given is the one vLLM takes
 
 
-def test_kv_events_are_published_on_a_bound_pub_socket_at_the_configured_port() -> None:
+def test_kv_events_are_published_on_an_ipc_socket_in_the_agents_private_directory() -> None:
+    # They carry users' prompts: never tcp://* (every interface), and no replay socket either.
     cfg = agent(kv_events_port=5557)
     events = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-events-config"])
+    path = local_dir() / "events-a-8101.sock"
     assert events == {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
-        "endpoint": "tcp://*:5557",  # '*' makes vLLM bind; a host name would make it connect
+        "endpoint": f"ipc://{path}",  # ipc:// makes vLLM bind, as '*' would, but for this user only
         "topic": "kv-events",
     }
-    assert kv_events_endpoint(cfg) == "tcp://127.0.0.1:5557"
+    assert kv_events_endpoint(cfg) == forwarder_endpoint(cfg) == f"ipc://{path}"  # the agent's SUB
 
 
-PORT_DEFAULTS = [
-    pytest.param({}, "9101", "tcp://*:10101", id="unset-ports-derive-from-the-engine-port"),
-    pytest.param(
-        {"nixl_side_channel_port": 5600, "kv_events_port": 5700},
-        "5600",
-        "tcp://*:5700",
-        id="explicit-ports-win",
-    ),
-]
+def test_the_kv_events_directory_is_made_private_before_each_launch() -> None:
+    cfg = agent(agent_id=f"prep-{os.getpid()}")
+    endpoint = kv_events_endpoint(cfg)
+    directory = Path(endpoint.removeprefix("ipc://")).parent
+    assert directory == local_dir()
+    VllmEngineCommand("cpu").prepare(cfg)
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
 
 
-@pytest.mark.parametrize(("changes", "side_channel", "events_endpoint"), PORT_DEFAULTS)
-def test_each_instance_gets_its_own_side_channel_and_events_port(
-    changes: dict[str, int], side_channel: str, events_endpoint: str
-) -> None:
-    cfg = agent(**changes)
-    assert vllm_env(cfg, "cpu")["VLLM_NIXL_SIDE_CHANNEL_PORT"] == side_channel
-    assert jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-events-config"])["endpoint"] == events_endpoint
+@pytest.mark.parametrize(
+    "agent_id", ["p", "x" * 128], ids=["short id: readable name", "128-char id: hashed, within the limit"]
+)
+def test_the_kv_events_socket_path_fits_a_unix_socket(agent_id: str) -> None:
+    endpoint = kv_events_endpoint(agent(agent_id=agent_id))
+    assert endpoint.startswith(f"ipc://{local_dir()}/events-")
+    assert len(endpoint.removeprefix("ipc://").encode()) <= 100  # sun_path: 108 bytes with its NUL
+
+
+def test_two_agents_on_a_host_never_share_a_kv_events_socket() -> None:
+    endpoints = {
+        kv_events_endpoint(agent(agent_id=a, engine_port=port)) for a in ("p", "d") for port in (8100, 8101)
+    }
+    assert len(endpoints) == 4
+
+
+def test_the_simulated_engine_publishes_on_loopback_at_the_configured_port() -> None:
+    cfg = agent(engine="sim", engine_host="0.0.0.0", kv_events_port=5557)
+    assert kv_events_endpoint(cfg) == forwarder_endpoint(cfg) == "tcp://127.0.0.1:5557"
+    assert SimEngineCommand.engine_config(cfg).kv_events_port == 5557
+
+
+def test_each_instance_gets_its_own_side_channel_port() -> None:
+    assert vllm_env(agent(), "cpu")["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9101"  # engine port + 1000
+    assert vllm_env(agent(nixl_side_channel_port=5600), "cpu")["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600"
 
 
 ENVS = [

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -50,7 +50,7 @@ MAX_WINDOW = 1024
 class FetchRequest:
     """Receiver -> holder: send these blocks of this grant, in this geometry."""
 
-    token: str
+    token: str = field(repr=False)
     keys: tuple[bytes, ...]
     geometry: Geometry  # the receiver's: the holder refuses a fetch into a differently shaped pool
     window: int  # chunks the holder may send ahead of the receiver's credit

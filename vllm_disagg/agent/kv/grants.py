@@ -6,7 +6,11 @@ block still being written is not served), under the owner ``xfer:grant:<token>``
 frees them before the fetch reads them. One fetch per grant: it ends when its fetch ends (the
 receiver's ``Done``, its connection gone, its deadline) or, never used, once its TTL has passed.
 A grant in use outlives its TTL on purpose: its pins are what keep the slots from being reused
-while zero-copy frames of their bytes are still queued for the receiver.
+while zero-copy frames of their bytes are still queued for the receiver. But not for ever: every
+grant has a hard deadline, ``MAX_STREAM_S`` after its TTL, by which it ends in use or not, so a
+stalled (or hostile) receiver cannot pin a holder's blocks beyond it. A receiver gives up by its
+own capped timeout (``MAX_FETCH_TIMEOUT_S``), before that deadline, so no receiver that keeps to the
+protocol can still be reading the slots when they are let go.
 
 ``refusal`` and ``servable`` are the decisions (pure: a grant, a request, who asks, now); ``Grants``
 is the table, which owns the pins.
@@ -15,10 +19,11 @@ is the table, which owns the pins.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
+from vllm_disagg.protocol.kv_pool import MAX_STREAM_S
 
 OWNER_PREFIX = "xfer:grant:"
 
@@ -27,13 +32,14 @@ OWNER_PREFIX = "xfer:grant:"
 class Grant:
     """One fetch's permission: what was named, what is pinned, for whom, until when."""
 
-    token: str
+    token: str = field(repr=False)
     named: frozenset[BlockKey]  # what the orchestrator granted: a fetch may ask for any of these
     pinned: frozenset[BlockKey]  # the leading named keys the pool held: what can be served
     peer_public_key: bytes | None  # z85; with agent keys, only this client may use the token
     expires_at: float  # clock seconds; a grant in use ignores it
     pool: PrefixPool  # the pool the pins are in (a reopened pool holds none of them)
     in_use: bool = False
+    ends_by: float = float("inf")  # the hard deadline: ended then, in use or not (``Grants.add``)
 
     @property
     def owner(self) -> str:
@@ -105,6 +111,7 @@ class Grants:
         owner = OWNER_PREFIX + token
         pinned = pool.pin(owner, keys, pending_ok=False)
         grant = Grant(token, frozenset(keys), frozenset(pinned.keys), peer_public_key, expires_at, pool)
+        grant.ends_by = expires_at + MAX_STREAM_S
         self._by_token[token] = grant
         return grant
 
@@ -119,24 +126,27 @@ class Grants:
         return True
 
     def expire(self, now: float) -> list[str]:
-        """End the unused grants whose TTL has passed; their tokens."""
-        gone = [t for t, g in self._by_token.items() if not g.in_use and now >= g.expires_at]
+        """End the unused grants whose TTL has passed, and those in use past their hard deadline;
+        their tokens."""
+        gone = [t for t, g in self._by_token.items() if now >= _deadline(g)]
         for token in gone:
             self.end(token)
         return gone
 
     def next_expiry(self) -> float | None:
-        """When the first unused grant expires (None: none waits)."""
-        return min((g.expires_at for g in self._by_token.values() if not g.in_use), default=None)
+        """When the next grant ends unless fetched or done first (None: no grant)."""
+        return min((_deadline(g) for g in self._by_token.values()), default=None)
 
     def admits(self, public_key: bytes, now: float) -> bool:
         """Whether an unexpired grant names this z85 public key (the CurveZMQ handshake's check)."""
-        return any(
-            g.peer_public_key == public_key and (g.in_use or now < g.expires_at)
-            for g in self._by_token.values()
-        )
+        return any(g.peer_public_key == public_key and now < _deadline(g) for g in self._by_token.values())
 
     def close(self) -> None:
         """End every grant."""
         for token in list(self._by_token):
             self.end(token)
+
+
+def _deadline(grant: Grant) -> float:
+    """When a grant ends if nothing ends it first: its TTL unused, its hard deadline in use."""
+    return grant.ends_by if grant.in_use else grant.expires_at

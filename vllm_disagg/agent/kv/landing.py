@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import zmq
@@ -32,6 +32,7 @@ from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
 from vllm_disagg.errors import MalformedFrame, UnsupportedVersion
 from vllm_disagg.protocol.transport import send_now
+from vllm_disagg.wire.block_hash import block_hash, none_hash
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class Failed(Exception):
 class FetchEnded:
     """How one fetch ended: kept (a few) for the log, the agent's report and the tests."""
 
-    token: str
+    token: str = field(repr=False)
     endpoint: str
     reserved: int
     landed: int
@@ -71,7 +72,7 @@ class Fetch:
     """One fetch under way: its pool reservation and its connection."""
 
     owner: str  # the pool owner of the reserved (pending) blocks
-    token: str
+    token: str = field(repr=False)
     endpoint: str
     keys: tuple[BlockKey, ...]  # requested = reserved, in prompt order
     slots: tuple[int, ...]
@@ -83,6 +84,8 @@ class Fetch:
     window: int
     done: asyncio.Future[int]
     peer_gone: bool = False  # the connection is known closed: nothing more can be sent on it
+    # Each key's parent key (None: the prompt's first block), so the holder's token ids are checked.
+    parents: tuple[BlockKey | None, ...] = ()
 
 
 class _Landing:
@@ -125,6 +128,7 @@ class _Landing:
         if start.blocks > len(self._f.keys):
             raise Failed(f"the holder would send {start.blocks} of {len(self._f.keys)} blocks")
         self.served = start.blocks
+        _check_tokens(self._f, start)
         for key, tokens in zip(self._f.keys, start.tokens, strict=False):
             if tokens:
                 self._f.pool.describe(self._f.owner, key, tokens)
@@ -163,6 +167,19 @@ class _Landing:
         if self._unacked >= self._credit_every and not self.complete:
             _try_send(self._f.sock, Credit(self._unacked))
             self._unacked = 0
+
+
+def _check_tokens(fetch: Fetch, start: Start) -> None:
+    """``Failed`` unless each block's token ids hash, with its parent's key, to the key asked for.
+
+    The pool reports a block with the holder's token ids, and the orchestrator indexes it by them: a
+    holder naming other tokens than its key's would make this pool claim a prompt it does not hold.
+    The KV bytes themselves cannot be checked here (only an engine computing them again could).
+    Blocks the holder sends no token ids for are not checked, and not indexed either (too short).
+    """
+    for i, (key, parent, tokens) in enumerate(zip(fetch.keys, fetch.parents, start.tokens, strict=False)):
+        if tokens and block_hash(none_hash() if parent is None else parent, tokens) != key:
+            raise Failed(f"block {i}: the holder's token ids do not hash to the key asked for")
 
 
 async def receive(

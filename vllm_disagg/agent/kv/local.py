@@ -24,14 +24,13 @@ Requests (connector -> agent), each answered by its own message:
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from pathlib import Path
 
 import msgpack
 import zmq
 
 from vllm_disagg.agent.kv.local_messages import A, LocalRequest, read_answer, request_to_wire
+from vllm_disagg.private_files import private_dir, runtime_dir
 
 DEFAULT_TIMEOUT_S = 2.0
 _MAX_IPC_PATH = 100  # sun_path is 108 bytes with its NUL; keep a margin
@@ -53,14 +52,14 @@ def local_endpoint(agent_id: str, directory: str | None = None) -> str:
 
 
 def local_dir(directory: str | None = None) -> Path:
-    return Path(directory or tempfile.gettempdir()) / f"vllm-disagg-{os.getuid()}"
+    """This user's runtime directory (``private_files.runtime_dir``), under ``directory`` if given."""
+    return runtime_dir(directory)
 
 
 def make_local_dir(endpoint: str) -> None:
     """Create the endpoint's directory with mode 0700 (again, if another run made it looser)."""
-    base = Path(endpoint.removeprefix("ipc://")).parent
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(base, 0o700)
+    # Owner checked too: in a shared /tmp another user could have made it first (``private_dir``).
+    private_dir(Path(endpoint.removeprefix("ipc://")).parent)
 
 
 class LocalError(Exception):

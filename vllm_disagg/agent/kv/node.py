@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from collections.abc import Callable
 
 from vllm_disagg.agent.kv.arena import Capacity, Geometry, SlotArena
@@ -46,7 +47,9 @@ class PoolNode:
             log.warning("engine KV geometry changed to %s: the pool starts empty", geometry)
             self.close()
         blocks = self.capacity.blocks(geometry, self._memory_bytes)
-        self.arena = SlotArena.create(f"{self.name}-{os.getpid()}", geometry, blocks)
+        # A random part: a name others can predict is one they can create first (the agent's O_EXCL
+        # then fails) or watch for.
+        self.arena = SlotArena.create(f"{self.name}-{os.getpid()}-{secrets.token_hex(8)}", geometry, blocks)
         self.pool = PrefixPool(blocks)
         log.info(
             "kv pool open: %d blocks of %d bytes (%s) at %s",

@@ -45,7 +45,9 @@ from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
 from vllm_disagg.clock import Clock
 from vllm_disagg.errors import MalformedFrame, UnsupportedVersion
+from vllm_disagg.private_files import mask
 from vllm_disagg.protocol.curve import Keypair, ServerCurve, setup_server
+from vllm_disagg.protocol.kv_pool import MAX_FETCH_TIMEOUT_S, MAX_GRANT_TTL_S
 from vllm_disagg.protocol.transport import send_now
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class _Stream:
     """The holder's side of one fetch: what it sends, and the receiver's credit."""
 
     peer: bytes  # the ROUTER's routing id of the receiver's connection
-    token: str
+    token: str = field(repr=False)
     slots: tuple[int, ...]
     credit: int
     finished: bool = False  # the receiver sent Done
@@ -128,14 +130,22 @@ class GrantServer:
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def grant(self, token: str, keys: Sequence[bytes], peer_public_key: bytes | None, ttl_s: float) -> int:
-        """Pin the leading held ``keys`` for ``token``'s one fetch, for ``ttl_s``; how many held."""
+        """Pin the leading held ``keys`` for ``token``'s one fetch, for ``ttl_s`` (at most
+        ``MAX_GRANT_TTL_S``, whatever the orchestrator says); how many held."""
+        ttl_s = min(ttl_s, MAX_GRANT_TTL_S)
         grant = self._grants.add(token, keys, peer_public_key, self._clock.monotonic() + ttl_s)
         self._arm()
         return 0 if grant is None else len(grant.pinned)
 
     def expire_grants(self) -> list[str]:
-        """End the unused grants whose TTL has passed (a timer calls this); their tokens."""
+        """End the unused grants whose TTL has passed, and those in use past their hard deadline
+        (a timer calls this); their tokens."""
         gone = self._grants.expire(self._clock.monotonic())
+        for stream in self._streams.values():
+            if stream.token in gone:  # its receiver stalled: its pins are gone, so is the stream
+                log.warning("kv stream of grant %s: ended at the grant's hard deadline", mask(stream.token))
+                stream.finished = True
+                stream.wake.set()
         self._arm()
         return gone
 
@@ -205,12 +215,16 @@ class GrantServer:
         slots = tuple(node.pool.slot_of(key) for key in request.keys[:n])
         tokens = tuple(_tokens(node.pool, key) for key in request.keys[:n])
         grant.in_use = True
+        self._arm()  # from now on it ends by its hard deadline
         if not self._send(peer, Start(n, node.geometry, tokens, request.version)) or n == 0:
             self._grants.end(request.token)
             return
         stream = _Stream(peer, request.token, tuple(s for s in slots if s is not None), request.window)
         self._streams[peer] = stream
-        self._spawn(self._stream(stream, request.timeout_s))
+        # The receiver's word on how long it waits is capped: by the most any receiver waits, and by
+        # the grant's hard deadline.
+        timeout_s = min(request.timeout_s, MAX_FETCH_TIMEOUT_S, grant.ends_by - self._clock.monotonic())
+        self._spawn(self._stream(stream, max(0.0, timeout_s)))
 
     async def _stream(self, stream: _Stream, timeout_s: float) -> None:
         """Send the blocks layer by layer on credit; the pins last until the receiver is done."""
@@ -236,11 +250,13 @@ class GrantServer:
                 while not stream.finished:
                     await self._wait(stream)
         except TimeoutError:
-            log.warning("kv stream of grant %s: the receiver did not finish in %gs", stream.token, timeout_s)
+            log.warning(
+                "kv stream of grant %s: the receiver did not finish in %gs", mask(stream.token), timeout_s
+            )
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            log.warning("kv stream of grant %s: the receiver is gone", stream.token)
+            log.warning("kv stream of grant %s: the receiver is gone", mask(stream.token))
         finally:
             self._streams.pop(stream.peer, None)
             self._grants.end(stream.token)

@@ -37,6 +37,7 @@ from vllm_disagg.agent.kv.plane import FetchStarted
 from vllm_disagg.agent.kv.serving import PING_IVL_MS, PING_TIMEOUT_MS, GrantServer
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.protocol.curve import ClientCurve, Keypair, setup_client
+from vllm_disagg.protocol.kv_pool import MAX_FETCH_TIMEOUT_S
 from vllm_disagg.protocol.messages import MAX_KV_LINKS, KvLinkCount
 from vllm_disagg.protocol.transport import send_now
 
@@ -111,7 +112,9 @@ class KvTransfer:
         keys: Sequence[bytes],
         timeout_s: float,
     ) -> FetchStarted:
-        """Start fetching ``keys`` from another agent's pool into this one."""
+        """Start fetching ``keys`` from another agent's pool into this one, for ``timeout_s`` at most
+        (and never longer than ``MAX_FETCH_TIMEOUT_S``, whatever the orchestrator says)."""
+        timeout_s = min(timeout_s, MAX_FETCH_TIMEOUT_S)
         done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
         pool, arena = self._node.pool, self._node.arena
         if pool is None or arena is None:
@@ -127,6 +130,7 @@ class KvTransfer:
         pool.pin(owner, keys[:held])  # (not all of ``keys``: a fetch is not the pool's miss)
         # kv_fetch names keys only: the holder's Start says each block's token ids (``describe``).
         wanted = [(keys[i], keys[i - 1] if i else None, ()) for i in range(held, len(keys))]
+        parent_of = {key: parent for key, parent, _ in wanted}
         got = pool.reserve(owner, wanted)
         if not got:  # all held here already, or no slot free: nothing to fetch
             pool.release(owner)
@@ -150,6 +154,7 @@ class KvTransfer:
             timeout_s,
             self._window,
             done,
+            parents=tuple(parent_of[key] for key in got),
         )
         ended = self._recorder(arena.geometry.block_bytes)  # from now: the request leaves next
         # Queued until the connection is up (ZeroMQ connects in the background).

@@ -493,11 +493,11 @@ class Admin:
         """``GET /admin/v1/requests/{request_id}``."""
         request_id = request.match_info["request_id"]
         record = self._request_log.get(request_id)
-        if record is None and self._workers is not None:
-            found = [
-                a.payload for a in await self._workers.ask("record", request_id) if a.payload is not None
-            ]
-            record = found[0] if found else None
+        if self._workers is not None and (record is None or record.request_id != request_id):
+            # Not the gateway's own id here: a client's, maybe carried by newer requests on workers.
+            found = [a.payload for a in await self._workers.ask("record", request_id)]
+            records = [r for r in (record, *found) if r is not None]
+            record = max(records, key=lambda r: r.started_wall, default=None)
         if record is None:
             raise NotFound("no record of this request (unknown, or older than the log keeps)")
         return json_response(record_json(record))

@@ -18,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 
 from vllm_disagg.errors import ConfigError, Unauthorized
+from vllm_disagg.private_files import private_dir, write_private
 
 ENV_ADMIN_TOKEN = "VLLM_DISAGG_ADMIN_TOKEN"
 ENV_ENGINE_API_KEY = "VLLM_DISAGG_ENGINE_API_KEY"
@@ -56,10 +57,9 @@ def load_secret(path: str, variable: str, what: str, env: Mapping[str, str] | No
 def write_admin_token(path: Path) -> str:
     """Make a new random token in ``path``, readable by its owner only; returns it."""
     token = secrets.token_urlsafe(32)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
+    # O_TRUNC on a file already there would keep its old (maybe looser) mode: a new file, in a 0700
+    # directory of this user's.
+    write_private(private_dir(path.parent) / path.name, (token + "\n").encode())
     return token
 
 

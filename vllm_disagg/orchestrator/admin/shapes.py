@@ -73,6 +73,7 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "draining": {"agent": view.agent_draining, "admin": view.admin_draining},
         "cordoned": view.admin_cordoned,
         "suspect_reason": view.suspect_reason,
+        "kv_link_ready": view.kv_link_ready,  # False: joining until a warm-up proves its KV link
         "breaker": {"state": view.breaker.state, "failures": view.breaker.failures},
         "in_flight": in_flight,
         "requests_total": requests_total,

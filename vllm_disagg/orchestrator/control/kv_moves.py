@@ -25,7 +25,7 @@ from vllm_disagg.errors import AgentTooOld, CommandError, CommandTimeout, Config
 from vllm_disagg.orchestrator.control.plane import ControlPlane
 from vllm_disagg.orchestrator.state.views import GatewayRegistry
 from vllm_disagg.protocol.commands import FetchResult, GrantResult, KvFetch, KvGrant, z85
-from vllm_disagg.protocol.kv_pool import MAX_COMMAND_KEYS
+from vllm_disagg.protocol.kv_pool import MAX_COMMAND_KEYS, MAX_FETCH_TIMEOUT_S, MAX_GRANT_TTL_S
 
 # Why a move failed (the ``reason`` label of ``vllm_disagg_kv_pool_transfer_failures_total``).
 REASONS = (
@@ -57,6 +57,10 @@ class KvMoveSettings:
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ConfigError(f"kv_moves.{name} must be a number of seconds > 0, got {value}")
+        # Agents cap what they are told at these anyway; a setting above them would be a silent lie.
+        for name, most in (("grant_ttl_s", MAX_GRANT_TTL_S), ("fetch_timeout_s", MAX_FETCH_TIMEOUT_S)):
+            if getattr(self, name) > most:
+                raise ConfigError(f"kv_moves.{name} must be at most {most:g} s, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ name the agent id its key is bound to, and every later frame must come with that
 (the refusal is sent there too, so the real agent logs that someone claimed its id); once libzmq has
 closed that connection, the new one takes the session over. Either way a model's settings (engine,
 tokenizer, block size, revision) are fixed by its first instance: a later ``Hello`` that disagrees is
-refused, not applied.
+refused, not applied; and its engine URL must be the agent's own address, this host's loopback for an
+agent on this host, or in ``--engine-networks`` (``protocol/engine_urls.py``).
 
 The control plane is the only writer of the ``KvIndex``: it applies each live agent's ``KvEvents`` and
 drops an instance's entries when the instance dies (expiry, Goodbye, engine stopped) or says Hello
@@ -46,6 +47,7 @@ from vllm_disagg.orchestrator.state.leadership import Leadership
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.commands import CommandPayload, Drain, from_detail
 from vllm_disagg.protocol.curve import ServerCurve, load_agent_keys, load_keypair
+from vllm_disagg.protocol.engine_urls import ENGINE_URL_REFUSED, EngineNetworks, hello_url_problem
 from vllm_disagg.protocol.messages import (
     COMMAND_SINCE_MINOR,
     PROTOCOL_MINOR,
@@ -138,6 +140,7 @@ class ControlPlane:
         self._next_command_id = 1
         self._tasks: set[asyncio.Task[None]] = set()  # commands sent on the control plane's own behalf
         self._curve = load_server_curve(config)
+        self._engine_networks = EngineNetworks.parse(config.engine_networks)
         self._models: dict[str, ModelSettings] = {}  # fixed by each model's first instance
         # (model, revision) a rollout admits beside the model's settings; None until its first Hello.
         self._revisions: dict[tuple[str, str], ModelSettings | None] = {}
@@ -249,7 +252,7 @@ class ControlPlane:
         elif isinstance(msg, KvEvents):
             self._on_kv_events(peer, msg)
         elif isinstance(msg, Hello):
-            self._on_hello(peer, msg, incoming.user)
+            self._on_hello(peer, msg, incoming.user, incoming.peer_address())
         elif isinstance(msg, Ack):
             self._on_ack(peer, msg)
         elif isinstance(msg, Goodbye):
@@ -281,10 +284,11 @@ class ControlPlane:
             log.info("refusing frame from %s: %s (%s)", self._who(peer), reason, code)
         self._send(peer, Refuse(code=code, reason=reason))
 
-    def _on_hello(self, peer: bytes, msg: Hello, user: str = "") -> None:
-        """A Hello: refused with its reason, or the connection bound to its agent, the session begun
-        (or, for the same agent process on a new connection, gone on with), and a Welcome sent."""
-        if self._refused_hello(peer, msg, user):
+    def _on_hello(self, peer: bytes, msg: Hello, user: str = "", address: str = "") -> None:
+        """A Hello (from the IP ``address``): refused with its reason, or the connection bound to its
+        agent, the session begun (or, for the same agent process on a new connection, gone on with), and
+        a Welcome sent."""
+        if self._refused_hello(peer, msg, user, address):
             return
         key = (msg.instance.model, msg.instance.revision)
         if key in self._revisions and self._revisions[key] is None:
@@ -313,7 +317,7 @@ class ControlPlane:
             ),
         )
 
-    def _refused_hello(self, peer: bytes, msg: Hello, user: str) -> bool:
+    def _refused_hello(self, peer: bytes, msg: Hello, user: str, address: str) -> bool:
         """Refuse a Hello that may not start a session (another major version, no agent id, any of
         ``_hello_refusal``'s reasons); whether it was."""
         if msg.protocol_version != PROTOCOL_VERSION:
@@ -331,7 +335,7 @@ class ControlPlane:
         if labels is not None:
             self._refuse(peer, "invalid_hello", f"instance labels: {labels}")
             return True
-        refusal = self._hello_refusal(peer, msg, user)
+        refusal = self._hello_refusal(peer, msg, user, address)
         if refusal is None:
             return False
         code, reason = refusal
@@ -404,7 +408,7 @@ class ControlPlane:
             and view.info == replace(msg.instance, role=view.info.role)  # a role it took goes on too
         )
 
-    def _hello_refusal(self, peer: bytes, msg: Hello, user: str) -> tuple[str, str] | None:
+    def _hello_refusal(self, peer: bytes, msg: Hello, user: str, address: str) -> tuple[str, str] | None:
         """Why this Hello may not start a session ((code, reason)), or None."""
         agent_id = msg.agent_id
         if self._curve is not None and user != agent_id:
@@ -412,6 +416,10 @@ class ControlPlane:
                 "unauthorized",
                 f"this connection's key is {user!r}'s: it may not say Hello as {agent_id!r}",
             )
+        # The gateway sends users' prompts and the engine key there: not wherever an agent says.
+        url_problem = self.engine_url_problem(msg.instance.url, address)
+        if url_problem is not None:
+            return ENGINE_URL_REFUSED, url_problem
         old_peer = self._agent_to_peer.get(agent_id)
         if (
             self._curve is None
@@ -441,6 +449,10 @@ class ControlPlane:
             f"model {msg.instance.model!r} is served with {fixed.describe()}; this instance says "
             f"{said.describe()}{hint}"
         )
+
+    def engine_url_problem(self, url: str, address: str) -> str | None:
+        """Why an agent connecting from the IP ``address`` may not announce the engine ``url``, or None."""
+        return hello_url_problem(url, address, self.endpoint, self._engine_networks)
 
     def admit_revisions(self, model: str, old: str, new: str) -> None:
         """A rollout begins: Hellos of ``model`` at revision ``old`` or ``new`` are accepted, each

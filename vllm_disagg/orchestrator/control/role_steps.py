@@ -300,7 +300,7 @@ def _restarting(state: RoleState, snap: RegistrySnapshot, now: float) -> Step:
     if gone:
         return _failed(state, "gone", gone)
     view = snap.by_id[state.agent_id]
-    if view.engine_state == "ready":
+    if view.engine_state == "ready" and view.kv_link_ready:  # a new engine: its KV link proven too
         ready = replace(state.mark("ready", now), phase="done", deadline=None)
         restore = SetDrain(state.agent_id, state.was_draining)
         return Step(ready, (restore, Publish("ready", ready.timeline, ready.left_in_flight), Done("restart")))

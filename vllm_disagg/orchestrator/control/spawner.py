@@ -26,6 +26,7 @@ from pathlib import Path
 from vllm_disagg.orchestrator.control.plane import ControlPlane
 from vllm_disagg.orchestrator.state.registry import Registry
 from vllm_disagg.protocol.curve import load_public, make_keypair, write_public
+from vllm_disagg.protocol.engine_urls import endpoint_host
 from vllm_disagg.runtime import SELF_ARGV, child_env, die_with_parent, signal_group
 
 log = logging.getLogger(__name__)
@@ -76,11 +77,16 @@ class AgentSpawner:
 
     async def add(self, url: str, role: str | None, agent_id: str, model: str) -> Spawned:
         """Start ``connect`` for ``url`` and wait (bounded) until its agent registers or it exits."""
+        endpoint = self._endpoint()
+        # Its Hello would be refused for the URL (the agent connects from this host): say so now.
+        problem = self._control.engine_url_problem(url, endpoint_host(endpoint))
+        if problem is not None:
+            return Spawned("failed", agent_id, 0, problem)
         argv = [
             *SELF_ARGV,
             "connect",
             "--orchestrator",
-            self._endpoint(),
+            endpoint,
             "--url",
             url,
             "--agent-id",

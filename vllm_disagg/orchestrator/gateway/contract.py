@@ -20,7 +20,7 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.orchestrator.control.kv_moves import KvMover
 from vllm_disagg.orchestrator.gateway.handoff import Prefilled, Target
 from vllm_disagg.orchestrator.gateway.parsing import Route
-from vllm_disagg.orchestrator.gateway.records import Attempt
+from vllm_disagg.orchestrator.gateway.records import Attempt, RequestRecord
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient
 from vllm_disagg.orchestrator.gateway.watch import LegWatch
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
@@ -71,7 +71,7 @@ class Outcome:
     Times are the gateway clock's monotonic seconds; the defaults describe a request refused before
     it was scheduled (``scheduling`` None: no flow ran)."""
 
-    request_id: str
+    request_id: str  # the gateway's own (``request_ids.py``)
     route: Route
     model: str  # "" when the body had none that could be read
     stream: bool
@@ -97,6 +97,7 @@ class Outcome:
     tpot_s: float | None = None  # a stream's time per output token after the first, where counted
     # Its admission: priority, tenant and the seconds it waited in the queue (empty: admission off).
     admission: Mapping[str, object] = field(default_factory=dict)
+    client_request_id: str = ""  # the client's ``X-Request-Id`` ("" when it sent none)
 
     @property
     def ttfb_s(self) -> float | None:
@@ -146,3 +147,32 @@ class Outcome:
             return self.ttfb_s
         prefill_end = self.stamps.get("prefill_end")
         return prefill_end - self.t0 if prefill_end is not None else None
+
+    def record(self, total: float, ttfb: float | None, started_wall: float) -> RequestRecord:
+        """The request log's record of it (``/admin/v1/requests/{id}``)."""
+        t0 = self.t0
+        return RequestRecord(
+            request_id=self.request_id,
+            route=self.route,
+            model=self.model,
+            mode=self.mode,
+            prefill=self.prefill,
+            decode=self.decode,
+            status=self.status,
+            error=self.error,
+            started_wall=started_wall,
+            schedule_s=self.schedule_s or 0.0,
+            prefill_s=self.prefill_s,
+            ttfb_s=ttfb,
+            total_s=total,
+            explanation=self.explanation,
+            timeline={stage: t - t0 for stage, t in self.stamps.items()},
+            attempts=self.attempts,
+            fallback=self.fallback,
+            resumes=self.resumes,
+            relay=self.relay,
+            unread_events=self.unread_events,
+            admission=self.admission,
+            gateway_s=max(0.0, total - self.engine_s),
+            client_request_id=self.client_request_id,
+        )

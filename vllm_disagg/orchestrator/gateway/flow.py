@@ -44,6 +44,7 @@ from vllm_disagg.orchestrator.gateway.parsing import ParsedRequest, Route
 from vllm_disagg.orchestrator.gateway.records import Attempt
 from vllm_disagg.orchestrator.gateway.resume import (
     StreamState,
+    ids_missing,
     resumable,
     resumable_decode_body,
     stream_state,
@@ -421,8 +422,9 @@ class Flow:
         )
         return state
 
-    def outcome(self, status: int, error: str) -> Outcome:
-        """What the request came to, once it ended with ``status`` (``error`` saying why, if it failed)."""
+    def outcome(self, status: int, error: str, client_request_id: str = "") -> Outcome:
+        """What the request came to, once it ended with ``status`` (``error`` saying why, if it failed);
+        ``client_request_id``: the client's ``X-Request-Id``, for its record."""
         timing, stamps, state, parsed = self.timing, self.stamps, self.state, self.parsed
         # Only a stream shows when the first token came; a whole body arrives at the last one.
         if timing.first_byte is not None and parsed.stream:
@@ -460,19 +462,18 @@ class Flow:
             state.unread if state is not None else 0,
             tpot,
             self.admission,
+            client_request_id,
         )
 
     def relay_outcome(self) -> tuple[str, str]:
         """Why the stream was not resumable (a reason and a sentence), or ("", "") when it was (or the
         request never could be)."""
-        state = self.state
-        if state is not None and state.head is not None and (state.prompt_ids is None or not state.whole_ids):
-            what = "its prompt's ids" if state.prompt_ids is None else "the ids of some tokens"
-            return "ids_missing", f"not resumable: decode instance '{self.decode_id}' left out {what}"
-        return self.not_resumable, self.not_resumable_why
+        missing = ids_missing(self.state, self.decode_id)
+        return missing if missing is not None else (self.not_resumable, self.not_resumable_why)
 
     def _decode_body(self, kv: Any | None) -> bytes:
-        """The decode leg's body: the client's bytes when nothing needs to change."""
+        """The decode leg's body: the client's bytes when nothing needs to change (``raw``: rebuilt by
+        the gateway when parsing removed control fields or pins, ``ParsedRequest.rebuilt``)."""
         if self.state is None:
             return decode_body(self.parsed.body, kv) if kv is not None else self.raw
         # Only where D's figure says what it loaded (not vLLM 0.32's echo of P's cache hits).

@@ -3,14 +3,17 @@
 Everything wrong with a request that the client can fix is found here and raised as the error the
 client sees (``vllm_disagg.http_errors`` answers it): a body over ``max_body_bytes`` is a 413; malformed
 JSON, a non-object, a missing ``prompt``/``messages``, a wrongly typed field or a pin the header and the
-body disagree on is a 400 whose reason names the field. (Whether a pinned instance can serve is the
-scheduler's 400: ``scheduling/pins.py``.) (An unknown model is the scheduler's 404: only
-the registry knows which models are served.) Nothing here reads the gateway's state, so the rules are
+body disagree on is a 400 whose reason names the field. The fields vLLM takes as orders
+(``control_fields.py``: ``kv_transfer_params`` and the like) are removed here, before anything reads
+the body (the tokenizer included) and before any leg is built from it. (Whether a pinned instance
+can serve is the scheduler's 400: ``scheduling/pins.py``.) (An unknown model is the scheduler's 404:
+only the registry knows which models are served.) Nothing here reads the gateway's state, so the rules are
 tested on bytes alone (``tests/unit/orchestrator/gateway/test_validation.py``).
 """
 
 from __future__ import annotations
 
+import logging
 import reprlib
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -19,7 +22,10 @@ from aiohttp import web
 
 from vllm_disagg import jsonutil
 from vllm_disagg.errors import BadRequest, PayloadTooLarge
+from vllm_disagg.orchestrator.gateway.control_fields import strip_control
 from vllm_disagg.orchestrator.gateway.server import ClientRequest
+
+log = logging.getLogger(__name__)
 
 Route = Literal["completions", "chat_completions"]
 PATHS: dict[Route, str] = {"completions": "/v1/completions", "chat_completions": "/v1/chat/completions"}
@@ -42,6 +48,13 @@ class ParsedRequest:
     pinned_prefill: str | None = None  # the body's ``prefill_endpoint``, removed from ``body``
     max_tokens: int | None = None
     pinned_decode: str | None = None  # the body's ``decode_endpoint``, removed from ``body``
+    stripped: tuple[str, ...] = ()  # the control fields the client sent, removed from ``body``
+
+    @property
+    def rebuilt(self) -> bool:
+        """Does ``body`` differ from the bytes the client sent (pins or control fields removed)? Then
+        no leg may forward those bytes as they came."""
+        return bool(self.stripped) or self.pinned_prefill is not None or self.pinned_decode is not None
 
 
 _MAX_DEPTH = 8  # the estimate stops counting below this depth: a hostile body may nest 1,000 levels
@@ -116,8 +129,11 @@ def parse_request(raw: bytes, route: Route) -> ParsedRequest:
     _check_optional_int(body, "max_tokens")
     _check_optional_int(body, "max_completion_tokens")
     pinned, pinned_decode = _pop_pin(body, PIN_FIELD), _pop_pin(body, DECODE_PIN_FIELD)
+    stripped = strip_control(body)
+    if stripped:  # removed, not refused: a client replaying an engine's answer as a body still works
+        log.debug("removed the client's control fields %s", ", ".join(stripped))
     max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
-    return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens, pinned_decode)
+    return ParsedRequest(body, model, bool(stream), prompt_len, pinned, max_tokens, pinned_decode, stripped)
 
 
 def _pop_pin(body: dict[str, Any], name: str) -> str | None:

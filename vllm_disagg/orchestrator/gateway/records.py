@@ -50,7 +50,7 @@ class Attempt:
 class RequestRecord:
     """One finished request, for the explanation API."""
 
-    request_id: str
+    request_id: str  # the gateway's own (``request_ids.py``): its engine legs' id, and its key here
     route: str
     model: str
     mode: str  # "disaggregated", "colocated", or "none" when it failed before scheduling
@@ -78,13 +78,15 @@ class RequestRecord:
     # Its admission (docs/admission.md): priority, tenant, and ``queued_s`` when it waited.
     admission: Mapping[str, object] = field(default_factory=lambda: MappingProxyType({}))
     gateway_s: float | None = None  # the gateway's own time: all of it but the engine legs
+    client_request_id: str = ""  # the client's ``X-Request-Id``, if it sent one: a label, not a key
 
 
 REQUEST_LOG_CAPACITY = 1000  # records each gateway process keeps
 
 
 class RequestLog:
-    """The last ``capacity`` records, addressable by request id."""
+    """The last ``capacity`` records, addressable by the gateway's request id, or by a client's
+    ``X-Request-Id`` (the newest record that carried it: clients may reuse ids, or share them)."""
 
     def __init__(
         self, capacity: int = 1000, note_elsewhere: Callable[[str, str], None] | None = None
@@ -93,15 +95,23 @@ class RequestLog:
         another process may keep it)."""
         self._capacity = capacity
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()
+        # client id -> the gateway's id of the newest record with it. Records leave oldest first, so
+        # when that one leaves, every older one with the same client id has left before it.
+        self._by_client: dict[str, str] = {}
         self.note_elsewhere = note_elsewhere
 
     def add(self, record: RequestRecord) -> None:
         """Keep a record, forgetting the oldest beyond capacity."""
         records = self._records
-        records.pop(record.request_id, None)  # a reused client id: the newest wins
+        records.pop(record.request_id, None)  # gateway ids are unique: only a test adds one twice
         records[record.request_id] = record
+        if record.client_request_id:
+            self._by_client[record.client_request_id] = record.request_id
         if len(records) > self._capacity:
-            records.popitem(last=False)
+            _, gone = records.popitem(last=False)
+            client = gone.client_request_id
+            if client and self._by_client.get(client) == gone.request_id:
+                del self._by_client[client]
 
     def note_kv_check(self, request_id: str, note: str) -> None:
         """Add a KV audit's finding to a record still kept (it comes after the request ended)."""
@@ -112,8 +122,11 @@ class RequestLog:
             self.note_elsewhere(request_id, note)
 
     def get(self, request_id: str) -> RequestRecord | None:
-        """The record of a request, if still kept."""
-        return self._records.get(request_id)
+        """The record of a request, if still kept: by the gateway's id, else the newest by client id."""
+        record = self._records.get(request_id)
+        if record is None and (own := self._by_client.get(request_id)) is not None:
+            record = self._records.get(own)
+        return record
 
     def recent(self, limit: int) -> list[RequestRecord]:
         """The newest ``limit`` records, newest first."""

@@ -108,6 +108,14 @@ def resumable_decode_body(
     return decode_body(leg, kv) if kv is not None else dumps_leg(leg)
 
 
+def ids_missing(state: StreamState | None, decode_id: str) -> tuple[str, str] | None:
+    """Why a stream its engine relayed could not have been resumed, if its events left out ids."""
+    if state is not None and state.head is not None and (state.prompt_ids is None or not state.whole_ids):
+        what = "its prompt's ids" if state.prompt_ids is None else "the ids of some tokens"
+        return "ids_missing", f"not resumable: decode instance '{decode_id}' left out {what}"
+    return None
+
+
 def resumable(body: dict[str, Any], chat: bool) -> bool:
     """Can this streaming request be resumed mid-way on another instance?"""
     if body.get("n") not in (None, 1) or any(body.get(name) for name in _NOT_RESUMABLE):
@@ -423,6 +431,7 @@ class StreamState:
         """The next leg's request: the client's, from the prompt and output so far as token ids.
         None when nothing is left to generate."""
         body = dict(client)
+        # Parsing removed a client's (``control_fields``); this leg's are the gateway's alone.
         body.pop("kv_transfer_params", None)
         context = [*(self.prompt_ids or ()), *self.ids[: self.safe]]
         limit = self.max_tokens

@@ -20,17 +20,16 @@ path is refused with 400 and the connection closed after the answers before it, 
 longer at hand to give aiohttp (clients do not pipeline; none that we know of does this).
 
 A client that disconnects cancels its handler, as aiohttp's ``handler_cancellation`` does, which closes
-the engine legs.
+the engine legs. Slow clients (a head or body dribbled, an answer never read) and the connection cap:
+``deadlines``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
-from email.utils import formatdate
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, cast
 
 import httptools
@@ -38,14 +37,13 @@ from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE  # what aiohttp says on the same port
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from vllm_disagg.errors import BadRequest, HeadersTooLarge, PayloadTooLarge, RequestError
+from vllm_disagg.errors import BadRequest, HeadersTooLarge, PayloadTooLarge, RequestError, TooManyConnections
 from vllm_disagg.http_errors import error_response
 
 log = logging.getLogger(__name__)
 
 _MAX_HEAD = 64 * 1024  # request line and headers; aiohttp allows 8 KiB a line
 _MAX_PIPELINED = 8  # parsed requests waiting behind the one served before reading stops
-_SWEEP_S = 5.0  # how often idle connections are looked at
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _REASONS = {s: web.Response(status=s).reason for s in (200, 400, 404, 408, 413, 429, 431, 500, 502, 503)}
 
@@ -62,18 +60,22 @@ class ClientStream(Protocol):
         """Send ``data`` and end the answer."""
 
 
-class _Clock:
-    """The ``Date`` header, formatted once a second."""
+class Listener(Protocol):
+    """What a connection reads of its listener (``listener.GatewayServer``)."""
 
-    def __init__(self) -> None:
-        self._second = -1
-        self._text = ""
+    routes: dict[bytes, Handler]  # POST path -> handler
+    fallback: web.Server  # aiohttp's server, for the connections handed over
+    max_body_bytes: int
+    connections: set[GatewayProtocol]
+
+    def kind(self, data: bytes) -> bool | None:
+        """Is the request that ``data`` begins served here (True), by aiohttp (False), or unknown yet?"""
+
+    def admit(self) -> bool:
+        """May a new connection be served (False, and counted, past the cap)?"""
 
     def date(self) -> str:
-        now = int(time.time())
-        if now != self._second:
-            self._second, self._text = now, formatdate(now, usegmt=True)
-        return self._text
+        """The ``Date`` header's value now."""
 
 
 class FastRequest:
@@ -202,99 +204,10 @@ class FastStream:
         await self._protocol.send(frame)
 
 
-class GatewayServer:
-    """The gateway's listener: ``GatewayProtocol`` per connection, aiohttp's ``fallback`` for the rest."""
-
-    def __init__(
-        self,
-        routes: Mapping[str, Handler],
-        fallback: web.Server,
-        max_body_bytes: int,
-        keepalive_s: float = 75.0,
-    ) -> None:
-        self.routes = {path.encode(): handler for path, handler in routes.items()}  # POST path -> handler
-        # The first bytes of a request served here; what follows the space is the HTTP version.
-        self._lines = tuple(b"POST " + path + b" " for path in self.routes)
-        self._longest = max((len(line) for line in self._lines), default=0)
-        self.fallback = fallback
-        self.max_body_bytes = max_body_bytes
-        self.keepalive_s = keepalive_s
-        self.connections: set[GatewayProtocol] = set()
-        self.clock = _Clock()
-        self._server: asyncio.base_events.Server | None = None
-        self._sweeper: asyncio.Task[None] | None = None
-
-    async def start(
-        self, host: str, port: int, *, reuse_port: bool = False, listen: bool = True
-    ) -> tuple[str, int]:
-        """Listen on ``host:port`` (0: any free port); the bound address. ``listen=False`` only binds
-        (``listen()`` later): a socket bound but not listening holds the port and takes no connection,
-        so the kernel hands every one to the gateway workers listening beside it on that port."""
-        loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(
-            lambda: GatewayProtocol(self),
-            host,
-            port,
-            reuse_address=True,
-            reuse_port=reuse_port or None,
-            backlog=1024,
-            start_serving=listen,
-        )
-        self._sweeper = asyncio.create_task(self._sweep(), name="gateway-keepalive")
-        bound = self._server.sockets[0].getsockname()
-        return str(bound[0]), int(bound[1])
-
-    async def listen(self) -> None:
-        """Take connections on the port ``start(listen=False)`` bound."""
-        assert self._server is not None, "start first"
-        await self._server.start_serving()
-
-    def kind(self, data: bytes) -> bool | None:
-        """Is the request that ``data`` begins served here (True) or by aiohttp (False)? None: too
-        few bytes to tell."""
-        for line in self._lines:
-            if data.startswith(line):
-                return True
-        if len(data) < self._longest and any(line.startswith(data) for line in self._lines):
-            return None
-        return False
-
-    async def _sweep(self) -> None:
-        """Close connections idle for ``keepalive_s`` (aiohttp's ``keepalive_timeout``)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(_SWEEP_S)
-            cutoff = loop.time() - self.keepalive_s
-            for conn in [c for c in self.connections if c.idle_since is not None and c.idle_since < cutoff]:
-                conn.close()
-
-    async def close(self, timeout_s: float) -> None:
-        """Stop listening, close idle connections, wait up to ``timeout_s`` for requests in flight,
-        then close the rest."""
-        if self._server is None:
-            return
-        self._server.close()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-        busy = []
-        for conn in list(self.connections):
-            if conn.idle_since is not None:
-                conn.close()
-            else:
-                conn.stopping = True  # no keep-alive after the answer in flight
-                if conn.active is not None:
-                    busy.append(conn.active)
-        if busy:
-            await asyncio.wait(busy, timeout=timeout_s)
-        for conn in list(self.connections):
-            conn.abort()
-        self._server = None
-
-
 class GatewayProtocol(asyncio.Protocol):
     """One client connection (see the module's docstring)."""
 
-    def __init__(self, server: GatewayServer) -> None:
+    def __init__(self, server: Listener) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
@@ -304,6 +217,11 @@ class GatewayProtocol(asyncio.Protocol):
         self.stopping = False  # the server is closing: no keep-alive
         self.closed = False
         self.idle_since: float | None = None  # loop time since nothing is in flight or half-read
+        # Loop times for the deadlines (``deadlines.overdue``): since a request's head is awaited, since
+        # its body is, since writing is stalled (the client reads slower than we write).
+        self.head_since: float | None = None
+        self.body_since: float | None = None
+        self.stalled_since: float | None = None
         self._loop = asyncio.get_running_loop()
         self._queue: deque[FastRequest] = deque()  # parsed, waiting for the answer before them
         self._parsing: FastRequest | None = None  # the request whose body is coming
@@ -324,8 +242,13 @@ class GatewayProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
+        if not self.server.admit():
+            refusal = error_response(TooManyConnections("too many connections to this gateway process"), {})
+            self._write(refusal, keep=False)
+            self.transport.close()
+            return
         self.server.connections.add(self)
-        self.idle_since = self._loop.time()
+        self.idle_since = self.head_since = self._loop.time()  # its first head is due from now
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -340,17 +263,34 @@ class GatewayProtocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._paused_writing = True
+        self.stalled_since = self._loop.time()
 
     def resume_writing(self) -> None:
         self._paused_writing = False
+        self.stalled_since = None
         drain, self._drain = self._drain, None
         if drain is not None and not drain.done():
             drain.set_result(None)
 
     def close(self) -> None:
         """Close after what is written (keep-alive timeout, shutdown)."""
+        self.head_since = self.body_since = None
         if self.transport is not None and not self.closed:
+            if self.stalled_since is None and self.transport.get_write_buffer_size():
+                # What is left must go out within the write timeout too, or the connection is dropped.
+                self.stalled_since = self._loop.time()
             self.transport.close()
+
+    @property
+    def reading_paused(self) -> bool:
+        """Reading is paused by the server (pipelined requests waiting, a hand-over due)."""
+        return self._paused_reading or self._handoff is not None
+
+    @property
+    def body_received(self) -> int:
+        """Bytes of the body being read so far."""
+        parsing = self._parsing
+        return parsing._size if parsing is not None else 0
 
     def abort(self) -> None:
         """Drop the connection now."""
@@ -376,6 +316,8 @@ class GatewayProtocol(asyncio.Protocol):
             return
         self.idle_since = None
         if self._between:
+            if self.head_since is None:  # a request's first bytes: its head is due from now
+                self.head_since = self._loop.time()
             if self._pending:
                 data, self._pending = self._pending + data, b""
             kind = self.server.kind(data)
@@ -394,13 +336,15 @@ class GatewayProtocol(asyncio.Protocol):
                 self._last.error = BadRequest("a protocol upgrade is not served on the OpenAI routes")
             self.stopping, self._upgraded = True, True
         except httptools.HttpParserError as exc:
-            self._refuse(self._refusal or BadRequest(f"malformed HTTP request: {exc}"))
+            self.refuse(self._refusal or BadRequest(f"malformed HTTP request: {exc}"))
 
     def eof_received(self) -> bool | None:
         return None  # as aiohttp: the transport closes, a handler in flight is cancelled
 
     def on_message_begin(self) -> None:
         self._between = False
+        if self.head_since is None:  # pipelined behind a request in the same packet
+            self.head_since = self._loop.time()
         self._url, self._headers, self._head_size = b"", [], 0
 
     def on_url(self, url: bytes) -> None:
@@ -433,6 +377,7 @@ class GatewayProtocol(asyncio.Protocol):
             self.server.max_body_bytes,
         )
         self._parsing = self._last = request
+        self.head_since, self.body_since = None, self._loop.time()
         self._queue.append(request)
         if len(self._queue) > _MAX_PIPELINED and self.transport is not None and not self._paused_reading:
             self._paused_reading = True
@@ -444,6 +389,7 @@ class GatewayProtocol(asyncio.Protocol):
             self._parsing._body(body)
 
     def on_message_complete(self) -> None:
+        self.body_since = None
         if self._parsing is not None:
             self._parsing._complete()
             self._parsing = None
@@ -520,7 +466,7 @@ class GatewayProtocol(asyncio.Protocol):
             if "\n" in value or "\r" in value:  # never split a header (no client value gets here raw)
                 continue
             lines.append(f"{name}: {value}\r\n")
-        lines.append(f"Date: {self.server.clock.date()}\r\nServer: {SERVER_SOFTWARE}\r\n\r\n")
+        lines.append(f"Date: {self.server.date()}\r\nServer: {SERVER_SOFTWARE}\r\n\r\n")
         return "".join(lines).encode("latin-1")
 
     def _write(self, response: web.Response, keep: bool) -> None:
@@ -534,9 +480,11 @@ class GatewayProtocol(asyncio.Protocol):
             headers["Connection"] = "close"
         self.transport.write(self.head(response.status, headers) + data)
 
-    def _refuse(self, error: RequestError) -> None:
-        """A request that cannot be parsed: answer (after the answers before it) and close."""
+    def refuse(self, error: RequestError) -> None:
+        """A request that cannot be parsed (or came too slowly): answer (after the answers before it)
+        and close."""
         self._pending = b""
+        self.head_since = self.body_since = None
         self._between = False  # nothing more is read as requests
         parsing, self._parsing = self._parsing, None
         if parsing is not None:  # its handler (if it runs) reads the error instead of the body

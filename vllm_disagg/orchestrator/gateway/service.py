@@ -3,9 +3,10 @@
 ``routes.py`` hands each OpenAI request to ``Gateway.serve``; ``parsing.py`` validates it; ``Flow``
 (``flow.py``) runs its engine legs with retries, fallback and resumes and says how they ended
 (``contract.Outcome``), which ``serve`` turns into metrics and the request's record. Errors leave as
-OpenAI-style JSON as ``vllm_disagg.http_errors`` builds them. Every request carries an ``X-Request-Id``
-(the client's, or a new one) on both engine legs and back to the client, with ``X-Disagg-Mode``,
-``X-Disagg-Prefill`` and ``X-Disagg-Decode`` saying where it went.
+OpenAI-style JSON as ``vllm_disagg.http_errors`` builds them. Every request gets an id of the gateway's
+own, its engine legs' ``X-Request-Id`` and its record's key; the client's ``X-Request-Id`` is only
+echoed (``request_ids.py``). The response says where it went: ``X-Disagg-Mode``, ``X-Disagg-Prefill``,
+``X-Disagg-Decode``.
 
 Before scheduling, the prompt is tokenized with the model's tokenizer (cached) and its full blocks
 are looked up in the KV index, so the scheduler knows how much of it each instance has cached. A
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from typing import Any
 
 from yarl import URL
@@ -56,7 +56,8 @@ from vllm_disagg.orchestrator.gateway.parsing import (
     pinned_prefill,
     read_body,
 )
-from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog, RequestRecord
+from vllm_disagg.orchestrator.gateway.records import STAGES, RequestLog
+from vllm_disagg.orchestrator.gateway.request_ids import OWN_HEADER, client_request_id, new_request_id
 from vllm_disagg.orchestrator.gateway.server import Answer, ClientRequest
 from vllm_disagg.orchestrator.gateway.slo import attainment, best_effort, request_slo, slo_class
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers
@@ -129,7 +130,7 @@ class Gateway:
         self._background: set[asyncio.Future[None]] = set()
         self._tokenizer_of: dict[str, tuple[str, str]] = {}  # model -> (engine, tokenizer) registered
         self._urls: dict[tuple[str, str], URL] = {}
-        self._live: set[Flow] = set()  # requests in flight, for the admin API
+        self._live: dict[Flow, str] = {}  # requests in flight (-> the client's id), for the admin API
         # What engines are sent as Authorization: the gateway's own key for them (vLLM's --api-key),
         # else (if configured) the client's header, else nothing: a client's credentials never reach
         # an engine by default (docs/security.md).
@@ -153,6 +154,9 @@ class Gateway:
     def open(self) -> None:
         """Make the engine client session; in the running event loop (the application's start)."""
         self.session = new_session(self.config)
+        # How much of an engine's answer is read (docs/security.md): past it the leg fails.
+        self.session.max_body_bytes = self.config.max_engine_body_bytes
+        self.session.max_event_bytes = self.config.max_engine_event_bytes
         if self.admission is not None:
             self.admission.start()
 
@@ -245,6 +249,7 @@ class Gateway:
             out.append(
                 {
                     "request_id": flow.scheduling.request_id,
+                    "client_request_id": self._live.get(flow, ""),
                     "route": flow.route,
                     "model": flow.parsed.model,
                     "stream": flow.parsed.stream,
@@ -324,8 +329,9 @@ class Gateway:
     async def serve(self, request: ClientRequest, route: Route) -> Answer:
         """One completions or chat request, end to end."""
         t0 = self.clock.monotonic()
-        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-        out_headers = {"X-Request-Id": request_id}
+        # The gateway's own id keys engines and records; the client's is a label (request_ids.py).
+        request_id, client_id = new_request_id(), ""
+        out_headers = {"X-Request-Id": request_id, OWN_HEADER: request_id}
         model, stream, status, error = "", False, 500, ""
         flow: Flow | None = None
         tracing = self.tracing
@@ -337,11 +343,13 @@ class Gateway:
         # Log lines from here on, in this task and the legs' tasks, are about this request.
         ids = logs.bind(request_id, trace.traceparent or request.headers.get("traceparent"))
         try:
+            client_id = client_request_id(request.headers.get("X-Request-Id"))
+            out_headers["X-Request-Id"] = client_id or request_id
             raw = await read_body(request, self.config.max_body_bytes)
             parsed = parse_request(raw, route)
             model, stream = parsed.model, parsed.stream
             flow = await self._schedule(request, route, parsed, raw, request_id, out_headers, t0, trace)
-            self._live.add(flow)
+            self._live[flow] = client_id
             response = await flow.run()
             timing = flow.timing
             status = 499 if timing.client_gone else (502 if timing.cut else response.status)
@@ -355,11 +363,13 @@ class Gateway:
             raise
         finally:
             if flow is None:  # refused before it was scheduled
-                self._record(Outcome(request_id, route, model, stream, status, error, t0))
+                outcome = Outcome(request_id, route, model, stream, status, error, t0)
+                outcome.client_request_id = client_id
+                self._record(outcome)
             else:
                 flow.held.end()  # a request that ended before its decode leg
-                self._live.discard(flow)
-                self._record(flow.outcome(status, error))
+                self._live.pop(flow, None)
+                self._record(flow.outcome(status, error, client_id))
                 if self.admission is not None:
                     self.admission.kick()
             trace.end(status, error, self.clock.monotonic())
@@ -387,8 +397,8 @@ class Gateway:
         if "priority" in parsed.body and not admission.forward_priority:
             del parsed.body["priority"]  # vLLM refuses it unless run with --scheduling-policy priority
             raw = dumps_leg(parsed.body)
-        elif parsed.pinned_prefill is not None or parsed.pinned_decode is not None:
-            raw = dumps_leg(parsed.body)  # without the pin fields: a colocated leg sends ``raw`` as it is
+        elif parsed.rebuilt:  # pins or control fields removed: a colocated leg sends ``raw`` as it is
+            raw = dumps_leg(parsed.body)
         snapshot, now = self.registry.snapshot(), t0
         population = snapshot.model_ids.get(parsed.model)
         if population and parsed.model not in self._tokenizer_of:
@@ -462,7 +472,7 @@ class Gateway:
         total = clock.monotonic() - outcome.t0
         ttfb = outcome.ttfb_s
         self._count(outcome, total, ttfb)
-        self.request_log.add(_record_of(outcome, total, ttfb, clock.wall() - total))
+        self.request_log.add(outcome.record(total, ttfb, clock.wall() - total))
         if outcome.status >= 500 and outcome.status != 503:  # 503: refused for capacity, said to the client
             log.warning(
                 "%s %s %s failed with %s after %.3fs: %s",
@@ -569,32 +579,3 @@ def _admitted(flow: Flow, pending: Pending, priority: int, tenant: str, trace: N
         flow.admission["queued_s"] = round(admitted - queued, 6)
         flow.admission["held_by"] = pending.held_by
         trace.stage("admission", queued, admitted, priority=priority, tenant=tenant)
-
-
-def _record_of(outcome: Outcome, total: float, ttfb: float | None, started_wall: float) -> RequestRecord:
-    """The request log's record of a finished request (``/admin/v1/requests/{id}``)."""
-    t0 = outcome.t0
-    return RequestRecord(
-        request_id=outcome.request_id,
-        route=outcome.route,
-        model=outcome.model,
-        mode=outcome.mode,
-        prefill=outcome.prefill,
-        decode=outcome.decode,
-        status=outcome.status,
-        error=outcome.error,
-        started_wall=started_wall,
-        schedule_s=outcome.schedule_s or 0.0,
-        prefill_s=outcome.prefill_s,
-        ttfb_s=ttfb,
-        total_s=total,
-        explanation=outcome.explanation,
-        timeline={stage: t - t0 for stage, t in outcome.stamps.items()},
-        attempts=outcome.attempts,
-        fallback=outcome.fallback,
-        resumes=outcome.resumes,
-        relay=outcome.relay,
-        unread_events=outcome.unread_events,
-        admission=outcome.admission,
-        gateway_s=max(0.0, total - outcome.engine_s),
-    )

@@ -187,7 +187,9 @@ class _HfTokenizer:
 
 def _reused_ids(body: Mapping[str, Any]) -> tuple[bool, list[int] | None]:
     """``kv_transfer_params.prompt_token_ids``, which vLLM 0.32 feeds to the engine instead of rendering
-    chat messages (decode-side reuse): (present, the ids or None when vLLM would refuse them)."""
+    chat messages (decode-side reuse): (present, the ids or None when vLLM would refuse them). A client's
+    never arrive here: parsing removes them (``control_fields``), so only a body the gateway built may
+    name ids its tokenization and prefix lookup then take as the prompt."""
     params = body.get("kv_transfer_params")
     if not isinstance(params, Mapping) or params.get("prompt_token_ids") is None or body.get("echo"):
         return False, None

@@ -8,7 +8,11 @@ It does exactly that: POST a bytes body; a status and headers; the body read who
 Errors (``EngineHTTPError``): ``EngineConnectError`` when the engine cannot be reached,
 ``EngineDisconnected`` when the connection ends before the response does or carries something that
 is not HTTP; ``TimeoutError`` when connecting, or waiting for the next bytes of a response, takes
-longer than its limit (never a total limit: a healthy stream may run for hours).
+longer than its limit (never a total limit: a healthy stream may run for hours);
+``EngineAnswerTooLarge`` when an answer is bigger than the gateway reads: a whole body over
+``max_body_bytes``, one event of a stream over ``max_event_bytes``, or headers over 64 KiB. Nothing is
+buffered past them (about 1 MiB more sits in the connection before it stops reading), so an engine, or
+whatever an engine URL names, cannot make the gateway hold more.
 
 A pooled connection idle for ``keepalive_s`` is not reused: vLLM (uvicorn) closes idle ones at 5 s,
 and one it is closing just then would fail the request.
@@ -20,13 +24,17 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from types import TracebackType
-from typing import cast
+from typing import NoReturn, cast
 
 import httptools
 from yarl import URL
 
 _PAUSE_AT = 1 << 20  # buffered body bytes at which the engine's socket stops being read
 _MAX_IDLE_PER_ENGINE = 256
+_MAX_HEAD = 64 << 10  # status line and headers: llhttp itself sets no bound
+MAX_BODY_BYTES = 64 << 20  # defaults of ``OrchestratorConfig.max_engine_body_bytes`` and ``_event_``
+MAX_EVENT_BYTES = 16 << 20
+_EVENT_ENDS = (b"\n\n", b"\n\r", b"\r\r")  # two line ends in a row, however spelled (CR LF is one)
 
 
 class EngineHTTPError(Exception):
@@ -45,6 +53,10 @@ class EngineConnectError(EngineHTTPError):
 
 class EngineDisconnected(EngineHTTPError):
     """The engine's connection ended before its response did, or carried something that is not HTTP."""
+
+
+class EngineAnswerTooLarge(EngineHTTPError):
+    """The engine's answer is bigger than the gateway reads; the connection is dropped."""
 
 
 def _expire(waiter: asyncio.Future[None], idle_s: float) -> None:
@@ -67,6 +79,7 @@ class _Connection(asyncio.Protocol):
     def reset(self) -> None:
         """Ready for the next response on this connection."""
         self.status = 0
+        self.head = 0  # bytes fed before the headers were complete
         self.headers: dict[str, str] = {}
         self.keep_alive = False
         self.headers_done = False
@@ -87,6 +100,12 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self.fail(EngineDisconnected(f"sent a response that is not valid HTTP: {exc}"))
             self.abort()
+            return
+        if not self.headers_done:
+            self.head += len(data)
+            if self.head > _MAX_HEAD:  # headers without end would grow ``headers`` for ever
+                self.fail(EngineAnswerTooLarge(f"sent over {_MAX_HEAD} bytes of headers"))
+                self.abort()
 
     def eof_received(self) -> bool:
         return False  # close our side too
@@ -161,11 +180,13 @@ class _Connection(asyncio.Protocol):
 
 
 class EngineResponse:
-    """The engine's answer: status and headers now, the body on demand."""
+    """The engine's answer: status and headers now, the body on demand, bounded."""
 
-    def __init__(self, conn: _Connection, idle_s: float) -> None:
+    def __init__(self, conn: _Connection, idle_s: float, max_body: int, max_event: int) -> None:
         self._conn = conn
         self._idle_s = idle_s
+        self._max_body = max_body
+        self._max_event = max_event
         self.status = conn.status
         self.headers = _Headers(conn.headers)
 
@@ -175,11 +196,18 @@ class EngineResponse:
         return self
 
     async def read(self) -> bytes:
-        """The whole body."""
-        conn, parts = self._conn, []
+        """The whole body; ``EngineAnswerTooLarge`` (and the connection dropped) past ``max_body``."""
+        conn, parts, size, cap = self._conn, [], 0, self._max_body
+        declared = conn.headers.get("content-length", "")
+        if declared.isdigit() and (len(declared) > 18 or int(declared) > cap):
+            self._too_large(f"its body is {declared[:24]} bytes, over the {cap} the gateway reads")
         while True:
             if conn.chunks:
-                parts.append(conn.take())
+                chunk = conn.take()
+                size += len(chunk)
+                if size > cap:
+                    self._too_large(f"its body passed the {cap} bytes the gateway reads")
+                parts.append(chunk)
             if conn.complete:
                 return b"".join(parts)
             if conn.error is not None:
@@ -187,11 +215,18 @@ class EngineResponse:
             await conn.wait(self._idle_s)
 
     async def iter_any(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: everything received so far, each time."""
-        conn = self._conn
+        """The body as it arrives: everything received so far, each time; ``EngineAnswerTooLarge``
+        (and the connection dropped) when one event passes ``max_event`` (a relay that cuts the stream
+        into events would hold all of it)."""
+        conn, open_bytes, last = self._conn, 0, b""
         while True:
             if conn.chunks:
-                yield conn.take()
+                chunk = conn.take()
+                open_bytes = open_event_bytes(open_bytes, last, chunk)
+                if open_bytes > self._max_event:
+                    self._too_large(f"one event of its stream passed the {self._max_event} bytes allowed")
+                last = chunk[-1:]
+                yield chunk
                 continue
             if conn.complete:
                 return
@@ -202,6 +237,23 @@ class EngineResponse:
     def close(self) -> None:
         """Drop the connection: the engine aborts the request."""
         self._conn.abort()
+
+    def _too_large(self, what: str) -> NoReturn:
+        self._conn.abort()  # stop reading: what it sends on is never buffered
+        raise EngineAnswerTooLarge(f"its answer is too large: {what}")
+
+
+def open_event_bytes(before: int, last: bytes, chunk: bytes) -> int:
+    """Bytes of the stream's last event still open after ``chunk``: ``before`` were open before it, and
+    ``last`` is the byte before it (a blank line may be split between chunks)."""
+    if chunk.endswith(b"\n\n"):  # vLLM's every chunk
+        return 0
+    end = max(chunk.rfind(sep) for sep in _EVENT_ENDS)
+    if end >= 0:
+        return len(chunk) - end - 2
+    if last + chunk[:1] in _EVENT_ENDS:
+        return len(chunk) - 1
+    return before + len(chunk)
 
 
 class _Headers:
@@ -238,7 +290,7 @@ class _Post:
         except BaseException:
             conn.abort()
             raise
-        self._resp = EngineResponse(conn, client.idle_s)
+        self._resp = EngineResponse(conn, client.idle_s, client.max_body_bytes, client.max_event_bytes)
         return self._resp
 
     async def __aexit__(
@@ -265,10 +317,20 @@ def _request(url: URL, data: bytes, headers: dict[str, str]) -> bytes:
 class EngineClient:
     """Keep-alive connections to engines, by host and port; one request per connection at a time."""
 
-    def __init__(self, *, connect_timeout_s: float, idle_timeout_s: float, keepalive_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        connect_timeout_s: float,
+        idle_timeout_s: float,
+        keepalive_s: float,
+        max_body_bytes: int = MAX_BODY_BYTES,
+        max_event_bytes: int = MAX_EVENT_BYTES,
+    ) -> None:
         self.connect_s = connect_timeout_s
         self.idle_s = idle_timeout_s
         self.keepalive_s = keepalive_s
+        self.max_body_bytes = max_body_bytes
+        self.max_event_bytes = max_event_bytes
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._closed = False
 
@@ -280,6 +342,8 @@ class EngineClient:
         """A pooled connection to ``url``'s engine idle for less than ``keepalive_s``, else a new one."""
         if self._closed:
             raise EngineDisconnected("the engine client is closed")
+        if url.scheme != "http":  # it would send the prompt and the engine key in clear to a TLS port
+            raise EngineDisconnected(f"the gateway speaks plain http to engines, not {url.scheme}")
         host, port = url.raw_host or "", url.port or 80
         loop = asyncio.get_running_loop()
         idle = self._idle.get((host, port))

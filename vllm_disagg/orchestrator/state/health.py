@@ -10,8 +10,10 @@ went (its circuit breaker)::
     any live state ── no heartbeat for the timeout, Goodbye, engine stopped ──▶ dead (a new Hello revives)
     ready/suspect ── operator cordon ──▶ cordoned;  agent or operator drain ──▶ draining
 
-Only ``ready`` instances are routed to. ``suspect`` is the fast, reversible step: routing stops at the
-first sign of trouble and resumes without a new session when the sign goes away.
+An engine whose KV link needs a handshake is ``joining`` until a warm-up proved the link
+(``instance.needs_link_proof``). Only ``ready`` instances are routed to. ``suspect`` is the fast,
+reversible step: routing stops at the first sign of trouble and resumes without a new session when
+the sign goes away.
 
 A ``Breaker`` guards an instance, and another guards each P→D link, from the gateway's point of view:
 ``failures_to_open`` consecutive failed requests open it; after ``open_s`` it is half-open and lets one
@@ -111,15 +113,19 @@ def derive_state(
     cordoned: bool,
     late: bool,
     breaker_routable: bool,
+    kv_link_ready: bool = True,
 ) -> InstanceState:
-    """The state of a live session (``dead`` only for an engine the agent says has stopped)."""
+    """The state of a live session (``dead`` only for an engine the agent says has stopped).
+
+    ``kv_link_ready``: False for a ready engine whose KV link is still to be proven by a warm-up
+    (``instance.needs_link_proof``): it is joining until then."""
     if engine_state == "stopped":
         return "dead"
     if draining:
         return "draining"
     if cordoned:
         return "cordoned"
-    if engine_state == "starting":
+    if engine_state == "starting" or (engine_state == "ready" and not kv_link_ready):
         return "joining"
     if engine_state != "ready" or late or not breaker_routable:
         return "suspect"

@@ -8,13 +8,20 @@ and the agents' node-level KV pools (``"pool"`` events, protocol 1.3: blocks an 
 is the only writer: it applies ``KvEvents`` from live sessions and drops an instance that dies or says
 Hello again (a new session may be a new engine with an empty cache). The gateway reads
 ``cached_tokens`` per request, and ``pooled_tokens`` where pools exist.
+
+The orchestrator's index has a ``KvGate`` (``kv_limits.py``): what one agent may make it hold is
+bounded, and events beyond the bounds are dropped before they are applied (``admit``), so that a
+journal of what was applied (``gateway/workers/hub.py``) replays to the same index in a worker, whose
+own index has no gate.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
+from vllm_disagg.orchestrator.state.kv_limits import KvGate
 from vllm_disagg.orchestrator.state.prefix_index import PrefixIndex, PromptTokens
 from vllm_disagg.protocol.messages import MEDIUM_GPU, MEDIUM_POOL, KvEvent
 
@@ -109,9 +116,18 @@ class KvIndex:
     """Cached prompt prefixes of every instance's engine, and of every agent's KV pool, fed by
     ``KvEvents``; asked per prompt."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: KvGate | None = None) -> None:
         self._gpu = _Medium("prefix cache")
         self._pool = _Medium("KV pool")
+        self._gate = gate  # None: every event is applied (a worker's replica of the index)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker gets the entries, not the gate: it applies only what the orchestrator's admitted.
+        return {k: v for k, v in vars(self).items() if k != "_gate"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._gate = None
 
     def take(self, other: KvIndex) -> None:
         """Hold what ``other`` holds, and drop what this one held: a gateway worker's index on the
@@ -119,7 +135,29 @@ class KvIndex:
         self._gpu, self._pool = other._gpu, other._pool
 
     def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
-        """Apply one agent's events in order; how many were applied (malformed ones are skipped)."""
+        """Apply one agent's events within its limits, in order; how many were applied."""
+        return self.apply_gated(agent_id, events)[0]
+
+    def apply_gated(self, agent_id: str, events: Sequence[KvEvent]) -> tuple[int, Sequence[KvEvent]]:
+        """``apply``, and the events as applied (those the gate admitted, cut where it cut them;
+        all of them without a gate): what a replica applies, ungated, to hold the same."""
+        gate = self._gate
+        if gate is None:
+            return self.apply_admitted(agent_id, events), events
+        applied, admitted = 0, []
+        for event in gate.admit(agent_id, events, lambda medium: self._indexed(agent_id, medium)):
+            applied += self.apply_admitted(agent_id, (event,))
+            admitted.append(event)
+        return applied, admitted
+
+    def _indexed(self, agent_id: str, medium: str) -> int:
+        if medium == MEDIUM_GPU:
+            return self._gpu.blocks_of(agent_id)
+        return self._pool.blocks_of(agent_id) if medium == MEDIUM_POOL else 0
+
+    def apply_admitted(self, agent_id: str, events: Sequence[KvEvent]) -> int:
+        """Apply one agent's events in order, as they are; how many were applied (malformed ones are
+        skipped)."""
         applied = 0
         gpu, pool = self._gpu, self._pool
         for event in events:
@@ -137,6 +175,8 @@ class KvIndex:
         a new session)."""
         self._gpu.drop(agent_id)
         self._pool.drop(agent_id)
+        if self._gate is not None:
+            self._gate.forget(agent_id)
 
     def blocks_of(self, agent_id: str) -> int:
         """How many blocks of its engine's prefix cache the index holds for one instance."""

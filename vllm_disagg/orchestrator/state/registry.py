@@ -2,7 +2,8 @@
 
 States of an instance (one per agent id; the rules are ``health.derive_state``)::
 
-    joining   Hello accepted, engine starting                       never routed to
+    joining   Hello accepted, engine starting (or ready, its KV     never routed to
+              link not yet proven by a warm-up: ``instance``)
     ready     engine ready, heartbeats fresh, breaker closed        routed to
     suspect   late heartbeat, engine unhealthy or restarting, or    never routed to; back to ready
               its circuit breaker open                              when the sign goes away
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from vllm_disagg.orchestrator.state import health
@@ -33,6 +33,7 @@ from vllm_disagg.orchestrator.state.health import (
     BreakerPolicy,
     InstanceState,
 )
+from vllm_disagg.orchestrator.state.instance import InstanceRecord, needs_link_proof
 from vllm_disagg.orchestrator.state.intent import NO_INTENT, InstanceIntent
 from vllm_disagg.orchestrator.state.kv_audit import DecodeAudit, Outcome
 from vllm_disagg.orchestrator.state.link_rates import LinkRates
@@ -47,7 +48,7 @@ from vllm_disagg.orchestrator.state.views import (
     sum_counts,
 )
 from vllm_disagg.orchestrator.state.watchers import Unwatch, Watchers
-from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, MetricsSnapshot, Role
+from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, Role
 
 RemoteSource = Literal["workers", "peers"]  # where requests counted outside this process run
 
@@ -70,61 +71,6 @@ __all__ = [
 _ENGINE_LOST: frozenset[EngineState] = frozenset(("unhealthy", "restarting", "stopped"))
 
 
-@dataclass(slots=True)
-class _Instance:
-    """The registry's private, mutable record."""
-
-    agent_id: str
-    info: InstanceInfo
-    session: int
-    joined_at: float
-    last_heartbeat: float
-    state: InstanceState = "joining"
-    engine_state: EngineState = "starting"
-    agent_draining: bool = False
-    admin_draining: bool = False
-    admin_cordoned: bool = False
-    heartbeats: int = 0
-    metrics: MetricsSnapshot = field(default_factory=MetricsSnapshot)
-    dead_reason: str = ""
-    breaker: Breaker = CLOSED
-    late: bool = False
-    audit: DecodeAudit | None = None  # its decode legs' KV loads, from its counters (``kv_audit``)
-    protocol: str = ""
-    role_pinned: bool = False
-
-    def derive_state(self) -> InstanceState:
-        """The state a live session is in, from every signal (see ``health.derive_state``)."""
-        return health.derive_state(
-            engine_state=self.engine_state,
-            draining=self.agent_draining or self.admin_draining,
-            cordoned=self.admin_cordoned,
-            late=self.late,
-            breaker_routable=self.breaker.routable,
-        )
-
-    def view(self) -> InstanceView:
-        return InstanceView(
-            agent_id=self.agent_id,
-            info=self.info,
-            state=self.state,
-            session=self.session,
-            engine_state=self.engine_state,
-            agent_draining=self.agent_draining,
-            admin_draining=self.admin_draining,
-            joined_at=self.joined_at,
-            last_heartbeat=self.last_heartbeat,
-            heartbeats=self.heartbeats,
-            metrics=self.metrics,
-            dead_reason=self.dead_reason,
-            admin_cordoned=self.admin_cordoned,
-            breaker=self.breaker,
-            late=self.late,
-            protocol=self.protocol,
-            role_pinned=self.role_pinned,
-        )
-
-
 class Registry(SnapshotSource):
     """Instances by agent id, their state machine, breakers, and the gateway's in-flight counts."""
 
@@ -134,15 +80,19 @@ class Registry(SnapshotSource):
         *,
         suspect_after_s: float | None = None,
         breaker: BreakerPolicy | None = None,
+        prove_kv_links: bool = False,
     ) -> None:
+        """``prove_kv_links``: NIXL engines are joining until a warm-up proved their KV link
+        (``kv_link_proven``; the orchestrator runs ``kv_warmup``); off, they are ready with their engine."""
         super().__init__()
+        self._prove_links = prove_kv_links
         self._timeout = heartbeat_timeout_s
         # Silence for this long stops routing at once; death (and a new session) waits for the timeout.
         # None: only death counts. On a host whose agents are starved of CPU now and then, heartbeats
         # half a timeout late are common, and routing around them misplaces requests for nothing.
         self._suspect_after = suspect_after_s if suspect_after_s is not None else float("inf")
         self._policy = breaker or BreakerPolicy()
-        self._instances: dict[str, _Instance] = {}
+        self._instances: dict[str, InstanceRecord] = {}
         self._check = MetricsCheck()  # what agents report, in range before anything reads it
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._intent: dict[str, InstanceIntent] = {}  # operators' word by agent id, over all its sessions
@@ -183,7 +133,7 @@ class Registry(SnapshotSource):
         """Callbacks watching now: (changes only, changes and in-flight counts)."""
         return len(self._watch.changes), len(self._watch.flight)
 
-    def _changed(self, inst: _Instance, membership: bool) -> None:
+    def _changed(self, inst: InstanceRecord, membership: bool) -> None:
         views = self._own_views()
         old = views.get(inst.agent_id)
         new = views[inst.agent_id] = inst.view()
@@ -197,7 +147,7 @@ class Registry(SnapshotSource):
         if self._watch.changes or self._watch.flight:
             self._watch.notify()
 
-    def _update(self, inst: _Instance, lost_reason: str = "") -> None:
+    def _update(self, inst: InstanceRecord, lost_reason: str = "") -> None:
         """Re-derive a live instance's state after a signal changed; tell ``on_lost`` when it is lost."""
         before = inst.state
         inst.state = inst.derive_state()
@@ -215,7 +165,7 @@ class Registry(SnapshotSource):
         if old is not None and old.state != "dead" and self.on_lost is not None:
             self.on_lost(agent_id, "its agent started a new session")  # a new engine may be behind it
         intent = self._intent.get(agent_id, NO_INTENT)
-        inst = _Instance(
+        inst = InstanceRecord(
             agent_id=agent_id,
             info=info,
             session=(old.session + 1) if old else 1,
@@ -228,6 +178,8 @@ class Registry(SnapshotSource):
             role_pinned=intent.pinned,
             audit=DecodeAudit(agent_id, info.block_size),
             protocol=protocol,
+            link_proof=self._prove_links and needs_link_proof(info),
+            kv_link_ready=not (self._prove_links and needs_link_proof(info)),
         )
         self._instances[agent_id] = inst
         self._drop_links(agent_id)
@@ -250,7 +202,7 @@ class Registry(SnapshotSource):
             self._scraped(agent_id)
         inst.metrics = metrics
         self._use_links(self.link_rates.metrics(agent_id, metrics, now))
-        inst.engine_state = hb.engine_state
+        inst.engine_changed(hb.engine_state)
         inst.agent_draining = hb.draining
         inst.late = False
         self._update(inst, f"engine {hb.engine_state}" if lost else "")
@@ -347,7 +299,7 @@ class Registry(SnapshotSource):
         """``tick``, under the name the control plane's expiry loop has always used."""
         return self.tick(now)
 
-    def _kill(self, inst: _Instance, reason: str, before: InstanceState | None = None) -> None:
+    def _kill(self, inst: InstanceRecord, reason: str, before: InstanceState | None = None) -> None:
         was_live = (before or inst.state) != "dead"
         inst.state = "dead"
         inst.dead_reason = reason
@@ -403,9 +355,20 @@ class Registry(SnapshotSource):
         is not routed to, and requests still on it fail over."""
         inst = self._instances[agent_id]
         lost = inst.engine_state not in _ENGINE_LOST
-        inst.engine_state = "restarting"
+        inst.engine_changed("restarting")
         if inst.state != "dead":
             self._update(inst, reason if lost else "")
+        return self._views[agent_id]
+
+    def kv_link_proven(self, agent_id: str, session: int) -> InstanceView | None:
+        """A warm-up moved KV over the instance's link in ``session``, with its engine ready since
+        (``instance.needs_link_proof``): it is routed to from now on. None when that session is over."""
+        inst = self._instances.get(agent_id)
+        if inst is None or inst.session != session or inst.state == "dead" or inst.engine_state != "ready":
+            return None  # another engine, or none: its link is still to prove
+        if not inst.kv_link_ready:
+            inst.kv_link_ready = True
+            self._update(inst)
         return self._views[agent_id]
 
     def set_role_pin(self, agent_id: str, pinned: bool) -> InstanceView:

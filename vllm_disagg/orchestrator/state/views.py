@@ -48,6 +48,7 @@ class InstanceView:
     late: bool = False  # no heartbeat for ``suspect_after_s``
     protocol: str = ""  # "major.minor" its agent speaks
     role_pinned: bool = False  # an operator set its role: the planner leaves it there
+    kv_link_ready: bool = True  # False: its engine is ready, its KV link still to prove (``instance``)
 
     @property
     def suspect_reason(self) -> str:

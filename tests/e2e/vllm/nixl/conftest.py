@@ -19,6 +19,8 @@ from tests.e2e.vllm.reference import Book, shared_prompts
 from tests.e2e.vllm.support import free_engine_ports, running_up, up_1p1d_argv
 from tests.helpers import free_port
 from tests.otlp_receiver import ThreadedReceiver
+from vllm_disagg.agent.engine_command import kv_events_endpoint
+from vllm_disagg.config import AgentConfig
 
 
 @pytest.fixture(scope="package")
@@ -41,7 +43,9 @@ def cluster(
     """Started after the reference book is filled: its engine and the cluster's two never run at once."""
     port, zmq_port, engine_base = free_port(), free_port(), free_engine_ports(2)
     log = tmp_path_factory.mktemp("up") / "up.log"
-    prefill_blocks = EngineBlocks(f"tcp://127.0.0.1:{engine_base + 2000}")  # prefill-0's KV events
+    # prefill-0's KV events, where its agent has vLLM publish them (an ipc socket on this host only).
+    prefill_0 = AgentConfig(agent_id="prefill-0", role="prefill", engine="vllm", engine_port=engine_base)
+    prefill_blocks = EngineBlocks(kv_events_endpoint(prefill_0))
     argv = [*up_1p1d_argv(tiny_model, port, zmq_port, engine_base), "--kv-lease-s", str(KV_LEASE_S)]
     argv += ["--otlp-traces-endpoint", traces.url]  # every engine's spans too (test_handoff.py)
     try:

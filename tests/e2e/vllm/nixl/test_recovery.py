@@ -161,7 +161,7 @@ async def test_a_decode_engine_killed_mid_stream_resumes_and_every_stream_equals
                 if record["resumes"]:
                     assert (last["leg"], last["outcome"]) == ("resume", "ok"), record["attempts"]
                     resumed += 1
-                    took_over = (request_id, last["instance"])
+                    took_over = (record["request_id"], last["instance"])  # the spans' id: the gateway's
                 else:  # it had ended before the kill (or nothing was killed): on its decode leg, whole
                     assert (last["leg"], last["outcome"]) == ("decode", "ok"), record["attempts"]
             if resumed:
@@ -202,7 +202,7 @@ async def test_a_prefill_engine_killed_with_requests_inside_still_answers_every_
     for case, (text, _, headers) in zip(cases, answers, strict=True):
         assert text == reference[case.name], case.name
         assert (headers["X-Disagg-Mode"], headers["X-Disagg-Decode"]) == ("colocated", "decode-0")
-    request_id = answers[0][2]["X-Request-Id"]
+    request_id = answers[0][2]["X-Disagg-Request-Id"]  # the engines' and spans' id: the gateway's own
     await eventually(
         lambda: _engine_under(traces, request_id, "decode", "decode-0"),
         timeout=60,

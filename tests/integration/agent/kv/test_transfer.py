@@ -30,10 +30,14 @@ from vllm_disagg.agent.kv.plane import FetchStarted, KvPlane
 from vllm_disagg.agent.kv.pool import PrefixPool
 from vllm_disagg.agent.kv.transfer import KvTransfer
 from vllm_disagg.clock import FakeClock
+from vllm_disagg.private_files import mask
 from vllm_disagg.protocol.curve import Keypair, load_keypair, make_keypair
+from vllm_disagg.wire.block_hash import prompt_block_hashes
 
 GEOMETRY = Geometry(num_layers=4, layer_block_bytes=4096, block_size=16)
-KEYS = [bytes([i + 1]) * 32 for i in range(6)]
+# Real keys: the receiver checks that the token ids a holder sends hash to the keys it asked for.
+BLOCK_TOKENS = [(i + 1,) * GEOMETRY.block_size for i in range(6)]
+KEYS = prompt_block_hashes([t for block in BLOCK_TOKENS for t in block], GEOMETRY.block_size)
 TIMEOUT_S = 10.0
 
 
@@ -98,8 +102,8 @@ def fill(agent: Agent, keys: Sequence[bytes]) -> dict[bytes, bytes]:
 
 
 def tokens(key: bytes) -> tuple[int, ...]:
-    """A block's token ids, as the engine saved them (any, distinct per key, here)."""
-    return tuple(key[:1] * GEOMETRY.block_size)
+    """A block's token ids, as the engine saved them (none known for a key not of ``KEYS``)."""
+    return BLOCK_TOKENS[KEYS.index(key)] if key in KEYS else ()
 
 
 def slot_of(agent: Agent, key: bytes) -> int:
@@ -521,15 +525,18 @@ def test_bench_kv_runs_small_and_reports_its_keys(capsys: pytest.CaptureFixture[
     assert result["churn_fetches"] > 0 and result["churn_errors"] == 0
 
 
-async def test_a_receiver_that_vanishes_without_a_word_is_found_out_and_unpinned(agents: StartAgent) -> None:
+async def test_a_receiver_that_vanishes_without_a_word_is_found_out_and_unpinned(
+    agents: StartAgent, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = "grant-token-that-must-never-reach-a-log"
     holder = await agents(chunk_bytes=GEOMETRY.layer_block_bytes)
     fill(holder, KEYS)
-    holder.transfer.grant("t", KEYS, None, 30)
+    holder.transfer.grant(token, KEYS, None, 30)
     ctx = zmq.asyncio.Context()
     raw = ctx.socket(zmq.DEALER)
     raw.connect(holder.transfer.endpoint)
     try:
-        await raw.send(encode(FetchRequest("t", tuple(KEYS), GEOMETRY, 1, 30.0)))
+        await raw.send(encode(FetchRequest(token, tuple(KEYS), GEOMETRY, 1, 30.0)))
         assert isinstance(decode(await asyncio.wait_for(raw.recv(), 5), 1 << 16), Start)
         await asyncio.wait_for(raw.recv_multipart(), 5)  # one chunk, then silence: no credit, no Done
     finally:
@@ -537,3 +544,6 @@ async def test_a_receiver_that_vanishes_without_a_word_is_found_out_and_unpinned
         ctx.term()
     assert holder.pool.stats().referenced == len(KEYS)
     await unpinned(holder)  # its next ping finds the connection gone
+    # The holder says which grant's stream ended, by a digest: the token itself never reaches a log.
+    assert f"kv stream of grant {mask(token)}" in caplog.text
+    assert token not in caplog.text

@@ -99,8 +99,21 @@ async def test_an_engine_added_by_url_registers_as_it_is_serves_and_stops_with_t
         ({"url": "http://127.0.0.1:9", "agent_id": "a b"}, 400, "'agent_id' must be"),
         ({"url": "http://127.0.0.1:9", "colour": "red"}, 400, "unknown fields ['colour']"),
         ({"url": "http://127.0.0.1:9", "role": "decode"}, 422, "unreachable"),
+        (
+            {"url": "http://203.0.113.5:8000", "role": "decode"},
+            422,
+            "allow its network with --engine-networks",
+        ),
     ],
-    ids=["no url", "not http", "unknown role", "bad id", "unknown field", "nothing listens there"],
+    ids=[
+        "no url",
+        "not http",
+        "unknown role",
+        "bad id",
+        "unknown field",
+        "nothing listens there",
+        "an engine on a network not allowed",
+    ],
 )
 async def test_an_add_that_cannot_work_is_refused_with_the_reason_and_nothing_registers(
     orch: OrchestratorServer, http: aiohttp.ClientSession, body: dict[str, str], status: int, reason: str

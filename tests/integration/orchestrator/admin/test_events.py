@@ -139,7 +139,7 @@ async def test_live_requests_show_each_request_in_flight_with_its_stage_pair_and
                 return found or None
 
             (item,) = await eventually(live, what="the request in flight")
-            assert (item["request_id"], item["mode"], item["decode"], item["stage"]) == (
+            assert (item["client_request_id"], item["mode"], item["decode"], item["stage"]) == (
                 "slow-1",
                 "colocated",
                 "d0",

@@ -57,7 +57,11 @@ async def engine(handler: Handler) -> AsyncIterator[Engine]:
 
 def client(**changes: float) -> EngineClient:
     limits = {"connect_timeout_s": 5.0, "idle_timeout_s": 5.0, "keepalive_s": 4.0, **changes}
-    return EngineClient(**limits)
+    return EngineClient(
+        connect_timeout_s=limits["connect_timeout_s"],
+        idle_timeout_s=limits["idle_timeout_s"],
+        keepalive_s=limits["keepalive_s"],
+    )
 
 
 async def _json(request: web.Request) -> web.Response:

@@ -37,7 +37,7 @@ from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import Role
 
 MODEL = "tiny"
-REQUEST_ID = "fixture"  # the recordings' X-Request-Id: vLLM's response ids come out the same
+REQUEST_ID = "fixture"  # the recordings' X-Request-Id: vLLM's response ids were ``cmpl-fixture``
 
 
 def lines(dialect: str) -> list[dict[str, Any]]:
@@ -61,7 +61,13 @@ class Shapes:
             engine.clock = lambda: created  # the recording's second: vLLM's bytes can match exactly
         headers = {"X-Request-Id": REQUEST_ID, **({"X-Disagg-Prefill": prefill} if prefill else {})}
         async with self.http.post(self.server.url + path, data=jsonutil.dumps(body), headers=headers) as resp:
-            return resp.status, await resp.read(), dict(resp.headers)
+            raw = await resp.read()
+            # Engines now get the gateway's own id, never the client's (gateway/request_ids.py): put the
+            # recordings' back where the engine wrote it, so the rest can be held to them byte for byte.
+            own = resp.headers["X-Disagg-Request-Id"]
+            dialect = next(iter(self.engines.values())).dialect
+            theirs, recorded = dialect.response_id(path, own), dialect.response_id(path, REQUEST_ID)
+            return resp.status, raw.replace(theirs.encode(), recorded.encode()), dict(resp.headers)
 
     async def record(self) -> dict[str, Any]:
         async with self.http.get(f"{self.server.url}/admin/v1/requests/{REQUEST_ID}", headers=ADMIN) as r:

@@ -151,10 +151,12 @@ async def test_the_openai_routes_answer_alike_past_the_router_and_through_it(
         ) as resp:
             raw = await resp.read()
             assert resp.status == 200, raw
-            got = {k.lower(): v for k, v in resp.headers.items() if k.lower() not in ("date", "x-request-id")}
+            ids = ("date", "x-request-id", "x-disagg-request-id")
+            got = {k.lower(): v for k, v in resp.headers.items() if k.lower() not in ids}
             assert resp.headers["X-Request-Id"] == f"alike-{n}"
+            own = resp.headers["X-Disagg-Request-Id"]  # the engine's request id: the gateway's own
         # The engine stamps each answer with its second: three answers may straddle one.
-        same = _CREATED.sub(b'"created":0', raw.replace(f"alike-{n}".encode(), b"ID"))
+        same = _CREATED.sub(b'"created":0', raw.replace(own.encode(), b"ID"))
         answers.append((same, got))
     assert answers[0] == answers[1] == answers[2]
     assert text_of(route, answers[0][0], stream) == expected(route)
@@ -268,7 +270,7 @@ async def test_colocated_on_decode_when_no_prefill_instance_is_ready(
     assert sample(d_metrics, "vllm:prompt_tokens_by_source_total", source="local_compute") > 0
 
 
-async def test_colocated_body_reaches_decode_unchanged(
+async def test_colocated_body_reaches_decode_unchanged_but_for_control_fields(
     orch: OrchestratorServer, http: aiohttp.ClientSession, fake_agent: AgentFactory
 ) -> None:
     async def decode(request: web.Request) -> web.Response:
@@ -277,10 +279,11 @@ async def test_colocated_body_reaches_decode_unchanged(
     async with fake_engine(decode) as d:
         await fake_agent("d0", d.url, "decode")
         await wait_ready(orch, 0, 1)
-        body = {"model": MODEL, "prompt": "p", "max_tokens": 3, "kv_transfer_params": None}
-        async with http.post(f"{orch.url}/v1/completions", data=jsonutil.dumps(body)) as resp:
-            assert resp.status == 200
-    assert d.requests == [body]
+        body = {"model": MODEL, "prompt": "p", "max_tokens": 3, "user": "u", "extra": {"a": [1]}}
+        for sent in (body, body | {"kv_transfer_params": None}):  # even a null one is the gateway's
+            async with http.post(f"{orch.url}/v1/completions", data=jsonutil.dumps(sent)) as resp:
+                assert resp.status == 200
+    assert d.requests == [body, body]
 
 
 BIG = b'{"model": "sim-model", "prompt": "' + b"x" * 5000 + b'"}'
@@ -461,8 +464,10 @@ async def test_request_records_explain_where_a_request_went(
         f"{orch.url}/v1/completions", data=body, headers={"X-Request-Id": "explain-me"}
     ) as resp:
         assert resp.status == 200
+        own = resp.headers["X-Disagg-Request-Id"]
     async with http.get(f"{orch.url}/admin/v1/requests/explain-me", headers=ADMIN) as resp:
-        record = await resp.json()
+        record = await resp.json()  # found by the client's id; kept under the gateway's own
+    assert (record["request_id"], record["client_request_id"]) == (own, "explain-me")
     assert (record["mode"], record["prefill"], record["decode"], record["status"]) == (
         "disaggregated",
         "p0",
@@ -483,7 +488,7 @@ async def test_request_records_explain_where_a_request_went(
     assert record["stages"]["prefill_s"] == pytest.approx(record["prefill_s"], abs=1e-5)
     assert record["stages"]["handoff_s"] >= 0
     async with http.get(f"{orch.url}/admin/v1/requests?limit=5", headers=ADMIN) as resp:
-        assert [r["request_id"] for r in (await resp.json())["requests"]] == ["explain-me"]
+        assert [r["client_request_id"] for r in (await resp.json())["requests"]] == ["explain-me"]
     async with http.get(f"{orch.url}/admin/v1/requests/never-seen", headers=ADMIN) as resp:
         assert resp.status == 404
 

@@ -70,22 +70,25 @@ async def test_every_line_about_a_request_carries_its_ids_and_no_line_a_prompt_o
         await cluster.ready(2, 1)
         assert await _complete(http, cluster, "logs-1", TRACEPARENT) == 200
         assert await _complete(http, cluster, "logs-2", "00-not-a-trace-context") == 200
-        assert [a["instance"] for a in (await record(http, cluster, "logs-1"))["attempts"]][:2] == [
+        first_record = await record(http, cluster, "logs-1")  # found by the client's X-Request-Id
+        assert [a["instance"] for a in first_record["attempts"]][:2] == [
             "p-bad",
             "p-good",
         ], "the first request was retried: a line says so"
+        # Lines name a request by the gateway's own id (its engines' and its record's), never the client's.
+        ids = [first_record["request_id"], (await record(http, cluster, "logs-2"))["request_id"]]
     raw = captured.getvalue()
     lines = [jsonutil.loads(line) for line in raw.splitlines()]
     assert all({"ts", "level", "logger", "msg"} <= line.keys() for line in lines)
 
-    for request_id in ("logs-1", "logs-2"):
+    for request_id in ids:
         about = [line for line in lines if request_id in line["msg"]]
         assert about, f"lines about {request_id}"
         assert all(line.get("request_id") == request_id for line in about), about
-    first = [line for line in lines if line.get("request_id") == "logs-1"]
+    first = [line for line in lines if line.get("request_id") == ids[0]]
     assert {line["trace_id"] for line in first} == {TRACE_ID}, "the client's trace goes on"
     assert any("prefill on p-bad ended status" in line["msg"] for line in first), "the retry's cause"
-    second = {line["trace_id"] for line in lines if line.get("request_id") == "logs-2"}
+    second = {line["trace_id"] for line in lines if line.get("request_id") == ids[1]}
     assert len(second) == 1 and re.fullmatch(r"[0-9a-f]{32}", next(iter(second))), (
         "a malformed one: a new trace"
     )

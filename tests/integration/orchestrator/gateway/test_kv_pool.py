@@ -59,6 +59,7 @@ class RecordingPlane:
         self._endpoint = endpoint
         self.log = log
         self.fetch_error: Exception | None = None
+        self.held: int | None = None  # how many leading blocks a grant finds (None: all it names)
 
     @property
     def endpoint(self) -> str:
@@ -66,7 +67,7 @@ class RecordingPlane:
 
     def grant(self, token: str, keys: Sequence[bytes], peer_public_key: bytes | None, ttl_s: float) -> int:
         self.log.calls.append(("grant", self.agent_id, token, list(keys), peer_public_key, ttl_s))
-        return len(keys)
+        return len(keys) if self.held is None else min(self.held, len(keys))
 
     async def fetch(
         self,
@@ -290,6 +291,26 @@ async def test_a_prompt_a_pool_holds_whole_goes_straight_to_d_which_fetches_it_f
     status, headers = await complete(http, cluster.server.url, "after-goodbye")
     assert (status, headers["X-Disagg-Mode"]) == (200, "colocated")  # p0 is gone: no prefill instance
     assert len(cluster.log.calls) == 2, "no move from a holder that left"
+
+
+async def test_a_pool_claiming_a_prompt_it_does_not_hold_makes_no_decoder_fetch_from_it(
+    cluster: PoolCluster, http: aiohttp.ClientSession
+) -> None:
+    """A claim (the agent's pool events) only makes the orchestrator ask: its own grant, which the
+    holder must answer by pinning the blocks. A holder that pins none is never fetched from."""
+    p0 = await cluster.add("p0", "prefill", pool_handle=True)
+    await cluster.add("d0", "decode")
+    p0.plane.held = 0  # the claim is false: asked, its pool holds nothing of the prompt
+    stored = KvEvent("stored", [event_hash(k) for k in KEYS], None, IDS[: len(KEYS) * BLOCK], BLOCK, "pool")
+    assert p0.session.send_kv_events(KvEvents(seq=1, events=[stored]))
+    await eventually(lambda: cluster.server.kv_index.pool_blocks_of("p0") == len(KEYS), what="indexed")
+    status, headers = await complete(http, cluster.server.url, "false-claim")
+    assert (status, headers["X-Disagg-Decode"]) == (200, "d0")
+    assert [call[:2] for call in cluster.log.calls] == [("grant", "p0")], "asked, and no fetch ordered"
+    assert await attempts(http, cluster.server.url, "false-claim") == [
+        ("kv_fetch", "d0", "not_held"),
+        ("decode", "d0", "ok"),
+    ]
 
 
 async def test_a_pool_whose_keys_are_not_the_ones_computed_here_is_not_asked_and_d_serves_alone(

@@ -58,20 +58,19 @@ async def traced_cluster(receiver: OtlpReceiver, **tracing: str) -> AsyncIterato
 
 async def _complete(
     http: aiohttp.ClientSession, cluster: Cluster, request_id: str, traceparent: str = ""
-) -> int:
+) -> tuple[int, str]:
+    """The status, and the gateway's own id of the request (its spans', engines' and log lines')."""
     headers = {"X-Request-Id": request_id, **({"traceparent": traceparent} if traceparent else {})}
     body = {"model": MODEL, "prompt": "a prompt to trace", "max_tokens": 2}
     async with http.post(
         f"{cluster.server.url}/v1/completions", data=jsonutil.dumps(body), headers=headers
     ) as r:
         await r.read()
-        return r.status
+        return r.status, r.headers["X-Disagg-Request-Id"]
 
 
-def _request_span(spans: list[Span], request_id: str) -> Span:
-    [span] = [
-        s for s in spans if s.kind == SERVER and s.attributes.get("vllm_disagg.request_id") == request_id
-    ]
+def _request_span(spans: list[Span], own_id: str) -> Span:
+    [span] = [s for s in spans if s.kind == SERVER and s.attributes.get("vllm_disagg.request_id") == own_id]
     return span
 
 
@@ -102,9 +101,10 @@ async def test_a_disaggregated_request_is_one_trace_continuing_the_clients_with_
         await cluster.add("p0", p.url, "prefill")
         await cluster.add("d0", d.url, "decode")
         await cluster.ready(1, 1)
-        assert await _complete(http, cluster, "traced-1", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01") == 200
+        status, own = await _complete(http, cluster, "traced-1", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
+        assert status == 200
     spans = receiver.trace(CLIENT_TRACE)
-    root = _request_span(spans, "traced-1")
+    root = _request_span(spans, own)
     assert (root.name, root.parent_id, root.service) == (
         "POST /v1/completions",
         CLIENT_SPAN,
@@ -143,9 +143,10 @@ async def test_a_retried_prefill_is_two_prefill_spans_the_failed_one_an_error(
         await cluster.add("p-good", good.url, "prefill", busy=True)
         await cluster.add("d0", d.url, "decode")
         await cluster.ready(2, 1)
-        assert await _complete(http, cluster, "traced-retry", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01") == 200
+        status, own = await _complete(http, cluster, "traced-retry", f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
+        assert status == 200
     spans = receiver.trace(CLIENT_TRACE)
-    root = _request_span(spans, "traced-retry")
+    root = _request_span(spans, own)
     assert _children(spans, root) == [
         ("schedule", "", ""),
         ("prefill", "p-bad", "status"),
@@ -181,15 +182,16 @@ async def test_without_a_valid_traceparent_a_request_starts_a_new_trace_and_its_
             await cluster.add("p0", p.url, "prefill", busy=True)
             await cluster.add("d0", d.url, "decode")
             await cluster.ready(2, 1)
-            assert await _complete(http, cluster, "traced-new", traceparent) == 200
+            status, own = await _complete(http, cluster, "traced-new", traceparent)
+            assert status == 200
     finally:
         root_logger.removeHandler(handler)
         root_logger.setLevel(level)
-    root = _request_span(receiver.spans, "traced-new")
+    root = _request_span(receiver.spans, own)
     assert root.parent_id == "" and root.trace_id not in (CLIENT_TRACE, "0" * 32)
     assert len(receiver.trace(root.trace_id)) == 5, "schedule, two prefill legs, decode, and the request"
     lines = [jsonutil.loads(line) for line in stream.getvalue().splitlines()]
-    about = [line for line in lines if line.get("request_id") == "traced-new"]
+    about = [line for line in lines if line.get("request_id") == own]
     assert about and {line["trace_id"] for line in about} == {root.trace_id}, "logs and traces agree"
 
 
@@ -204,7 +206,7 @@ async def test_a_sampler_that_drops_exports_nothing_and_the_engines_are_told_not
         await cluster.add("p0", p.url, "prefill")
         await cluster.add("d0", d.url, "decode")
         await cluster.ready(1, 1)
-        assert await _complete(http, cluster, "untraced") == 200
+        assert (await _complete(http, cluster, "untraced"))[0] == 200
     assert receiver.spans == []
     flags = int(d.headers[0]["traceparent"].rsplit("-", 1)[1], 16)
     assert flags & 1 == 0, "not sampled: the engine records nothing either"
@@ -225,7 +227,8 @@ async def test_a_resumed_stream_shows_the_cut_decode_leg_the_resume_leg_and_a_re
         s = spec("traced-resume", "completion")
         status, raw = await stream(http, cluster, s)
         assert CHECKER.check(s, status, raw).outcome == "completed"
-    root = _request_span(receiver.spans, "traced-resume")
+    own = jsonutil.loads(raw.split(b"\n\n", 1)[0].removeprefix(b"data: "))["id"].removeprefix("cmpl-")
+    root = _request_span(receiver.spans, own)  # the gateway's own id: the engine's cmpl-<id>
     spans = receiver.trace(root.trace_id)
     assert _children(spans, root) == [
         ("schedule", "", ""),

@@ -136,7 +136,7 @@ async def test_two_processes_serve_one_port_with_one_state_and_one_admin_view(
 
     async def all_listed() -> list[str] | None:
         async with http.get(f"{orch.url}/admin/v1/requests?limit={N}", headers=ADMIN) as resp:
-            ids = sorted(r["request_id"] for r in (await resp.json())["requests"])
+            ids = sorted(r["client_request_id"] for r in (await resp.json())["requests"])
         return ids if len(ids) == N else None
 
     listed = await eventually(all_listed, interval=0.2, what="every process's records listed")
@@ -169,7 +169,7 @@ async def test_requests_in_flight_in_every_process_reach_the_scheduler_state(
             return live if len(live) == N else None
 
         live = await eventually(all_live, interval=0.2, what=f"{N} live requests listed")
-        assert sorted(r["request_id"] for r in live) == sorted(f"slow-{i}" for i in range(N))
+        assert sorted(r["client_request_id"] for r in live) == sorted(f"slow-{i}" for i in range(N))
         assert any(r.get("worker") == 1 for r in live), "the worker's live requests are listed"
     finally:
         for task in sent:  # the clients leave: every process releases what it held

@@ -461,9 +461,15 @@
 
   // ---- Requests ------------------------------------------------------------------------------
 
+  // A request's row: keyed by the gateway's own id; the client's X-Request-Id, where it sent one, is
+  // what the row shows (the operator searches by it), the gateway's id its tooltip.
+  function requestIds(r) {
+    return { "data-request-id": r.request_id, "data-client-request-id": r.client_request_id || "" };
+  }
+
   function renderLive() {
-    const rows = view.live.map((r) => el("tr", { "data-request-id": r.request_id },
-      el("td", { className: "mono", text: r.request_id }),
+    const rows = view.live.map((r) => el("tr", requestIds(r),
+      el("td", { className: "mono", text: r.client_request_id || r.request_id, title: r.request_id }),
       el("td", { text: r.model }),
       el("td", { text: r.mode }),
       el("td", { text: STAGES[r.stage] || r.stage }),
@@ -567,8 +573,8 @@
     if (r.unread_events) why.push(`${r.unread_events} stream event(s) passed on unread`);
     if (r.error) why.push(r.error);
     if (r.kv_check) why.push(r.kv_check);
-    const row = el("tr", { "data-request-id": r.request_id, className: r.status >= 400 ? "failed" : "" },
-      el("td", { className: "mono", text: r.request_id }),
+    const row = el("tr", { ...requestIds(r), className: r.status >= 400 ? "failed" : "" },
+      el("td", { className: "mono", text: r.client_request_id || r.request_id, title: r.request_id }),
       el("td", { className: `num status ${r.status >= 400 ? "bad" : "good"}`, text: String(r.status) }),
       el("td", { text: r.mode }),
       el("td", { text: pair(r.prefill, r.decode) }),

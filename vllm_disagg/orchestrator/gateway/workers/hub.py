@@ -52,6 +52,7 @@ from vllm_disagg.orchestrator.gateway.workers.messages import (
 )
 from vllm_disagg.orchestrator.state.event_log import EventLog
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.kv_limits import KvGate
 from vllm_disagg.orchestrator.state.link_table import LinkTable
 from vllm_disagg.orchestrator.state.registry import InstanceView, Registry, sum_counts
 from vllm_disagg.protocol.messages import InstanceInfo, KvEvent
@@ -71,13 +72,14 @@ CALLS = frozenset(
 class JournaledKvIndex(KvIndex):
     """The orchestrator's KV index, keeping its writes until the hub sends them to the workers."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, gate: KvGate | None = None) -> None:
+        super().__init__(gate)
         self.journal: list[KvChange] = []
 
     def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
-        self.journal.append(("apply", agent_id, tuple(events)))
-        return super().apply(agent_id, events)
+        applied, admitted = self.apply_gated(agent_id, events)  # the workers replay it, ungated
+        self.journal.append(("apply", agent_id, tuple(admitted)))
+        return applied
 
     def drop(self, agent_id: str) -> None:
         self.journal.append(("drop", agent_id, ()))

@@ -31,9 +31,10 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import OrchestratorUnreachable
 from vllm_disagg.http_errors import answering
 from vllm_disagg.orchestrator.control.kv_moves import MoveResult, failed
+from vllm_disagg.orchestrator.gateway.deadlines import ClientLimits
+from vllm_disagg.orchestrator.gateway.listener import GatewayServer, gateway_runner
 from vllm_disagg.orchestrator.gateway.records import REQUEST_LOG_CAPACITY, RequestLog
 from vllm_disagg.orchestrator.gateway.routes import OpenAIRoutes
-from vllm_disagg.orchestrator.gateway.server import GatewayServer
 from vllm_disagg.orchestrator.gateway.service import Gateway
 from vllm_disagg.orchestrator.gateway.tokenize import Tokenizers, preload_tokenizer_libs
 from vllm_disagg.orchestrator.gateway.workers.messages import (
@@ -287,11 +288,13 @@ async def serve(link: str, index: int) -> None:
     app = worker.build(setup)
     worker.handle(load(await worker.sock.recv()))  # the whole state, before a request can come
     tasks = [asyncio.create_task(worker.read(), name="worker-link")]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=10.0)
+    limits = ClientLimits.of(config)
+    runner = gateway_runner(app, limits, 10.0)
     await runner.setup()
-    assert runner.server is not None and worker.routes is not None
+    assert runner.server is not None and worker.routes is not None and worker.gateway is not None
     worker.routes.route_directly(runner.server, app)
-    listener = GatewayServer(worker.routes.fast(), runner.server, config.max_body_bytes)
+    closed = worker.gateway.metrics.client_connection_closed  # connections closed on a limit, by reason
+    listener = GatewayServer(worker.routes.fast(), runner.server, config.max_body_bytes, limits, closed)
     await listener.start(config.host, config.port, reuse_port=True)
     gc.collect()
     gc.freeze()  # as the orchestrator: full collections never walk the start-up heap
