@@ -561,14 +561,7 @@ class AgentConfig:
             raise ConfigError(
                 f"agent.otlp_traces_protocol: one of {TRACE_PROTOCOLS}, got {self.otlp_traces_protocol!r}"
             )
-        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
-            raise ConfigError(
-                f"agent.kv_events_endpoint must be a ZeroMQ endpoint, got {self.kv_events_endpoint!r}"
-            )
-        if self.kv_events_listen and not host_local_endpoint(self.kv_events_listen):
-            raise ConfigError(
-                f"agent.kv_events_listen must be ipc:// or loopback, got {self.kv_events_listen!r}"
-            )
+        self._check_kv_events()
         if self.engine_device not in ("auto", "cpu", "cuda"):
             raise ConfigError(
                 f"agent.engine_device must be 'auto', 'cpu' or 'cuda', got {self.engine_device!r}"
@@ -580,6 +573,16 @@ class AgentConfig:
             )
         if self.kv_lease_s < 0:
             raise ConfigError(f"agent.kv_lease_s must be >= 0 (0: the default), got {self.kv_lease_s}")
+
+    def _check_kv_events(self) -> None:
+        if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                f"agent.kv_events_endpoint must be a ZeroMQ endpoint, got {self.kv_events_endpoint!r}"
+            )
+        if self.kv_events_listen and not host_local_endpoint(self.kv_events_listen):  # events are prompts
+            raise ConfigError(
+                f"agent.kv_events_listen must be ipc:// or loopback, got {self.kv_events_listen!r}"
+            )
 
     @property
     def orchestrators(self) -> tuple[str, ...]:
