@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from tests.helpers import eventually
 from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
@@ -63,6 +64,11 @@ async def join(
     agent = FakeAgent(orch.zmq_endpoint, agent_id, url, role)
     agents.append(agent)
     await agent.join()
+    # Routed to only once a heartbeat says its engine is ready: a request sent before would not try it.
+    await eventually(
+        lambda: (v := orch.registry.get(agent_id)) is not None and v.state == "ready",
+        what=f"{agent_id} ready",
+    )
 
 
 async def complete(http: aiohttp.ClientSession, orch: OrchestratorServer, prompt: str, stream: bool) -> bytes:
@@ -83,7 +89,7 @@ def decode_engine(flood: Flood) -> Callable[[web.Request], Awaitable[web.StreamR
     return decode
 
 
-async def test_an_oversized_prefill_answer_fails_its_leg_and_the_request_runs_colocated(
+async def test_an_oversized_prefill_answer_fails_its_leg_and_the_request_falls_back_to_colocated(
     orch: OrchestratorServer, http: aiohttp.ClientSession
 ) -> None:
     flood, agents = Flood(), list[FakeAgent]()
@@ -95,7 +101,8 @@ async def test_an_oversized_prefill_answer_fails_its_leg_and_the_request_runs_co
             assert (await complete(http, orch, long_prompt, stream=False)).startswith(b"200 ")
             assert await flood.cut_off() < 32 * MIB, "the gateway read on past its cap"
             samples = await scrape(http, orch.url)
-            assert sample(samples, "vllm_disagg_upstream_errors_total", leg="prefill") >= 1
+            assert sample(samples, "vllm_disagg_upstream_errors_total", leg="prefill", kind="disconnect") == 1
+            assert sample(samples, "vllm_disagg_requests_total", mode="fallback", status="200") == 1
     finally:
         for agent in agents:
             await agent.close()
