@@ -12,40 +12,24 @@ import pytest
 from aiohttp import web
 
 from tests.helpers import eventually
+from tests.integration.orchestrator.gateway.test_engine_client_caps import MIB, Flood
 from tests.integration.orchestrator_support import MODEL, FakeAgent, fake_engine, orch_config, sample, scrape
 from vllm_disagg import jsonutil
 from vllm_disagg.orchestrator.app import OrchestratorServer, start_orchestrator
 from vllm_disagg.protocol.messages import Role
 
-MIB = 1 << 20
 CAP = MIB
 
 
-class Flood:
-    """Streams 256 MiB of body (chunked, no length), recording how much got out before the gateway
-    dropped the connection."""
+def flood(piece: bytes = b"x" * (64 << 10), content_type: str = "application/json") -> Flood:
+    """An engine streaming 256 MiB: far past the cap, so what got out says where the gateway stopped."""
+    return Flood(256 * MIB, piece, content_type)
 
-    def __init__(self, piece: bytes = b"x" * (64 << 10), content_type: str = "application/json") -> None:
-        self.piece, self.content_type = piece, content_type
-        self.written = 0
-        self.ended = asyncio.Event()
 
-    async def __call__(self, request: web.Request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": self.content_type})
-        try:
-            await resp.prepare(request)
-            while self.written < 256 * MIB:
-                await resp.write(self.piece)
-                self.written += len(self.piece)
-            await resp.write_eof()
-        finally:
-            self.ended.set()
-        return resp
-
-    async def cut_off(self) -> int:
-        """Bytes written once the handler ended: well under the 256 MiB when the gateway stopped reading."""
-        await asyncio.wait_for(self.ended.wait(), 60)
-        return self.written
+async def cut_off(answer: Flood) -> int:
+    """Bytes written once the handler ended: well under the 256 MiB when the gateway stopped reading."""
+    await asyncio.wait_for(answer.ended.wait(), 60)
+    return answer.written
 
 
 @pytest.fixture
@@ -78,12 +62,12 @@ async def complete(http: aiohttp.ClientSession, orch: OrchestratorServer, prompt
         return b"%d " % resp.status + data
 
 
-def decode_engine(flood: Flood) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+def decode_engine(flooding: Flood) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     """A decode engine that floods the prompt "flood" and answers others."""
 
     async def decode(request: web.Request) -> web.StreamResponse:
         if (await request.json())["prompt"] == "flood":
-            return await flood(request)
+            return await flooding(request)
         return web.json_response({"choices": [{"text": " ok"}]})
 
     return decode
@@ -92,14 +76,14 @@ def decode_engine(flood: Flood) -> Callable[[web.Request], Awaitable[web.StreamR
 async def test_an_oversized_prefill_answer_fails_its_leg_and_the_request_falls_back_to_colocated(
     orch: OrchestratorServer, http: aiohttp.ClientSession
 ) -> None:
-    flood, agents = Flood(), list[FakeAgent]()
+    flooding, agents = flood(), list[FakeAgent]()
     try:
-        async with fake_engine(flood) as p, fake_engine(decode_engine(Flood())) as d:
+        async with fake_engine(flooding) as p, fake_engine(decode_engine(flood())) as d:
             await join(orch, agents, "p0", p.url, "prefill")
             await join(orch, agents, "d0", d.url, "decode")
             long_prompt = "tokens " * 400  # long enough that a separate prefill pays off
             assert (await complete(http, orch, long_prompt, stream=False)).startswith(b"200 ")
-            assert await flood.cut_off() < 32 * MIB, "the gateway read on past its cap"
+            assert await cut_off(flooding) < 32 * MIB, "the gateway read on past its cap"
             samples = await scrape(http, orch.url)
             assert sample(samples, "vllm_disagg_upstream_errors_total", leg="prefill", kind="disconnect") == 1
             assert sample(samples, "vllm_disagg_requests_total", mode="fallback", status="200") == 1
@@ -119,15 +103,15 @@ async def test_an_oversized_prefill_answer_fails_its_leg_and_the_request_falls_b
 async def test_an_oversized_decode_answer_is_the_engines_error_and_the_gateway_serves_on(
     orch: OrchestratorServer, http: aiohttp.ClientSession, stream: bool, piece: bytes, content_type: str
 ) -> None:
-    flood, agents = Flood(piece, content_type), list[FakeAgent]()
+    flooding, agents = flood(piece, content_type), list[FakeAgent]()
     try:
-        async with fake_engine(decode_engine(flood)) as d:
+        async with fake_engine(decode_engine(flooding)) as d:
             await join(orch, agents, "d0", d.url, "decode")
             answer = await complete(http, orch, "flood", stream=stream)
             assert b"decode instance 'd0'" in answer and b"too large" in answer, answer[:300]
             if not stream:
                 assert answer.startswith(b"502 "), answer[:300]
-            assert await flood.cut_off() < 32 * MIB, "the gateway read on past its cap"
+            assert await cut_off(flooding) < 32 * MIB, "the gateway read on past its cap"
             assert (await complete(http, orch, "x", stream=False)).startswith(b'200 {"choices"')
     finally:
         for agent in agents:
