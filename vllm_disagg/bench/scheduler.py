@@ -20,6 +20,9 @@ snapshot and prompt, by the flat scheduler (no shards, every eligible instance s
 sampled one (no shards, a seeded window): their times, and how often and by how much their picks
 differ from the flat one's (``scheduler_variants.py``).
 
+After the run, the machine's pauses are counted and 2,000 of the decisions are replayed, each one's
+fastest try taken: what of the p99 is the machine's and what is the decision's (``scheduler_noise.py``).
+
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ import gc
 import random
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
 
 from vllm_disagg import jsonutil
+from vllm_disagg.bench.scheduler_noise import Noise, Replay, measure
 from vllm_disagg.bench.scheduler_variants import Comparison, Variant, us
 from vllm_disagg.orchestrator.scheduling.config import default_config, load_config_file
 from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
@@ -72,6 +76,9 @@ class Result:
     hit_share: float  # decisions whose prefill pick held part of the prompt
     paired_share: float  # decisions for which the transfer pairing weighed pairs (``--links``)
     variants: tuple[Variant, ...] = ()  # with ``--compare``: the shipped one, sampled and flat
+    noise: Noise = field(
+        default_factory=Noise
+    )  # the machine's pauses and the replayed decisions' fastest tries
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -91,6 +98,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--links",
         action="store_true",
         help="KV transfers predicted for every pair: the transfer pairing runs",
+    )
+    parser.add_argument(
+        "--replays",
+        type=int,
+        default=5,
+        help="decide 2,000 of the decisions again this many times each, fastest try kept (0: no replay)",
+    )
+    parser.add_argument(
+        "--pause-probe-s", type=float, default=1.0, help="seconds counting the machine's pauses"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -149,18 +165,27 @@ def _documents(
     return index, docs
 
 
-def run_bench(args: argparse.Namespace) -> Result:
-    """Build the cluster picture, then time ``--decisions`` decisions."""
-    rng = random.Random(args.seed)
+def _cluster(
+    args: argparse.Namespace, rng: random.Random
+) -> tuple[Registry, list[str], KvIndex, list[list[int]]]:
+    """The registry, its instances' ids, the KV index and the cached documents."""
     registry, ids = _registry(args.instances, args.block_size, rng, args.domain_size)
     if args.links:
         registry._use_links(LINKS)  # as learned from transfers (link_rates), without the transfers
     index, docs = _documents(args, ids, rng)
+    return registry, ids, index, docs
+
+
+def run_bench(args: argparse.Namespace) -> Result:
+    """Build the cluster picture, then time ``--decisions`` decisions."""
+    rng = random.Random(args.seed)
+    registry, ids, index, docs = _cluster(args, rng)
     config = load_config_file(args.config) if args.config else default_config()
     scheduler, compare = PluginScheduler(config), Comparison(config, args.decisions) if args.compare else None
     gc.collect()  # and freeze, as the orchestrator does once started: collections never walk the index
     gc.freeze()
     in_flight: deque[str] = deque()
+    replay = Replay(args.decisions)
     keys, lookup, decide, total = [], [], [], []
     hits = paired = 0
     perf = time.perf_counter
@@ -190,7 +215,9 @@ def run_bench(args: argparse.Namespace) -> Result:
         decide.append(t2 - ta)
         total.append(t2 - ta + t1 - t0)
         hits += decision.prefill is not None and cached.get(decision.prefill, 0) > 0
+        replay.record(n - 200, prompt, request, snapshot)
         paired += getattr(decision.explanation, "pairs", None) is not None
+    variants = compare.results() if compare is not None else ()
     return Result(
         instances=args.instances,
         indexed_blocks=sum(index.blocks_of(i) for i in ids),
@@ -206,7 +233,8 @@ def run_bench(args: argparse.Namespace) -> Result:
         total_p99_us=us(total, 99),
         hit_share=round(hits / max(1, args.decisions), 3),
         paired_share=round(paired / max(1, args.decisions), 3),
-        variants=compare.results() if compare is not None else (),
+        variants=variants,
+        noise=measure(replay, scheduler, index, args.replays, args.pause_probe_s),
     )
 
 
@@ -251,6 +279,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"| profiles + decider | {result.decide_p50_us} | {result.decide_p99_us} |")
     print(f"| decision (total) | {result.total_p50_us} | {result.total_p99_us} |")
     print(f"prefill picks holding part of the prompt: {result.hit_share:.1%} of decisions (80% were cached)")
+    noise = result.noise
+    if noise.pauses_per_s:
+        hit = noise.pauses_per_s * result.total_p50_us / 1e6
+        print(
+            f"machine: {noise.pauses_per_s:g} pauses/s of {noise.pause_median_us} µs median "
+            f"(one lands in {hit:.1%} of {result.total_p50_us} µs decisions)"
+        )
+    if noise.replayed:
+        print(
+            f"{noise.replayed:,} decisions replayed {args.replays} times, fastest try each "
+            f"(lookup + decide, warm): p50 {noise.replay_p50_us} / p99 {noise.replay_p99_us} µs"
+        )
     if result.paired_share:
         print(f"P and D paired counting the KV transfer: {result.paired_share:.1%} of decisions")
     if result.variants:

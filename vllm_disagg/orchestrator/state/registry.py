@@ -97,6 +97,7 @@ class Registry(SnapshotSource):
         self._requests_total: dict[str, int] = {}  # by agent id, over all its sessions
         self._intent: dict[str, InstanceIntent] = {}  # operators' word by agent id, over all its sessions
         self._links: dict[tuple[str, str], Breaker] = {}  # (prefill, decode) -> breaker; closed ones absent
+        self._unproven: set[str] = set()  # agent ids whose view says their KV link is still to prove
         self.link_rates = LinkRates(lambda: self._views)  # what each P→D link delivers (``link_rates``)
         # (agent id, reason): a live instance died or its engine stopped serving; requests on it are lost.
         self.on_lost: Callable[[str, str], None] | None = None
@@ -137,6 +138,10 @@ class Registry(SnapshotSource):
         views = self._own_views()
         old = views.get(inst.agent_id)
         new = views[inst.agent_id] = inst.view()
+        if new.kv_link_ready:
+            self._unproven.discard(inst.agent_id)
+        else:
+            self._unproven.add(inst.agent_id)
         if self.on_event is not None:
             self._tell(old, new)
         self._version += 1
@@ -371,6 +376,12 @@ class Registry(SnapshotSource):
             self._update(inst)
         return self._views[agent_id]
 
+    def unproven(self) -> frozenset[str]:
+        """The instances whose KV link is still to prove, whatever their engine's or their own state: the
+        warm-up's work list (``kv_warmup``), kept as views change so that finding it costs nothing in a
+        cluster where every link is proven."""
+        return frozenset(self._unproven)
+
     def set_role_pin(self, agent_id: str, pinned: bool) -> InstanceView:
         """An operator pins the instance's role (the planner leaves it), or lifts the pin."""
         inst = self._instances[agent_id]
@@ -399,6 +410,7 @@ class Registry(SnapshotSource):
         del self._instances[agent_id]
         self._intent.pop(agent_id, None)  # forgotten: an agent that comes back starts afresh
         view = self._own_views().pop(agent_id)
+        self._unproven.discard(agent_id)
         self._requests_total.pop(agent_id, None)
         self._flight.forget(agent_id)
         self._version += 1

@@ -63,6 +63,22 @@ def test_an_engine_that_stopped_serving_proves_its_link_again_when_it_is_back(be
     assert reg.get("p0").state == "joining"  # type: ignore[union-attr]
 
 
+def test_the_registry_lists_the_instances_whose_link_is_still_to_prove_as_their_views_change() -> None:
+    reg = Registry(heartbeat_timeout_s=10.0, prove_kv_links=True)
+    p0 = reg.hello("p0", info("prefill", 9000), 0.0)
+    reg.hello("sim", info("decode", 9001, engine="sim"), 0.0)  # needs no proof: never listed
+    engine(reg, "sim", "ready")
+    assert reg.unproven() == {"p0"}  # listed from its hello, engine starting or not
+    engine(reg, "p0", "ready")
+    reg.kv_link_proven("p0", p0.session)
+    assert reg.unproven() == frozenset()  # the warm-up's scan then reads no view at all
+    engine(reg, "p0", "restarting", seq=2)
+    assert reg.unproven() == {"p0"}  # its next engine proves its link again
+    reg.goodbye("p0", "stopped")
+    reg.remove("p0")
+    assert reg.unproven() == frozenset()  # forgotten with its instance
+
+
 def test_a_registry_whose_owner_runs_no_warm_up_asks_for_no_proof() -> None:
     reg = Registry(heartbeat_timeout_s=10.0)  # a benchmark's, a simulator's: nobody sends warm-ups
     reg.hello("d0", info("decode", 9001), 0.0)

@@ -1,0 +1,53 @@
+"""``bench scheduler`` tells the machine's pauses apart from the decision's own cost."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from vllm_disagg.bench.scheduler_noise import pauses
+from vllm_disagg.cli.commands import main
+
+
+def _clock(steps_ns: list[int]) -> Iterator[int]:
+    now = 0
+    yield now
+    for step in steps_ns:
+        now += step
+        yield now
+    while True:  # past the probe's end
+        now += 10**12
+        yield now
+
+
+def test_a_gap_between_two_clock_reads_over_5_us_is_counted_as_a_pause_and_shorter_ones_are_not() -> None:
+    # A loop step of 1 µs, two pauses (8 and 40 µs) and one 5 µs step, which is not over the line.
+    reads = _clock([1_000, 8_000, 1_000, 5_000, 1_000, 40_000, 1_000] + [1_000] * 1_000_000)
+    result = pauses(1.0, clock=lambda: next(reads))
+    assert result.per_s == 2.0
+    assert result.median_us == 24.0  # of 8 and 40
+
+
+def test_a_probe_without_a_pause_reports_none() -> None:
+    reads = _clock([1_000] * 1_000_001)
+    assert pauses(1.0, clock=lambda: next(reads)).per_s == 0.0
+
+
+def test_bench_scheduler_replays_each_recorded_decision_and_counts_the_pauses(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["bench", "scheduler", "--instances", "16", "--blocks", "2048", "--decisions", "300"]
+    assert main([*argv, "--replays", "3", "--pause-probe-s", "0.05", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["noise"]
+    assert result["replayed"] == 300  # under 2,000 decisions: every one is kept
+    assert 0 < result["replay_p50_us"] <= result["replay_p99_us"]
+    assert result["pauses_per_s"] >= 0.0
+
+
+def test_bench_scheduler_without_replays_reports_none(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["bench", "scheduler", "--instances", "16", "--blocks", "2048", "--decisions", "300"]
+    assert main([*argv, "--replays", "0", "--pause-probe-s", "0", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["noise"]
+    assert result["replayed"] == 0 and result["replay_p50_us"] == 0.0 and result["pauses_per_s"] == 0.0

@@ -1,0 +1,112 @@
+"""``bench scheduler``'s account of its own tail: how much of a decision's p99 is the machine's.
+
+A virtual machine's guest is paused now and then by its host, in ways its own interrupt counters do
+not show (on the 2-core machine the project is built on: about 400 pauses a second of 15 to 25 µs
+each). A pause lands in a decision in proportion to the decision's length, so one of 70 µs is hit
+about one time in 35, and the 99th percentile of many is one that was. Two figures, measured in the
+same run, tell that apart from what the decision itself costs:
+
+- ``pauses``: a tight loop that reads the clock for a while and counts the gaps of over 5 µs
+  between two reads: nothing runs in between, so each gap is time the process did not have.
+- ``Replay``: decisions recorded through the run (their prompt's block keys, request and snapshot)
+  decided again, each ``rounds`` times in turn, lookup included; each decision's fastest try is its
+  cost without a pause. The replay is warmer than the run (nothing else runs between two
+  decisions), so its figures are a floor, reported beside the run's, never instead of them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_disagg.bench.scheduler_variants import us
+from vllm_disagg.orchestrator.scheduling.framework import SchedulingRequest
+from vllm_disagg.orchestrator.scheduling.scheduler import PluginScheduler
+from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
+from vllm_disagg.orchestrator.state.views import RegistrySnapshot
+
+GAP_NS = 5_000  # a gap between two clock reads longer than this is a pause, not the loop's own step
+RECORDED = 2000  # decisions kept for the replay, evenly spread through the run
+
+
+@dataclass(frozen=True)
+class Pauses:
+    """Gaps in a process that only reads the clock."""
+
+    per_s: float
+    median_us: float
+    p99_us: float
+
+
+def pauses(seconds: float, clock: Callable[[], int] = time.perf_counter_ns) -> Pauses:
+    """Count the pauses in ``seconds`` of reading ``clock`` (nanoseconds) in a loop."""
+    gaps: list[int] = []
+    last = start = clock()
+    end = start + int(seconds * 1e9)
+    while last < end:
+        now = clock()
+        if now - last > GAP_NS:
+            gaps.append(now - last)
+        last = now
+    if not gaps:
+        return Pauses(0.0, 0.0, 0.0)
+    p99 = statistics.quantiles(gaps, n=100)[98] if len(gaps) > 1 else gaps[0]
+    return Pauses(round(len(gaps) / seconds, 1), round(statistics.median(gaps) / 1e3, 1), round(p99 / 1e3, 1))
+
+
+@dataclass(frozen=True)
+class Noise:
+    """What ``bench scheduler`` reports of its tail (zeros where not measured)."""
+
+    pauses_per_s: float = 0.0  # gaps of over 5 µs in a loop reading the clock, after the run
+    pause_median_us: float = 0.0
+    replayed: int = 0  # recorded decisions (lookup and decide) decided again, each one's fastest try
+    replay_p50_us: float = 0.0
+    replay_p99_us: float = 0.0
+
+
+def measure(replay: Replay, scheduler: PluginScheduler, index: KvIndex, rounds: int, probe_s: float) -> Noise:
+    """Count the pauses for ``probe_s`` seconds, then replay the recorded decisions ``rounds`` times."""
+    probe = pauses(probe_s) if probe_s > 0 else Pauses(0.0, 0.0, 0.0)
+    fastest = replay.fastest(scheduler, index, rounds) if rounds > 0 else []
+    many = len(fastest) > 1  # percentiles need two
+    return Noise(
+        probe.per_s,
+        probe.median_us,
+        len(fastest),
+        us(fastest, 50) if many else 0.0,
+        us(fastest, 99) if many else 0.0,
+    )
+
+
+class Replay:
+    """Up to ``RECORDED`` decisions of a run, decided again ``rounds`` times each afterwards."""
+
+    def __init__(self, decisions: int) -> None:
+        self.every = max(1, decisions // RECORDED)
+        self.records: list[tuple[PromptTokens, SchedulingRequest, RegistrySnapshot]] = []
+
+    def record(
+        self, n: int, prompt: PromptTokens, request: SchedulingRequest, snapshot: RegistrySnapshot
+    ) -> None:
+        """Keep the ``n``th timed decision's inputs (every ``every``th one)."""
+        if n % self.every == 0:
+            self.records.append((prompt, request, snapshot))
+
+    def fastest(self, scheduler: PluginScheduler, index: KvIndex, rounds: int) -> list[float]:
+        """Each recorded decision's fastest of ``rounds`` tries (lookup and decide), in seconds; the
+        rounds go through all the records in turn, so a pause hits one try of a decision, not all."""
+        perf = time.perf_counter
+        best = [float("inf")] * len(self.records)
+        for _ in range(rounds):
+            for i, (prompt, request, snapshot) in enumerate(self.records):
+                t0 = perf()
+                index.cached_tokens(prompt)
+                scheduler.decide(request, snapshot, 0.0)
+                took = perf() - t0
+                if took < best[i]:
+                    best[i] = took
+        return best
