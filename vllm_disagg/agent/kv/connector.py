@@ -29,7 +29,8 @@ One instance runs in the scheduler's process, one in each worker; they share not
   landed, for a block a transfer from another agent is still bringing. A block that fails (the
   transfer died, or it did not land in ``load_timeout_s``) is reported by
   ``get_block_ids_with_load_errors`` and vLLM recomputes it. The pool is host shared memory
-  (``arena.py``), mapped by the worker: on a GPU each copy crosses PCIe (``Tensor.copy_``); CUDA IPC
+  (``arena.py``), mapped by the worker: on a GPU each copy crosses PCIe, from page-locked memory, on a
+  side stream that the compute stream waits on as a stream dependency (``device_copy.py``); CUDA IPC
   between engines is not used.
 """
 
@@ -50,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from vllm_disagg.agent.kv.arena import FAILED, Geometry, SlotArena
+from vllm_disagg.agent.kv.device_copy import BlockCopier
 from vllm_disagg.agent.kv.local import LocalClient, LocalError
 from vllm_disagg.agent.kv.local_messages import (
     Commit,
@@ -141,6 +143,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._arena: SlotArena | None = None
         self._layers: dict[str, int] = {}  # layer name -> index in a slot
         self._caches: list[torch.Tensor] = []
+        self._copier = BlockCopier(torch.device("cpu"))  # replaced by the caches' device's
         self._block_dim = 0
         self._load_errors: set[int] = set()
 
@@ -273,6 +276,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._block_dim = list(first.shape).index(num_blocks)
         self._layers = {name: i for i, name in enumerate(kv_caches)}
         self._caches = list(kv_caches.values())
+        self._copier = BlockCopier.for_caches(self._caches)
         one = first.select(self._block_dim, 0)
         geometry = Geometry(len(kv_caches), one.numel() * one.element_size(), self._block_size)
         try:
@@ -282,7 +286,15 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             log.error("no pool for this engine (it computes every prompt): %s", e)
             self._arena = None
             return
-        log.info("vllm-disagg pool mapped: %s, %d slots, %s", opened.path, opened.capacity, geometry)
+        pinned = self._copier.pin(self._arena.buffer)
+        log.info(
+            "vllm-disagg pool mapped: %s, %d slots, %s, cache on %s%s",
+            opened.path,
+            opened.capacity,
+            geometry,
+            self._copier.device,
+            " (page-locked)" if pinned else "",
+        )
 
     def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
@@ -309,6 +321,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         layer = self._layers[layer_name]
         cache = self._caches[layer]
+        pairs = []
         for load in meta.loads:
             for slot, block_id, ready in zip(load.slots, load.block_ids, load.ready, strict=True):
                 if block_id in self._load_errors:
@@ -317,7 +330,8 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
                     self._load_errors.add(block_id)
                     continue
                 dst = cache.select(self._block_dim, block_id)
-                dst.copy_(self._slot_tensor(slot, layer, dst))
+                pairs.append((self._slot_tensor(slot, layer, dst), dst))
+        self._copier.load(pairs)
 
     def _wait_landed(self, slot: int, layer: int) -> bool:
         """Wait until a landing block's ``layer`` is in its slot; False if it failed or is late."""
@@ -343,14 +357,17 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if meta.save is None or self._arena is None:
             return
         layer = self._layers[layer_name]
+        pairs = []
         for slot, block_id in zip(meta.save.slots, meta.save.block_ids, strict=True):
             src = kv_layer.select(self._block_dim, block_id)
-            self._slot_tensor(slot, layer, src).copy_(src)
+            pairs.append((src, self._slot_tensor(slot, layer, src)))
+        self._copier.save(pairs)
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         if meta.save is None or self._arena is None:
             return
+        self._copier.wait_saves()  # every layer's copy is in its slot before the slots say so
         for slot in meta.save.slots:
             self._arena.set_layers_ready(slot, len(self._layers))
         try:
@@ -364,6 +381,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         self._agent.close()
+        self._copier.close()
         if self._arena is not None:
             self._arena.close()
             self._arena = None
