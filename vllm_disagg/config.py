@@ -508,6 +508,10 @@ class AgentConfig:
     # fetch its blocks on (0: engine_port + 3000).
     kv_pool_capacity: str = "2GiB"
     kv_pool_port: int = 0
+    # Its disk tier: a directory where blocks evicted from memory go and outlive the agent, and its
+    # size in bytes ("50GiB"); "": none (docs/kv-pool.md, The disk tier).
+    kv_disk_dir: str = ""
+    kv_disk_capacity: str = "10GiB"
     kv_events_port: int = 0  # ZMQ PUB port of KV cache events; 0: engine_port + 2000
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND on CPU, e.g. "0" or "0-3"
     kv_cache_space_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE on CPU

@@ -20,6 +20,7 @@ from vllm_disagg.agent.engine import EngineSupervisor
 from vllm_disagg.agent.engine_kinds import instance_info
 from vllm_disagg.agent.kv.agent_pool import KvPool
 from vllm_disagg.agent.kv.arena import Capacity
+from vllm_disagg.agent.kv.disk import disk_bytes
 from vllm_disagg.agent.kv_forwarder import KvEventForwarder, forwarder_endpoint
 from vllm_disagg.agent.labels import add_label_arguments, labels_from_args
 from vllm_disagg.agent.scraper import MetricsScraper
@@ -113,6 +114,14 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
     ),
     ("--kv-pool-port", "kv_pool_port", int, "TCP port other agents fetch pool blocks on (0: engine+3000)"),
     (
+        "--kv-disk-dir",
+        "kv_disk_dir",
+        str,
+        "with --kv-connector vllm-disagg: the pool's disk tier, a directory that outlives the agent "
+        "(default: none)",
+    ),
+    ("--kv-disk-capacity", "kv_disk_capacity", str, "the disk tier's size in bytes (default 10GiB)"),
+    (
         "--kv-load-failure-policy",
         "kv_load_failure_policy",
         str,
@@ -195,6 +204,7 @@ def run_config(cfg: AgentConfig, log_level: str = "INFO", log_format: str = "tex
     instance_info(cfg)  # refuses an engine kind that cannot be launched before anything starts
     client_curve(cfg)  # and key files that will not do
     Capacity.parse(cfg.kv_pool_capacity)  # and a pool size that means nothing
+    disk_bytes(cfg.kv_disk_capacity)  # or a disk tier's
     if cfg.command_log:
         CommandLog.open(cfg.command_log).close()  # and a command log that cannot be written
     logs.configure(log_level, log_format, f"agent {cfg.agent_id}")

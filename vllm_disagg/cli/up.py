@@ -219,6 +219,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --kv-connector vllm-disagg: each agent's pool, as blocks (4096), bytes (2GiB) or a "
         "share of memory (10%%); default 2GiB",
     )
+    parser.add_argument(
+        "--kv-disk-dir",
+        default=d.kv_disk_dir,
+        help="with --kv-connector vllm-disagg: the pools' disk tier, a directory (one per agent under "
+        "it) that blocks evicted from memory go to and that outlives the cluster; default: none",
+    )
+    parser.add_argument(
+        "--kv-disk-capacity",
+        default=d.kv_disk_capacity,
+        help="each agent's disk tier, in bytes (50GiB); default 10GiB",
+    )
     parser.add_argument("--host", default=d.host, help="gateway host")
     parser.add_argument("--port", type=int, default=d.port, help="gateway port (replica i: + i)")
     parser.add_argument(
@@ -309,6 +320,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         kv_lease_s=args.kv_lease_s,
         kv_connector=args.kv_connector,
         kv_pool_capacity=args.kv_pool_capacity,
+        kv_disk_dir=args.kv_disk_dir,
+        kv_disk_capacity=args.kv_disk_capacity,
         host=args.host,
         port=args.port,
         zmq_port=args.zmq_port,

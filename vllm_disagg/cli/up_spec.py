@@ -10,6 +10,7 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_disagg.agent.kv.disk import disk_bytes
 from vllm_disagg.cli.up_replicas import ReplicaSet
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.admin.auth import ENV_ADMIN_TOKEN
@@ -43,6 +44,8 @@ class ClusterSpec:
     # prefix pool (docs/kv-pool.md), with the pool's capacity.
     kv_connector: str = "NixlConnector"
     kv_pool_capacity: str = ""  # "": the agent's default
+    kv_disk_dir: str = ""  # the pools' disk tier: one directory per agent under it; "": none
+    kv_disk_capacity: str = ""  # each agent's disk tier, in bytes; "": the agent's default
     engine_startup_timeout_s: float = 900.0
     host: str = "127.0.0.1"
     port: int = 8000
@@ -119,6 +122,8 @@ class ClusterSpec:
         ]
         if plans[-1].engine_port > 65535:
             raise ConfigError(f"--engine-base-port {base} leaves no room for {len(plans)} engines")
+        if self.kv_disk_capacity:
+            disk_bytes(self.kv_disk_capacity)  # refused here, not by every agent once started
         if self.replicas:  # replicas take port ranges: none may overlap another's or an engine's
             self.replicas.check_ports(self.port, self.zmq_port, [p.engine_port for p in plans])
         self._check_labels([p.agent_id for p in plans])
@@ -193,6 +198,10 @@ class ClusterSpec:
             argv += ["--kv-connector", self.kv_connector]
         if self.kv_pool_capacity:
             argv += ["--kv-pool-capacity", self.kv_pool_capacity]
+        if self.kv_disk_dir:  # one tier per agent: its directory is its own, and outlives this run
+            argv += ["--kv-disk-dir", str(Path(self.kv_disk_dir) / plan.agent_id)]
+        if self.kv_disk_capacity:
+            argv += ["--kv-disk-capacity", self.kv_disk_capacity]
         if self.role_switch != "auto":
             argv += ["--role-switch", self.role_switch]
         if self.keys_dir:

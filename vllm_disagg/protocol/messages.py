@@ -84,6 +84,9 @@ KV_EVENT_KINDS: tuple[KvEventKind, ...] = ("stored", "removed", "cleared")
 # A plain string, not a literal: a medium a later minor adds must not make this one refuse the frame.
 MEDIUM_GPU = "gpu"
 MEDIUM_POOL = "pool"
+# Its pool's disk tier: blocks evicted from the pool's memory, read back when asked for (an
+# orchestrator that does not know the medium ignores its events).
+MEDIUM_DISK = "disk"
 # ``InstanceInfo.kv_connector`` of an engine launched with the project's own connector: it saves the
 # prompt's full blocks in its agent's pool and loads blocks from there.
 POOL_CONNECTOR = "vllm-disagg"

@@ -1,6 +1,7 @@
 """The project's connector inside one real vLLM, with its agent's pool served by the test: blocks a
 transfer is still landing are loaded layer by layer once they land, and blocks whose transfer fails
-are recomputed; either way the answer is the engine's own.
+are recomputed; either way the answer is the engine's own. Blocks the pool moved to its disk tier are
+read back into it when the engine asks, and a corrupt file is computed again.
 
 The pool runs on an event loop in a thread of this process (as it runs on the agent's loop), so the
 engine's worker can open it while the test waits for the engine; the test plays the landing transfer
@@ -63,6 +64,7 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     cfg = AgentConfig(
         agent_id="connector-e2e", role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
         engine_port=port, kv_connector="vllm-disagg", kv_pool_capacity="64",
+        kv_disk_dir=str(tmp_path_factory.mktemp("disk")), kv_disk_capacity="64MiB",
     )  # fmt: skip
     pool = PoolThread(cfg)
     log = tmp_path_factory.mktemp("connector") / "vllm.log"
@@ -218,3 +220,65 @@ def test_what_lands_is_what_the_engine_uses(
         _arena(pool).set_layers_ready(slot, _arena(pool).geometry.num_layers)
     pool.call(lambda: (_pool(pool).commit("xfer:test", KEYS), _pool(pool).release("xfer:test")))
     assert _complete(base)["choices"][0]["text"] != text
+
+
+def _to_disk(pool: PoolThread) -> None:
+    """Every block of the pool goes to its disk tier and leaves memory, as eviction does one by one."""
+
+    def move() -> None:
+        node = pool.pool.node
+        assert node.disk is not None
+        for key in KEYS:
+            slot, info = _pool(pool).slot_of(key), _pool(pool).info(key)
+            assert slot is not None and info is not None
+            assert node.disk.spill(key, info[0], info[1], _arena(pool).block_view(slot))
+        _pool(pool).clear()
+
+    pool.call(move)
+
+
+def _after_disk(
+    base: str, pool: PoolThread, damage: Callable[[Path], None] | None = None
+) -> tuple[str, dict[str, float]]:
+    _forget(base, pool)
+    _complete(base)  # computed and saved
+    _to_disk(pool)
+    assert http_json(f"{base}/reset_prefix_cache", method="POST", body=b"{}")[0] == 200
+    if damage is not None:
+        disk = pool.pool.node.disk
+        assert disk is not None
+        damage(disk.directory / (KEYS[1].hex() + ".kvb"))
+    before = _sources(base)
+    text = _complete(base)["choices"][0]["text"]
+    after = _sources(base)
+    return text, {source: after[source] - before[source] for source in after}
+
+
+def test_blocks_on_the_disk_tier_are_read_back_and_loaded(
+    engine: tuple[str, PoolThread], reference: tuple[str, dict[bytes, bytes]]
+) -> None:
+    base, pool = engine
+    text, _ = reference
+    answer, grew = _after_disk(base, pool)
+    assert answer == text
+    assert grew["external_kv_transfer"] == len(KEYS) * BLOCK  # both blocks, from disk via the pool
+    assert grew["local_compute"] == len(PROMPT) - len(KEYS) * BLOCK
+    disk = pool.pool.node.disk
+    assert disk is not None and pool.call(lambda: disk.stats().loads) >= len(KEYS)
+
+
+def test_a_corrupt_block_file_is_computed_and_the_answer_is_the_engine_s_own(
+    engine: tuple[str, PoolThread], reference: tuple[str, dict[bytes, bytes]]
+) -> None:
+    base, pool = engine
+    text, _ = reference
+
+    def flip(path: Path) -> None:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF  # a payload byte: only the checksum can tell
+        path.write_bytes(bytes(data))
+
+    answer, grew = _after_disk(base, pool, flip)
+    assert answer == text
+    assert grew["external_kv_transfer"] == BLOCK  # the first block; the second is computed
+    assert grew["local_compute"] == len(PROMPT) - BLOCK

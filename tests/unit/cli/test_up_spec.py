@@ -47,6 +47,21 @@ def test_every_sim_agent_gets_the_kv_bytes_per_token_and_none_without_the_flag()
     assert all("--kv-bytes-per-token" not in argv for argv in spec_of())
 
 
+def test_each_agent_gets_a_disk_tier_directory_of_its_own_under_the_one_given() -> None:
+    argvs = spec_of("--kv-disk-dir", "/var/cache/pools", "--kv-disk-capacity", "50GiB")
+    dirs = [argv[argv.index("--kv-disk-dir") + 1] for argv in argvs]
+    ids = [argv[argv.index("--agent-id") + 1] for argv in argvs]
+    assert dirs == [f"/var/cache/pools/{agent_id}" for agent_id in ids] and len(set(dirs)) == 3
+    assert all(argv[argv.index("--kv-disk-capacity") + 1] == "50GiB" for argv in argvs)
+    assert all("--kv-disk-dir" not in argv and "--kv-disk-capacity" not in argv for argv in spec_of())
+
+
+@pytest.mark.parametrize("capacity", ["4096", "10%", "lots"])
+def test_a_disk_tier_capacity_that_is_not_bytes_is_refused_before_anything_starts(capacity: str) -> None:
+    with pytest.raises(ConfigError, match="kv disk capacity"):
+        spec_of("--kv-disk-dir", "/tmp/x", "--kv-disk-capacity", capacity)
+
+
 def orchestrator_argv_of(*flags: str) -> list[str]:
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from vllm_disagg.agent.kv.arena import Capacity
+from vllm_disagg.agent.kv.disk import disk_bytes
 from vllm_disagg.agent.kv.local import local_endpoint
-from vllm_disagg.agent.kv.node import PoolNode
+from vllm_disagg.agent.kv.node import DiskConfig, PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey
 from vllm_disagg.agent.kv.report import changed_events, pool_snapshot
 from vllm_disagg.agent.kv.service import PoolService
@@ -18,7 +20,7 @@ from vllm_disagg.agent.kv_forwarder import KvEventForwarder
 from vllm_disagg.agent.vllm_command import kv_pool_port
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.curve import load_keypair
-from vllm_disagg.protocol.messages import MetricsSnapshot
+from vllm_disagg.protocol.messages import MEDIUM_DISK, MEDIUM_POOL, MetricsSnapshot
 
 
 @dataclass
@@ -32,7 +34,10 @@ class KvPool:
         """Open the local link and the transfer port; the pool itself opens when the engine says its
         KV geometry."""
 
-        node = PoolNode(f"vllm-disagg-pool-{cfg.agent_id}", Capacity.parse(cfg.kv_pool_capacity))
+        disk = (
+            DiskConfig(Path(cfg.kv_disk_dir), disk_bytes(cfg.kv_disk_capacity)) if cfg.kv_disk_dir else None
+        )
+        node = PoolNode(f"vllm-disagg-pool-{cfg.agent_id}", Capacity.parse(cfg.kv_pool_capacity), disk=disk)
         service = PoolService(node)
         await service.start(local_endpoint(cfg.agent_id))
         keys = load_keypair(cfg.curve_secret_key_file) if cfg.curve_secret_key_file else None
@@ -43,12 +48,13 @@ class KvPool:
     def report_to(self, forwarder: KvEventForwarder) -> None:
         """Send the pool's changes with the engine's KV events, and its whole state at each resync."""
 
-        def changed(stored: list[BlockKey], removed: list[BlockKey]) -> None:
-            events = changed_events(self.node, stored, removed)
+        def changed(stored: list[BlockKey], removed: list[BlockKey], medium: str = MEDIUM_POOL) -> None:
+            events = changed_events(self.node, stored, removed, medium)
             if events:
                 forwarder.forward(events)
 
         self.node.listeners.append(changed)
+        self.node.disk_listeners.append(lambda stored, removed: changed(stored, removed, MEDIUM_DISK))
         forwarder.snapshots.append(lambda: pool_snapshot(self.node))
 
     def metrics(self, scraped: Callable[[], MetricsSnapshot]) -> Callable[[], MetricsSnapshot]:

@@ -109,6 +109,7 @@ class Grants:
         if pool is None:
             return None
         owner = OWNER_PREFIX + token
+        self._node.promote(keys)  # what its disk tier holds is served from memory like the rest
         pinned = pool.pin(owner, keys, pending_ok=False)
         grant = Grant(token, frozenset(keys), frozenset(pinned.keys), peer_public_key, expires_at, pool)
         grant.ends_by = expires_at + MAX_STREAM_S

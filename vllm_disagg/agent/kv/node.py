@@ -14,9 +14,12 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from vllm_disagg.agent.kv.arena import Capacity, Geometry, SlotArena
+from vllm_disagg.agent.kv.disk import DiskTier
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
 
 log = logging.getLogger(__name__)
@@ -24,16 +27,38 @@ log = logging.getLogger(__name__)
 PoolListener = Callable[[list[BlockKey], list[BlockKey]], None]  # (stored, removed) since last call
 
 
-class PoolNode:
-    """``pool`` and ``arena`` (None until ``open``), and who hears about blocks stored and removed."""
+@dataclass(frozen=True, slots=True)
+class DiskConfig:
+    """Where the pool's disk tier keeps its files, and how many bytes of them (``disk.py``)."""
 
-    def __init__(self, name: str, capacity: Capacity, *, memory_bytes: int | None = None) -> None:
+    directory: Path
+    capacity_bytes: int
+
+
+PROMOTER = "disk:promote"  # the pool owner writing blocks read back from disk
+
+
+class PoolNode:
+    """``pool`` and ``arena`` (None until ``open``), the disk tier under them where configured, and who
+    hears about blocks stored and removed."""
+
+    def __init__(
+        self,
+        name: str,
+        capacity: Capacity,
+        *,
+        memory_bytes: int | None = None,
+        disk: DiskConfig | None = None,
+    ) -> None:
         self.name = name  # the shared-memory file's name: unique per agent on a host
         self.capacity = capacity
         self._memory_bytes = memory_bytes
+        self._disk_config = disk
         self.pool: PrefixPool | None = None
         self.arena: SlotArena | None = None
+        self.disk: DiskTier | None = None
         self.listeners: list[PoolListener] = []
+        self.disk_listeners: list[PoolListener] = []  # the same, of the disk tier's blocks
 
     @property
     def geometry(self) -> Geometry | None:
@@ -50,7 +75,10 @@ class PoolNode:
         # A random part: a name others can predict is one they can create first (the agent's O_EXCL
         # then fails) or watch for.
         self.arena = SlotArena.create(f"{self.name}-{os.getpid()}-{secrets.token_hex(8)}", geometry, blocks)
-        self.pool = PrefixPool(blocks)
+        disk = self._disk_config
+        if disk is not None:
+            self.disk = DiskTier.open(disk.directory, geometry, disk.capacity_bytes)
+        self.pool = PrefixPool(blocks, on_evict=self._spill if disk is not None else None)
         log.info(
             "kv pool open: %d blocks of %d bytes (%s) at %s",
             blocks,
@@ -68,8 +96,63 @@ class PoolNode:
         if stored or removed:
             for listener in self.listeners:
                 listener(stored, removed)
+        if self.disk is not None:
+            stored, removed = self.disk.take_stored(), self.disk.take_removed()
+            if stored or removed:
+                for listener in self.disk_listeners:
+                    listener(stored, removed)
+
+    def _spill(self, key: BlockKey, slot: int, parent: BlockKey | None, token_ids: tuple[int, ...]) -> None:
+        """A block evicted from memory goes to disk, from its slot, before the slot is reused."""
+        assert self.disk is not None and self.arena is not None
+        self.disk.spill(key, parent, token_ids, self.arena.block_view(slot))
+
+    def promote(self, keys: Sequence[BlockKey]) -> int:
+        """Read back from disk, into the pool, the blocks of ``keys`` that follow the pool's leading
+        run and that the disk tier holds, in order, up to the first it cannot load; how many. A block
+        whose file is torn or corrupt is not loaded (its engine computes it and the rest)."""
+        pool, disk, arena = self.pool, self.disk, self.arena
+        if pool is None or disk is None or arena is None:
+            return 0
+        start = pool.lookup(keys)
+        wanted = list(keys[start : start + disk.leading(list(keys[start:]))])
+        if not wanted:
+            return 0
+        # The prefix in memory goes in too: ``reserve`` skips what is held, but never evicts it to make
+        # room for the rest of the same chain.
+        blocks: list[tuple[BlockKey, BlockKey | None, tuple[int, ...]]] = []
+        for key in keys[:start]:
+            held = pool.info(key)
+            assert held is not None
+            blocks.append((key, *held))
+        for key in wanted:
+            info = disk.info(key)
+            assert info is not None
+            blocks.append((key, info.parent, info.token_ids))
+        got = pool.reserve(PROMOTER, blocks)
+        loaded = []
+        for key in wanted:
+            slot = got.get(key)
+            if slot is None or not disk.load(key, arena.block_view(slot)):
+                break
+            arena.set_layers_ready(slot, arena.geometry.num_layers)
+            loaded.append(key)
+        pool.commit(PROMOTER, loaded)
+        pool.release(PROMOTER)  # and the reserved blocks not loaded: dropped, never served
+        return len(loaded)
 
     def close(self) -> None:
+        disk = self.disk
+        if self.pool is not None and disk is not None and self.arena is not None:
+            # A graceful stop keeps what memory held: the next agent finds it on disk. This one serves
+            # none of it any more: the disk tier's blocks are reported gone with the pool's.
+            for key in self.pool.held_keys():
+                slot = self.pool.slot_of(key)
+                info = self.pool.info(key)
+                if key in self.pool and slot is not None and info is not None:
+                    disk.spill(key, info[0], info[1], self.arena.block_view(slot))
+            disk.take_stored()
+            disk.removed = disk.keys()
         if self.pool is not None:
             self.pool.clear()
             self.changed()
@@ -77,3 +160,4 @@ class PoolNode:
             self.arena.close()
         self.pool = None
         self.arena = None
+        self.disk = None

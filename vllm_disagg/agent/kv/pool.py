@@ -23,12 +23,39 @@ its tail, which keeps what is left a usable (shorter) prefix.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 BlockKey = bytes  # vLLM's chained block hash of one full block (32 bytes with sha256_cbor)
 BlockState = Literal["pending", "ready"]
+
+
+def chain_order(keys: list[BlockKey], parent_of: Callable[[BlockKey], BlockKey | None]) -> list[BlockKey]:
+    """``keys``, each after its parent where the parent is among them: the orchestrator's index chains
+    a block to its parent's entry, so a report of many blocks names parents first. A loop of parents
+    (never written by this project, but files can be changed) ends where it meets itself."""
+    among = set(keys)
+    depth: dict[BlockKey, int] = {}
+
+    def depth_of(key: BlockKey) -> int:
+        path: list[BlockKey] = []  # the blocks walked from ``key`` up, to the first whose depth is known
+        on_path: set[BlockKey] = set()
+        while key not in depth:
+            parent = parent_of(key)
+            if parent is None or parent not in among or parent in on_path or parent == key:
+                depth[key] = 0
+                break
+            path.append(key)
+            on_path.add(key)
+            key = parent
+        d = depth[key]
+        for k in reversed(path):
+            d += 1
+            depth[k] = d
+        return d
+
+    return sorted(keys, key=depth_of)
 
 
 @dataclass(slots=True)
@@ -65,13 +92,20 @@ class PoolFull(Exception):
     """No free slot and none evictable: every block is referenced."""
 
 
+# (key, slot, parent key, token ids) of a ready block about to be evicted, its bytes still in its slot.
+Evicting = Callable[[BlockKey, int, "BlockKey | None", tuple[int, ...]], None]
+
+
 class PrefixPool:
     """Blocks by key, slots by block, references by owner; capacity never exceeded."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_evict: Evicting | None = None) -> None:
+        """``on_evict``: told of each block evicted for room, before its slot is handed out (the
+        node's disk tier keeps it: ``disk.py``)."""
         if capacity < 1:
             raise ValueError(f"a pool needs at least one block of capacity, got {capacity}")
         self.capacity = capacity
+        self._on_evict = on_evict
         self._entries: dict[BlockKey, _Entry] = {}
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first
         self._lru: OrderedDict[BlockKey, None] = OrderedDict()  # unreferenced ready blocks, oldest first
@@ -275,7 +309,10 @@ class PrefixPool:
             return None
         key, _ = self._lru.popitem(last=False)
         self._evictions += 1
-        slot = self._entries[key].slot
+        entry = self._entries[key]
+        slot = entry.slot
+        if self._on_evict is not None:
+            self._on_evict(key, slot, entry.parent, entry.token_ids)
         self._drop(key, free_slot=False)
         return slot
 

@@ -75,6 +75,7 @@ class PoolService:
             case Lookup():
                 req = "req:" + request.req
                 pool.release(req)
+                self.node.promote(request.keys)  # what the disk tier holds past the pool's prefix
                 pinned = pool.pin(req, request.keys)
                 return Pinned(list(pinned.slots), list(pinned.ready))
             case Release():

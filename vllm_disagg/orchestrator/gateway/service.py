@@ -562,6 +562,11 @@ class Gateway:
                     for v in snapshot.instances
                     if v.info.kv_pool_endpoint
                 },
+                "disk_tiers": {  # the pools' disk tiers (``"disk"`` KV events)
+                    v.agent_id: blocks
+                    for v in snapshot.instances
+                    if (blocks := index.disk_blocks_of(v.agent_id))
+                },
             },
         }
 

@@ -1,10 +1,11 @@
 """Which instance caches which prompt prefix: the agents' forwarded KV events, indexed.
 
 One ``PrefixIndex`` per block size in use (instances of one model may differ: vLLM picks 16 on a GPU,
-128 on a CPU), each instance under exactly one of them. Two media are kept apart, each with its own
-indexes: the engines' own prefix caches (``"gpu"`` events, what the scheduler's prefix affinity reads)
-and the agents' node-level KV pools (``"pool"`` events, protocol 1.3: blocks an engine of the
-``vllm-disagg`` connector loads from its agent, or that another agent can fetch). The control plane
+128 on a CPU), each instance under exactly one of them. Three media are kept apart, each with its
+own indexes: the engines' own prefix caches (``"gpu"`` events, what the scheduler's prefix affinity
+reads), the agents' node-level KV pools (``"pool"`` events, protocol 1.3: blocks an engine of the
+``vllm-disagg`` connector loads from its agent, or that another agent can fetch) and those pools'
+disk tiers (``"disk"`` events: blocks the agent reads back into its pool when asked). The control plane
 is the only writer: it applies ``KvEvents`` from live sessions and drops an instance that dies or says
 Hello again (a new session may be a new engine with an empty cache). The gateway reads
 ``cached_tokens`` per request, and ``pooled_tokens`` where pools exist.
@@ -23,7 +24,7 @@ from typing import Any
 
 from vllm_disagg.orchestrator.state.kv_limits import KvGate
 from vllm_disagg.orchestrator.state.prefix_index import PrefixIndex, PromptTokens
-from vllm_disagg.protocol.messages import MEDIUM_GPU, MEDIUM_POOL, KvEvent
+from vllm_disagg.protocol.messages import MEDIUM_DISK, MEDIUM_GPU, MEDIUM_POOL, KvEvent
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class KvIndex:
     def __init__(self, gate: KvGate | None = None) -> None:
         self._gpu = _Medium("prefix cache")
         self._pool = _Medium("KV pool")
+        self._disk = _Medium("KV pool's disk tier")  # blocks the agent reads back into its pool when asked
         self._gate = gate  # None: every event is applied (a worker's replica of the index)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -132,7 +134,7 @@ class KvIndex:
     def take(self, other: KvIndex) -> None:
         """Hold what ``other`` holds, and drop what this one held: a gateway worker's index on the
         orchestrator's whole state. Its readers keep the same object; ``other`` is not used again."""
-        self._gpu, self._pool = other._gpu, other._pool
+        self._gpu, self._pool, self._disk = other._gpu, other._pool, other._disk
 
     def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
         """Apply one agent's events within its limits, in order; how many were applied."""
@@ -151,21 +153,24 @@ class KvIndex:
         return applied, admitted
 
     def _indexed(self, agent_id: str, medium: str) -> int:
-        if medium == MEDIUM_GPU:
-            return self._gpu.blocks_of(agent_id)
-        return self._pool.blocks_of(agent_id) if medium == MEDIUM_POOL else 0
+        found = self._media.get(medium)
+        return 0 if found is None else found.blocks_of(agent_id)
+
+    @property
+    def _media(self) -> dict[str, _Medium]:
+        return {MEDIUM_GPU: self._gpu, MEDIUM_POOL: self._pool, MEDIUM_DISK: self._disk}
 
     def apply_admitted(self, agent_id: str, events: Sequence[KvEvent]) -> int:
         """Apply one agent's events in order, as they are; how many were applied (malformed ones are
         skipped)."""
         applied = 0
-        gpu, pool = self._gpu, self._pool
+        gpu, media = self._gpu, self._media
         for event in events:
             medium = event.medium
-            if medium == MEDIUM_GPU:
+            if medium == MEDIUM_GPU:  # the hot path: engines' own events
                 applied += gpu.apply(agent_id, event)
-            elif medium == MEDIUM_POOL:
-                applied += pool.apply(agent_id, event)
+            elif (found := media.get(medium)) is not None:
+                applied += found.apply(agent_id, event)
             else:  # a medium a later protocol minor added: nothing here reads it
                 log.debug("instance %s: a KV event of unknown medium %r ignored", agent_id, medium)
         return applied
@@ -175,6 +180,7 @@ class KvIndex:
         a new session)."""
         self._gpu.drop(agent_id)
         self._pool.drop(agent_id)
+        self._disk.drop(agent_id)
         if self._gate is not None:
             self._gate.forget(agent_id)
 
@@ -185,6 +191,10 @@ class KvIndex:
     def pool_blocks_of(self, agent_id: str) -> int:
         """How many blocks of its agent's KV pool the index holds for one instance."""
         return self._pool.blocks_of(agent_id)
+
+    def disk_blocks_of(self, agent_id: str) -> int:
+        """How many blocks of its agent's pool's disk tier the index holds for one instance."""
+        return self._disk.blocks_of(agent_id)
 
     def engine_blocks(self, agent_id: str) -> dict[int, int]:
         """An instance's blocks: its engine's hash -> the index key (a copy; for tests and debugging)."""
@@ -212,8 +222,8 @@ class KvIndex:
 
     @property
     def has_pools(self) -> bool:
-        """Does any agent's pool hold anything? (Else ``pooled_tokens`` is always empty.)"""
-        return bool(self._pool.by_size)
+        """Does any agent's pool, or its disk tier, hold anything? (Else ``pooled_tokens`` is empty.)"""
+        return bool(self._pool.by_size) or bool(self._disk.by_size)
 
     def cached_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
         """Instance id -> how many leading tokens of this prompt its engine caches (whole blocks;
@@ -221,6 +231,12 @@ class KvIndex:
         return self._gpu.matched_tokens(token_ids)
 
     def pooled_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
-        """Instance id -> how many leading tokens of this prompt its agent's KV pool holds (whole
-        blocks; absent: none)."""
-        return self._pool.matched_tokens(token_ids) if self._pool.by_size else {}
+        """Instance id -> how many leading tokens of this prompt its agent's KV pool holds, in memory
+        or on its disk tier (whole blocks; absent: none). Of a chain split between the two, the
+        longer part counts (an under-estimate: the agent reads the disk's part back after memory's)."""
+        pooled = self._pool.matched_tokens(token_ids) if self._pool.by_size else {}
+        if self._disk.by_size:
+            for agent_id, tokens in self._disk.matched_tokens(token_ids).items():
+                if tokens > pooled.get(agent_id, 0):
+                    pooled[agent_id] = tokens
+        return pooled

@@ -85,9 +85,35 @@ def test_drop_forgets_both_media_of_the_instance_only() -> None:
 
 def test_an_event_of_a_medium_this_release_does_not_know_is_ignored() -> None:
     index = KvIndex()
-    disk = dataclasses.replace(pool(), medium="disk")
-    assert index.apply("p0", [disk, GPU]) == 1
+    later = dataclasses.replace(pool(), medium="nvme-of-the-future")
+    assert index.apply("p0", [later, GPU]) == 1
     assert index.pooled_tokens(PROMPT) == {} and index.cached_tokens(PROMPT) == {"p0": 8}
+
+
+def disk(kind: str = "stored", blocks: int = 4) -> KvEvent:
+    return dataclasses.replace(pool(kind, blocks), medium="disk")
+
+
+def test_a_pools_disk_tier_counts_as_pooled_and_the_longer_of_memory_and_disk_wins() -> None:
+    index = KvIndex()
+    assert index.apply("p0", [disk(blocks=3)]) == 1
+    assert index.has_pools  # a disk tier alone is a pool the decider reads
+    assert index.pooled_tokens(PROMPT) == {"p0": 12}
+    assert (index.pool_blocks_of("p0"), index.disk_blocks_of("p0")) == (0, 3)
+    index.apply("p0", [pool(blocks=2)])
+    assert index.pooled_tokens(PROMPT) == {"p0": 12}  # memory's 2 blocks do not hide the disk's 3
+    index.apply("p1", [pool()])
+    assert index.pooled_tokens(PROMPT) == {"p0": 12, "p1": 16}
+    index.apply("p0", [disk("cleared")])
+    assert index.pooled_tokens(PROMPT) == {"p0": 8, "p1": 16}
+    assert index.cached_tokens(PROMPT) == {}  # neither tier is the engine's own cache
+
+
+def test_drop_forgets_the_disk_tier_too() -> None:
+    index = KvIndex()
+    index.apply("p0", [disk()])
+    index.drop("p0")
+    assert not index.has_pools and index.disk_blocks_of("p0") == 0
 
 
 def test_a_pool_of_another_block_size_is_indexed_under_its_own() -> None:
