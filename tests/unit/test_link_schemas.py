@@ -92,7 +92,7 @@ PROTOCOL_FIELDS: dict[type[Any], tuple[str, ...]] = {
         "prefix_cache_hit_rate", "window_s", "requests_finished", "prompt_tokens", "generation_tokens",
         "queue_s", "prefill_tokens_per_s", "mean_prompt_tokens", "prompt_tokens_computed",
         "prompt_tokens_cached", "prompt_tokens_transferred", "age_s", "sent_at", "kv_in_bytes",
-        "kv_in_seconds", "kv_in_transfers", "kv_in_links",
+        "kv_in_seconds", "kv_in_transfers", "kv_in_links", "kv_pool_hit_rate",
     ),
     KvLinkCount: ("source", "nbytes", "seconds", "transfers"),
     KvEvent: ("kind", "block_hashes", "parent_block_hash", "token_ids", "block_size", "medium"),
@@ -132,6 +132,7 @@ SINCE_MINOR = {
     (MetricsSnapshot, "kv_in_seconds"): 7,
     (MetricsSnapshot, "kv_in_transfers"): 7,
     (MetricsSnapshot, "kv_in_links"): 7,
+    (MetricsSnapshot, "kv_pool_hit_rate"): 8,
 }
 
 

@@ -43,7 +43,7 @@ PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # (``Command.epoch``: the term of the leader that sent it; ``STALE_EPOCH`` refusals). 7: where an
 # instance runs and how it lays out its KV (``InstanceInfo.labels``, ``InstanceInfo.layout``), and
 # the KV an engine pulled in (``MetricsSnapshot.kv_in_bytes``, ``kv_in_seconds``, ``kv_in_links``).
-PROTOCOL_MINOR = 7
+PROTOCOL_MINOR = 8
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
@@ -53,6 +53,7 @@ SINCE_MINOR_4 = {"since_minor": 4}
 SINCE_MINOR_5 = {"since_minor": TYPED_MINOR}
 SINCE_MINOR_6 = {"since_minor": 6}
 SINCE_MINOR_7 = {"since_minor": 7}
+SINCE_MINOR_8 = {"since_minor": 8}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
 # orchestrator drains the instance, then asks again with ``SetRole.restart`` (1.4: ``args["restart"]``).
 RESTART_REQUIRED = "restart_required"
@@ -251,6 +252,9 @@ class MetricsSnapshot:
     # KV this agent's pool fetched from other agents' pools, lifetime, per source (1.7; the project's
     # connector), at most ``MAX_KV_LINKS`` sources.
     kv_in_links: list[KvLinkCount] = field(default_factory=list, metadata=SINCE_MINOR_7)
+    # Of the prompt blocks this agent's KV pool was asked for over the window, the share it held, in
+    # memory or read back from its disk tier (1.8; the project's connector). None: no pool, or no ask.
+    kv_pool_hit_rate: float | None = field(default=None, metadata=SINCE_MINOR_8)
 
 
 @dataclass(frozen=True, slots=True)

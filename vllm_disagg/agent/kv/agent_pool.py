@@ -4,12 +4,14 @@ engine's connector uses, the agent-to-agent transfers, and the reports of the po
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_disagg.agent.kv.arena import Capacity
 from vllm_disagg.agent.kv.disk import disk_bytes
+from vllm_disagg.agent.kv.hit_rate import WindowedRate
 from vllm_disagg.agent.kv.local import local_endpoint
 from vllm_disagg.agent.kv.node import DiskConfig, PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey
@@ -28,6 +30,7 @@ class KvPool:
     node: PoolNode
     service: PoolService
     transfer: KvTransfer
+    hit_rate: WindowedRate  # of the engine's asks, over the agent's metrics window
 
     @classmethod
     async def start(cls, cfg: AgentConfig) -> KvPool:
@@ -43,7 +46,7 @@ class KvPool:
         keys = load_keypair(cfg.curve_secret_key_file) if cfg.curve_secret_key_file else None
         transfer = KvTransfer(node, host=cfg.engine_host, port=kv_pool_port(cfg), keys=keys)
         await transfer.start()
-        return cls(node, service, transfer)
+        return cls(node, service, transfer, WindowedRate(cfg.metrics_window_s, time.monotonic))
 
     def report_to(self, forwarder: KvEventForwarder) -> None:
         """Send the pool's changes with the engine's KV events, and its whole state at each resync."""
@@ -58,8 +61,14 @@ class KvPool:
         forwarder.snapshots.append(lambda: pool_snapshot(self.node))
 
     def metrics(self, scraped: Callable[[], MetricsSnapshot]) -> Callable[[], MetricsSnapshot]:
-        """The heartbeat's metrics: the scraped engine's, with the KV this pool fetched from others'."""
-        return lambda: dataclasses.replace(scraped(), kv_in_links=self.transfer.received())
+        """The heartbeat's metrics: the scraped engine's, with the KV this pool fetched from others' and
+        the share of the engine's asks it held."""
+
+        def metrics() -> MetricsSnapshot:
+            rate = self.hit_rate.rate(self.service.asked, self.service.found)
+            return dataclasses.replace(scraped(), kv_in_links=self.transfer.received(), kv_pool_hit_rate=rate)
+
+        return metrics
 
     async def close(self) -> None:
         await self.transfer.close()

@@ -49,6 +49,9 @@ class PoolService:
     def __init__(self, node: PoolNode) -> None:
         self.node = node
         self._engine_pids: dict[str, int] = {}  # engine name -> the process that opened for it
+        # Lifetime prompt blocks the engines asked the pool for, and those it held (memory or disk).
+        self.asked = 0
+        self.found = 0
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -77,6 +80,8 @@ class PoolService:
                 pool.release(req)
                 self.node.promote(request.keys)  # what the disk tier holds past the pool's prefix
                 pinned = pool.pin(req, request.keys)
+                self.asked += len(request.keys)
+                self.found += len(pinned.slots)
                 return Pinned(list(pinned.slots), list(pinned.ready))
             case Release():
                 for req in request.reqs:

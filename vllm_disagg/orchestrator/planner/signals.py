@@ -101,6 +101,13 @@ def pool_signals(snapshot: RegistrySnapshot, window: SloWindow) -> tuple[PoolSig
                 kv_usage=sum(v.metrics.kv_cache_usage for v in views) / n if n else 0.0,
                 movable=tuple(v.agent_id for v in busy),
                 held=window.held[name],
+                kv_pool_hit_rate=_mean([v.metrics.kv_pool_hit_rate for v in views]),
             )
         )
     return out[0], out[1]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    """The mean of the values given (None: none is)."""
+    given = [v for v in values if v is not None]
+    return sum(given) / len(given) if given else None

@@ -63,9 +63,10 @@ def checked(m: MetricsSnapshot) -> tuple[MetricsSnapshot, tuple[str, ...]]:
     usage = m.kv_cache_usage
     if not 0.0 <= usage <= 1.0:  # NaN included
         fixes["kv_cache_usage"] = 0.0 if usage < 0.0 else 1.0
-    rate = m.prefix_cache_hit_rate
-    if rate is not None and not 0.0 <= rate <= 1.0:
-        fixes["prefix_cache_hit_rate"] = 1.0 if rate > 1.0 else 0.0 if rate < 0.0 else None
+    for name in ("prefix_cache_hit_rate", "kv_pool_hit_rate"):
+        rate = getattr(m, name)
+        if rate is not None and not 0.0 <= rate <= 1.0:
+            fixes[name] = 1.0 if rate > 1.0 else 0.0 if rate < 0.0 else None
     for names, top in ((_QUEUES, MAX_QUEUE), (_COUNTERS, MAX_COUNTER)):
         for name in names:
             value = getattr(m, name)

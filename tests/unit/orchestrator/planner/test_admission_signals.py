@@ -12,6 +12,7 @@ from tests.unit.orchestrator.planner.test_planner import CONFIG, pools, run, shi
 from tests.unit.scheduling_support import snapshot, view
 from vllm_disagg.orchestrator.planner.decide import PoolSignals, pressure
 from vllm_disagg.orchestrator.planner.signals import SloWindow, pool_signals
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 
 def held(signals: PoolSignals, n: int) -> PoolSignals:
@@ -47,3 +48,18 @@ def test_the_window_carries_the_held_counts_into_the_pools_signals() -> None:
     window.admission_held(prefill=0, decode=2)
     prefill, decode = pool_signals(snap, window)
     assert (prefill.held, decode.held) == (0, 2)
+
+
+def test_the_pools_signals_carry_the_mean_kv_pool_hit_rate_of_the_instances_that_report_one() -> None:
+    def hits(rate: float | None) -> MetricsSnapshot:
+        return MetricsSnapshot(kv_pool_hit_rate=rate)
+
+    snap = snapshot(
+        view("p0", role="prefill", metrics=hits(0.9)),
+        view("p1", role="prefill", metrics=hits(0.5)),
+        view("p2", role="prefill", metrics=hits(None)),  # no pool: not a zero
+        view("d0", role="decode"),
+    )
+    prefill, decode = pool_signals(snap, SloWindow(60.0, lambda: 0.0))
+    assert prefill.kv_pool_hit_rate == pytest.approx(0.7)
+    assert decode.kv_pool_hit_rate is None

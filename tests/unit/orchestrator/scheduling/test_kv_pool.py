@@ -4,6 +4,7 @@ says whose pool; anything short of that is decided as before."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -195,3 +196,30 @@ def test_the_decider_is_registered_and_otherwise_decides_as_uncached_tokens() ->
     assert decision.mode == "colocated" and decision.kv_source is None
     assert decision.explanation is not None
     assert "only 100 uncached prompt tokens (below threshold 512)" in str(decision.explanation.to_json())
+
+
+D1 = Inst("d1", "decode")
+
+
+@pytest.mark.parametrize("held", [FULL, 2 * 16], ids=["whole prompt", "two of its blocks"])
+def test_the_decode_profile_prefers_an_instance_whose_own_pool_holds_the_prompt(held: int) -> None:
+    # Two decode instances alike in every figure: only d1's own pool holds (part of) the prompt.
+    picks = {
+        SCHEDULER.decide(
+            dataclasses.replace(request({"d1": held}), request_id=f"r{i}"), snapshot(P0, D0, D1), NOW
+        ).decode
+        for i in range(40)
+    }
+    assert picks == {"d1"}
+
+
+def test_another_instances_pool_does_not_make_a_decode_instance_look_cached() -> None:
+    # p0's pool holds a part of the prompt (too little to go straight to decode): neither D holds it,
+    # so the two alike decode instances share the requests as they would with no pool at all.
+    picks = {
+        SCHEDULER.decide(
+            dataclasses.replace(request({"p0": 2 * 16}), request_id=f"r{i}"), snapshot(P0, D0, D1), NOW
+        ).decode
+        for i in range(40)
+    }
+    assert picks == {"d0", "d1"}
