@@ -7,7 +7,10 @@ of ``max_tokens=1`` (their latency is the time to the first token):
 - ``computed``: the prefix never seen anywhere: the engine computes all of it;
 - ``pool``: the same prefix with another tail, after the engine's own prefix cache was reset: the
   engine loads the two blocks from the pool (checked on its ``external_kv_transfer`` counter);
-- ``local``: once more, another tail: the engine's own prefix cache has it (vLLM's best case).
+- ``local``: once more, another tail: the engine's own prefix cache has it (vLLM's best case);
+- ``disk``: after the engine's prefix cache was reset again and the pool's blocks went to its disk
+  tier (``--kv-disk-dir``) and left memory, the disk tier's index rebuilt from its files as a
+  restarted agent's is: the engine loads the blocks the agent read back from disk.
 
 The engine's prefix cache is reset with ``/reset_prefix_cache`` (dev mode).
 """
@@ -29,6 +32,7 @@ import aiohttp
 
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.kv.agent_pool import KvPool
+from vllm_disagg.agent.kv.disk import DiskTier
 from vllm_disagg.cli.up import spawn, stop_processes, tiny_model_dir
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.runtime import child_env
@@ -46,6 +50,8 @@ class TtftResult:
     ttft_pool_ms: float
     ttft_local_ms: float
     ttft_pool_loaded_tokens: int  # external_kv_transfer growth over every pool request
+    ttft_disk_ms: float = 0.0
+    ttft_disk_loaded_tokens: int = 0  # external_kv_transfer growth over every disk request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,24 +103,51 @@ def _tail(path: Path, lines: int = 40) -> str:
 
 
 async def _rounds(
-    args: argparse.Namespace, url: str, proc: asyncio.subprocess.Process, block: int
-) -> tuple[list[float], list[float], list[float], float]:
-    """Each round's three latencies (computed, pool, local), and the tokens loaded from the pool."""
+    args: argparse.Namespace, url: str, proc: asyncio.subprocess.Process, block: int, pool: KvPool
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each round's latencies by kind (computed, pool, local, disk), and the tokens the engine loaded
+    for the pool's and the disk's requests."""
     rng = random.Random(args.seed)
-    computed, pooled, local = [], [], []
+    times: dict[str, list[float]] = {"computed": [], "pool": [], "local": [], "disk": []}
+    loaded = {"pool": 0.0, "disk": 0.0}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         await _healthy(session, url, proc)
-        before = await _loaded_tokens(session, url)
         for _ in range(args.ttft_rounds):
             prefix = [rng.randrange(10, 1000) for _ in range(2 * block)]
-            tails = [[rng.randrange(10, 1000) for _ in range(TAIL_TOKENS)] for _ in range(3)]
-            computed.append(await _latency(session, url, prefix + tails[0]))
-            async with session.post(f"{url}/reset_prefix_cache", data=b"{}", headers=_JSON) as resp:
-                await resp.read()
-            pooled.append(await _latency(session, url, prefix + tails[1]))
-            local.append(await _latency(session, url, prefix + tails[2]))
-        loaded = await _loaded_tokens(session, url) - before
-    return computed, pooled, local, loaded
+            tails = [[rng.randrange(10, 1000) for _ in range(TAIL_TOKENS)] for _ in range(4)]
+            times["computed"].append(await _latency(session, url, prefix + tails[0]))
+            await _reset(session, url)
+            before = await _loaded_tokens(session, url)
+            times["pool"].append(await _latency(session, url, prefix + tails[1]))
+            loaded["pool"] += await _loaded_tokens(session, url) - before
+            times["local"].append(await _latency(session, url, prefix + tails[2]))
+            await _reset(session, url)
+            _to_disk(pool)
+            before = await _loaded_tokens(session, url)
+            times["disk"].append(await _latency(session, url, prefix + tails[3]))
+            loaded["disk"] += await _loaded_tokens(session, url) - before
+    return times, loaded
+
+
+async def _reset(session: aiohttp.ClientSession, url: str) -> None:
+    async with session.post(f"{url}/reset_prefix_cache", data=b"{}", headers=_JSON) as resp:
+        await resp.read()
+
+
+def _to_disk(kv: KvPool) -> None:
+    """Every block of the pool to its disk tier and out of memory, and the tier's index rebuilt from
+    its files, as a restarted agent finds them."""
+    node = kv.node
+    pool, arena, disk = node.pool, node.arena, node.disk
+    if pool is None or arena is None or disk is None:
+        raise RuntimeError("the engine never opened its pool")
+    for key in pool.held_keys():
+        slot, info = pool.slot_of(key), pool.info(key)
+        if key in pool and slot is not None and info is not None:
+            disk.spill(key, info[0], info[1], arena.block_view(slot))
+    pool.clear()
+    node.disk = DiskTier.open(disk.directory.parents[0], disk.geometry, disk.capacity_bytes)
+    node.changed()
 
 
 def _engine_port(rng: random.Random) -> int:
@@ -136,10 +169,12 @@ async def ttft_part(args: argparse.Namespace) -> TtftResult:
     from vllm_disagg.model.tiny import build_tiny_model
 
     model = build_tiny_model(tiny_model_dir())
+    disk_tmp = tempfile.TemporaryDirectory(prefix="vllm-disagg-bench-kv-disk-")
+    disk_dir = disk_tmp.name
     cfg = AgentConfig(
         agent_id=f"bench-kv-{random.randrange(1 << 30)}", role="both", engine="vllm", model="tiny",
         model_path=str(model.path), engine_port=_engine_port(random.Random()), kv_connector="vllm-disagg",
-        kv_pool_capacity="256MiB",
+        kv_pool_capacity="256MiB", kv_disk_dir=disk_dir, kv_disk_capacity="1GiB",
     )  # fmt: skip
     command = VllmEngineCommand()
     block = effective_block_size(cfg, command.device(cfg))
@@ -153,20 +188,22 @@ async def ttft_part(args: argparse.Namespace) -> TtftResult:
             with _open_log(log_path) as log:
                 proc = await spawn(command.argv(cfg), env=env, output=log)
             try:
-                computed, pooled, local, loaded = await _rounds(
-                    args, f"http://127.0.0.1:{cfg.engine_port}", proc, block
-                )
+                times, loaded = await _rounds(args, f"http://127.0.0.1:{cfg.engine_port}", proc, block, pool)
             except RuntimeError as exc:
                 raise RuntimeError(f"{exc}; the engine's last lines:\n{_tail(log_path)}") from None
             finally:
                 await stop_processes([proc], 20)
     finally:
         await pool.close()
+        disk_tmp.cleanup()
+    median = {kind: round(statistics.median(t) * 1e3, 2) for kind, t in times.items()}
     return TtftResult(
         args.ttft_rounds,
         2 * block,
-        round(statistics.median(computed) * 1e3, 2),
-        round(statistics.median(pooled) * 1e3, 2),
-        round(statistics.median(local) * 1e3, 2),
-        int(loaded),
+        median["computed"],
+        median["pool"],
+        median["local"],
+        int(loaded["pool"]),
+        median["disk"],
+        int(loaded["disk"]),
     )
