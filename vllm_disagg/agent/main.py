@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import shlex
 import sys
+from pathlib import Path
 
 import aiohttp
 
@@ -29,6 +30,7 @@ from vllm_disagg.agent.sessions import Sessions
 from vllm_disagg.agent.vllm_command import uses_pool
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
+from vllm_disagg.private_files import private_dir
 from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public
 from vllm_disagg.protocol.messages import ROLES, EngineState
 from vllm_disagg.runtime import become_subreaper, reap_children, run_service
@@ -205,6 +207,8 @@ def run_config(cfg: AgentConfig, log_level: str = "INFO", log_format: str = "tex
     client_curve(cfg)  # and key files that will not do
     Capacity.parse(cfg.kv_pool_capacity)  # and a pool size that means nothing
     disk_bytes(cfg.kv_disk_capacity)  # or a disk tier's
+    if cfg.kv_disk_dir:
+        private_dir(Path(cfg.kv_disk_dir))  # and a disk tier's directory another user holds
     if cfg.command_log:
         CommandLog.open(cfg.command_log).close()  # and a command log that cannot be written
     logs.configure(log_level, log_format, f"agent {cfg.agent_id}")

@@ -34,6 +34,7 @@ from pathlib import Path
 from vllm_disagg.agent.kv.arena import Capacity, Geometry
 from vllm_disagg.agent.kv.pool import BlockKey, chain_order
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.private_files import private_dir
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,8 @@ class DiskTier:
     def open(cls, directory: Path, geometry: Geometry, capacity_bytes: int) -> DiskTier:
         """The tier in ``directory`` for ``geometry``, its index rebuilt from the files there."""
         tier = cls(directory, geometry, capacity_bytes)
-        tier.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        private_dir(directory)  # the blocks are prompts' KV: this user's alone, as the files are
+        private_dir(tier.directory)
         tier._rebuild()
         return tier
 

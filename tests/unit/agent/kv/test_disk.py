@@ -13,6 +13,7 @@ import pytest
 from vllm_disagg.agent.kv.arena import Capacity, Geometry
 from vllm_disagg.agent.kv.disk import SUFFIX, DiskTier
 from vllm_disagg.agent.kv.node import DiskConfig, PoolNode
+from vllm_disagg.errors import ConfigError
 
 GEOMETRY = Geometry(num_layers=2, layer_block_bytes=64, block_size=4)
 FILE = 8 + 4 + 2 + 32 + 32 + 4 + 8 * 4 + GEOMETRY.block_bytes + 16  # magic, length, header, payload, sum
@@ -186,3 +187,20 @@ def test_a_graceful_stop_keeps_memory_on_disk_for_the_next_agent(tmp_path: Path)
         assert second.pool.lookup([key(1), key(2)]) == 2
     finally:
         second.close()
+
+
+def test_the_tier_keeps_its_directories_to_this_user(tmp_path: Path) -> None:
+    loose = tmp_path / "pools"
+    loose.mkdir(mode=0o755)
+    tier = DiskTier.open(loose, GEOMETRY, 1 << 20)
+    spill(tier, 1)
+    assert loose.stat().st_mode & 0o777 == 0o700  # the blocks are prompts' KV
+    assert tier.directory.stat().st_mode & 0o777 == 0o700
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in tier.directory.iterdir())
+
+
+def test_a_directory_that_is_a_symbolic_link_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        DiskTier.open(tmp_path / "link", GEOMETRY, 1 << 20)
