@@ -94,6 +94,12 @@ def _sources(base: str) -> dict[str, float]:
     return {s: metric_sum(families, SOURCE, source=s) for s in ("local_compute", "external_kv_transfer")}
 
 
+def _grown(base: str, before: dict[str, float]) -> dict[str, float]:
+    """How the engine's prompt-token counters grew since ``before``."""
+    after = _sources(base)
+    return {source: after[source] - before[source] for source in after}
+
+
 def _pool(pool: PoolThread) -> PrefixPool:
     assert pool.pool.node.pool is not None
     return pool.pool.node.pool
@@ -162,8 +168,7 @@ def _while_waiting(
         eventually_sync(lambda: _pinned_by_the_request(pool), timeout=60, what="the landing blocks pinned")
         land(slots)
         text = answer.result(120)["choices"][0]["text"]
-    after = _sources(base)
-    return text, {source: after[source] - before[source] for source in after}
+    return text, _grown(base, before)
 
 
 def test_blocks_still_landing_are_loaded_layer_by_layer_once_they_land(
@@ -250,8 +255,7 @@ def _after_disk(
         damage(disk.directory / (KEYS[1].hex() + ".kvb"))
     before = _sources(base)
     text = _complete(base)["choices"][0]["text"]
-    after = _sources(base)
-    return text, {source: after[source] - before[source] for source in after}
+    return text, _grown(base, before)
 
 
 def test_blocks_on_the_disk_tier_are_read_back_and_loaded(
