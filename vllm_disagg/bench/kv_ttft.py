@@ -138,13 +138,10 @@ def _to_disk(kv: KvPool) -> None:
     """Every block of the pool to its disk tier and out of memory, and the tier's index rebuilt from
     its files, as a restarted agent finds them."""
     node = kv.node
-    pool, arena, disk = node.pool, node.arena, node.disk
-    if pool is None or arena is None or disk is None:
+    pool, disk = node.pool, node.disk
+    if pool is None or disk is None:
         raise RuntimeError("the engine never opened its pool")
-    for key in pool.held_keys():
-        slot, info = pool.slot_of(key), pool.info(key)
-        if key in pool and slot is not None and info is not None:
-            disk.spill(key, info[0], info[1], arena.block_view(slot))
+    node.spill_all()
     pool.clear()
     node.disk = DiskTier.open(disk.directory.parents[0], disk.geometry, disk.capacity_bytes)
     node.changed()

@@ -231,12 +231,8 @@ def _to_disk(pool: PoolThread) -> None:
     """Every block of the pool goes to its disk tier and leaves memory, as eviction does one by one."""
 
     def move() -> None:
-        node = pool.pool.node
-        assert node.disk is not None
-        for key in KEYS:
-            slot, info = _pool(pool).slot_of(key), _pool(pool).info(key)
-            assert slot is not None and info is not None
-            assert node.disk.spill(key, info[0], info[1], _arena(pool).block_view(slot))
+        assert all(key in _pool(pool) for key in KEYS)
+        assert pool.pool.node.spill_all() == len(_pool(pool))
         _pool(pool).clear()
 
     pool.call(move)

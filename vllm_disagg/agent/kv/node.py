@@ -141,16 +141,25 @@ class PoolNode:
         pool.release(PROMOTER)  # and the reserved blocks not loaded: dropped, never served
         return len(loaded)
 
+    def spill_all(self) -> int:
+        """Write every ready block memory holds to the disk tier (those it has already stay); how many
+        it holds of them after. Memory keeps them too: the caller clears it if it must."""
+        pool, disk, arena = self.pool, self.disk, self.arena
+        if pool is None or disk is None or arena is None:
+            return 0
+        kept = 0
+        for key in pool.held_keys():
+            slot, info = pool.slot_of(key), pool.info(key)
+            if key in pool and slot is not None and info is not None:
+                kept += disk.spill(key, info[0], info[1], arena.block_view(slot))
+        return kept
+
     def close(self) -> None:
         disk = self.disk
-        if self.pool is not None and disk is not None and self.arena is not None:
+        if disk is not None:
             # A graceful stop keeps what memory held: the next agent finds it on disk. This one serves
             # none of it any more: the disk tier's blocks are reported gone with the pool's.
-            for key in self.pool.held_keys():
-                slot = self.pool.slot_of(key)
-                info = self.pool.info(key)
-                if key in self.pool and slot is not None and info is not None:
-                    disk.spill(key, info[0], info[1], self.arena.block_view(slot))
+            self.spill_all()
             disk.take_stored()
             disk.removed = disk.keys()
         if self.pool is not None:

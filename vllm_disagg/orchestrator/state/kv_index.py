@@ -121,6 +121,7 @@ class KvIndex:
         self._gpu = _Medium("prefix cache")
         self._pool = _Medium("KV pool")
         self._disk = _Medium("KV pool's disk tier")  # blocks the agent reads back into its pool when asked
+        self._media = self._by_medium()
         self._gate = gate  # None: every event is applied (a worker's replica of the index)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -135,6 +136,10 @@ class KvIndex:
         """Hold what ``other`` holds, and drop what this one held: a gateway worker's index on the
         orchestrator's whole state. Its readers keep the same object; ``other`` is not used again."""
         self._gpu, self._pool, self._disk = other._gpu, other._pool, other._disk
+        self._media = self._by_medium()
+
+    def _by_medium(self) -> dict[str, _Medium]:
+        return {MEDIUM_GPU: self._gpu, MEDIUM_POOL: self._pool, MEDIUM_DISK: self._disk}
 
     def apply(self, agent_id: str, events: Sequence[KvEvent]) -> int:
         """Apply one agent's events within its limits, in order; how many were applied."""
@@ -155,10 +160,6 @@ class KvIndex:
     def _indexed(self, agent_id: str, medium: str) -> int:
         found = self._media.get(medium)
         return 0 if found is None else found.blocks_of(agent_id)
-
-    @property
-    def _media(self) -> dict[str, _Medium]:
-        return {MEDIUM_GPU: self._gpu, MEDIUM_POOL: self._pool, MEDIUM_DISK: self._disk}
 
     def apply_admitted(self, agent_id: str, events: Sequence[KvEvent]) -> int:
         """Apply one agent's events in order, as they are; how many were applied (malformed ones are
