@@ -234,7 +234,7 @@ ANSWER_KEYS: dict[type[Any], tuple[str, ...]] = {
     Opened: ("ok", "path", "capacity"),
     Pinned: ("ok", "slots", "ready"),
     Released: ("ok",),
-    Reserved: ("ok", "slots"),
+    Reserved: ("ok", "slots", "orphans"),
     Committed: ("ok", "committed"),
 }
 REQUESTS: list[LocalRequest] = [
@@ -248,7 +248,7 @@ ANSWERS: list[LocalAnswer] = [
     Opened("/dev/shm/vllm-disagg-pool-x", 64),
     Pinned([3, 4], [True, False]),
     Released(),
-    Reserved([(KEY, 5)]),
+    Reserved([(KEY, 5)], [KEY]),
     Committed(1),
 ]
 

@@ -1,7 +1,9 @@
 """The project's connector inside one real vLLM, with its agent's pool served by the test: blocks a
-transfer is still landing are loaded layer by layer once they land, and blocks whose transfer fails
-are recomputed; either way the answer is the engine's own. Blocks the pool moved to its disk tier are
-read back into it when the engine asks, and a corrupt file is computed again.
+transfer is still landing are loaded asynchronously once they land (the engine serves other requests
+meanwhile), and blocks whose transfer fails are recomputed; either way the answer is the engine's
+own. A prompt prefilled over several steps sends each of its blocks to the pool once. Blocks the pool
+moved to its disk tier are read back into it when the engine asks, and a corrupt file is computed
+again.
 
 The pool runs on an event loop in a thread of this process (as it runs on the agent's loop), so the
 engine's worker can open it while the test waits for the engine; the test plays the landing transfer
@@ -64,6 +66,7 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     cfg = AgentConfig(
         agent_id="connector-e2e", role="both", engine="vllm", model=MODEL, model_path=str(tiny_model),
         engine_port=port, kv_connector="vllm-disagg", kv_pool_capacity="64",
+        extra_engine_args=("--max-num-batched-tokens", str(BLOCK)),  # a block of prefill per step
         kv_disk_dir=str(tmp_path_factory.mktemp("disk")), kv_disk_capacity="64MiB",
     )  # fmt: skip
     pool = PoolThread(cfg)
@@ -77,8 +80,8 @@ def engine(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         pool.close()
 
 
-def _complete(base: str) -> dict[str, Any]:
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0}
+def _complete(base: str, prompt: list[int] = PROMPT) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
     status, answer = http_json(
         f"{base}/v1/completions", method="POST", body=jsonutil.dumps(body), timeout=120
     )
@@ -156,26 +159,36 @@ def _reserve_landing(pool: PoolThread) -> list[int]:
 
 
 def _while_waiting(
-    base: str, pool: PoolThread, land: Callable[[list[int]], None]
+    base: str,
+    pool: PoolThread,
+    land: Callable[[list[int]], None],
+    meanwhile: Callable[[], None] = lambda: None,
 ) -> tuple[str, dict[str, float]]:
     """Ask for the prompt while a transfer holds its blocks pending; once the engine waits on them,
-    ``land(slots)`` plays the rest of the transfer. The answer, and how the engine's counters grew."""
+    ``meanwhile()``, then ``land(slots)`` plays the rest of the transfer. The answer, and how the
+    engine's counters grew."""
     _forget(base, pool)
     slots = _reserve_landing(pool)
     before = _sources(base)
     with ThreadPoolExecutor(1) as ex:
         answer = ex.submit(_complete, base)
         eventually_sync(lambda: _pinned_by_the_request(pool), timeout=60, what="the landing blocks pinned")
+        meanwhile()
+        assert not answer.done(), "the request waits for its blocks"
         land(slots)
         text = answer.result(120)["choices"][0]["text"]
     return text, _grown(base, before)
 
 
-def test_blocks_still_landing_are_loaded_layer_by_layer_once_they_land(
+def test_blocks_still_landing_are_loaded_once_they_land_and_the_engine_serves_others_meanwhile(
     engine: tuple[str, PoolThread], reference: tuple[str, dict[bytes, bytes]]
 ) -> None:
     base, pool = engine
     text, blocks = reference
+    others: list[str] = []
+
+    def meanwhile() -> None:  # the engine is not stuck on the landing blocks: another prompt is answered
+        others.append(_complete(base, [t + 1 for t in PROMPT[:40]])["choices"][0]["text"])
 
     def land(slots: list[int]) -> None:
         arena = _arena(pool)
@@ -186,10 +199,23 @@ def test_blocks_still_landing_are_loaded_layer_by_layer_once_they_land(
                 arena.set_layers_ready(slot, layer + 1)
         pool.call(lambda: (_pool(pool).commit("xfer:test", KEYS), _pool(pool).release("xfer:test")))
 
-    answer, grew = _while_waiting(base, pool, land)
-    assert answer == text
+    answer, grew = _while_waiting(base, pool, land, meanwhile)
+    assert answer == text and len(others) == 1
     assert grew["external_kv_transfer"] == len(KEYS) * BLOCK
-    assert grew["local_compute"] == len(PROMPT) - len(KEYS) * BLOCK
+    assert grew["local_compute"] == len(PROMPT) - len(KEYS) * BLOCK + 40
+
+
+def test_a_prompt_prefilled_over_several_steps_sends_each_block_to_the_pool_once(
+    engine: tuple[str, PoolThread],
+) -> None:
+    base, pool = engine
+    prompt = [(i * 104729) % 1500 + 20 for i in range(3 * BLOCK + 5)]  # three steps of prefill
+    service = pool.pool.service
+    before = pool.call(lambda: service.offered)
+    _complete(base, prompt)
+    keys = prompt_block_hashes(prompt, BLOCK)
+    assert pool.call(lambda: [k in _pool(pool) for k in keys]) == [True, True, True]
+    assert pool.call(lambda: service.offered) - before == len(keys)
 
 
 def test_blocks_whose_transfer_fails_are_recomputed_and_the_answer_is_the_same(
@@ -205,11 +231,10 @@ def test_blocks_whose_transfer_fails_are_recomputed_and_the_answer_is_the_same(
 
     answer, grew = _while_waiting(base, pool, fail)
     assert answer == text
-    # vLLM counted the two blocks as loaded when it scheduled them (its counters are not corrected for
-    # a failed load), and computed only the tail: the answer is right because the connector reported
-    # the blocks as load errors and vLLM recomputed them, not because they were loaded (the slots hold
-    # zeros: see the next test for what loading them gives).
-    assert grew["external_kv_transfer"] == len(KEYS) * BLOCK
+    # The connector reported the blocks as load errors with the receive, before vLLM scheduled the
+    # request: it computed the whole prompt (the slots hold zeros: see the next test for what loading
+    # them gives).
+    assert grew == {"local_compute": len(PROMPT), "external_kv_transfer": 0}
 
 
 def test_what_lands_is_what_the_engine_uses(

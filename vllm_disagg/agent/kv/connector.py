@@ -17,21 +17,26 @@ One instance runs in the scheduler's process, one in each worker; they share not
 
 - **Scheduler side.** ``get_num_new_matched_tokens`` asks the agent which of the prompt's next blocks
   the pool holds and pins them for the request (a waiting request holds its prefix: it cannot be
-  evicted under it), leaving at least one prompt token to compute; the hit is loaded synchronously in
-  the step that schedules the request, so a partial hit prefills only the rest. Each step it reserves
-  pool slots for the prompt blocks that step completes (``build_connector_meta``). Pins go when the
-  worker has loaded them or the request ends, whichever is first (``request_finished``), so an
-  aborted request never leaks one. A P leg (``kv_transfer_params.do_remote_decode``) answers the
-  blocks its pool holds: ``{"vllm_disagg": {"block_size": N, "keys": [hex, ...]}}``.
+  evicted under it), leaving at least one prompt token to compute. A hit the pool holds whole is
+  loaded synchronously, layer by layer in the step that schedules the request; a hit with blocks a
+  transfer is still bringing is loaded asynchronously: vLLM parks the request and schedules others
+  until the worker says the blocks are in (``inflight.py``). Each step it reserves pool slots for the
+  prompt blocks that step completes (``build_connector_meta``): a prompt's chain is sent once, then
+  only its new blocks (the pool keeps the chain they continue; one whose head was evicted since is
+  sent again whole). Pins go when the worker has loaded them or the request ends, whichever is
+  first (``request_finished``), so an aborted request never leaks one. A P leg
+  (``kv_transfer_params.do_remote_decode``) answers the blocks its pool holds:
+  ``{"vllm_disagg": {"block_size": N, "keys": [hex, ...]}}``.
 - **Worker side.** After each attention layer, it copies that layer of each block to save into its
-  pool slot (``save_kv_layer``), and before each layer it copies that layer of each block to load
-  out of its slot (``wait_for_layer_load``) — once the slot's ``layers_ready`` says the layer has
-  landed, for a block a transfer from another agent is still bringing. A block that fails (the
-  transfer died, or it did not land in ``load_timeout_s``) is reported by
-  ``get_block_ids_with_load_errors`` and vLLM recomputes it. The pool is host shared memory
-  (``arena.py``), mapped by the worker: on a GPU each copy crosses PCIe, from page-locked memory, on a
-  side stream that the compute stream waits on as a stream dependency (``device_copy.py``); CUDA IPC
-  between engines is not used.
+  pool slot (``save_kv_layer``); the step's save is committed to the pool once its copies are done,
+  without waiting for them (a request that finishes while they run keeps its KV blocks until then).
+  Before each layer it copies that layer of each block to load synchronously out of its slot
+  (``wait_for_layer_load``). Each step (``get_finished``) it settles the asynchronous loads whose
+  blocks landed (or failed, or are ``load_timeout_s`` late: those are reported by
+  ``get_block_ids_with_load_errors`` and vLLM recomputes them), copies them in, and reports them.
+  The pool is host shared memory (``arena.py``), mapped by the worker: on a GPU each copy crosses
+  PCIe, from page-locked memory, on a side stream (``device_copy.py``); CUDA IPC between engines is
+  not used.
 """
 
 from __future__ import annotations
@@ -50,8 +55,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from vllm_disagg.agent.kv.arena import FAILED, Geometry, SlotArena
+from vllm_disagg.agent.kv.arena import Geometry, SlotArena
 from vllm_disagg.agent.kv.device_copy import BlockCopier
+from vllm_disagg.agent.kv.inflight import FINISHED, InFlightSave, Receive, Receiving, Saving
 from vllm_disagg.agent.kv.local import LocalClient, LocalError
 from vllm_disagg.agent.kv.local_messages import (
     Commit,
@@ -74,11 +80,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = init_logger("vllm.vllm_disagg.connector")  # under "vllm.": its lines go to the engine's log
 
-LOAD_TIMEOUT_S = 10.0  # a landing block's layer not there by then is recomputed
+LOAD_TIMEOUT_S = 10.0  # a landing block not there by then is recomputed
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +93,6 @@ class Load:
     req_id: str
     slots: tuple[int, ...]
     block_ids: tuple[int, ...]  # where each slot goes in the engine's KV cache
-    ready: tuple[bool, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +100,7 @@ class Save:
     slots: tuple[int, ...]
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
+    reqs: tuple[str, ...]  # the requests whose blocks these are
 
 
 @dataclass
@@ -101,8 +108,11 @@ class ConnectorMeta(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler tells the workers for one step."""
 
     step: int = 0
-    loads: list[Load] = field(default_factory=list)
+    loads: list[Load] = field(default_factory=list)  # synchronous: in this step's forward
+    receives: list[Load] = field(default_factory=list)  # asynchronous: once their blocks land
     save: Save | None = None
+    delayed: list[str] = field(default_factory=list)  # finished, their KV blocks kept until saved
+    preempted: bool = False
 
 
 @dataclass
@@ -111,7 +121,8 @@ class _Tracked:
 
     request: Request
     block_ids: list[int] = field(default_factory=list)
-    saved: int = 0  # prompt blocks before this one were reserved (or found pooled) already
+    sent: int = 0  # prompt blocks before this one were sent to the pool already
+    saved: int = 0  # the most prompt blocks sent so far (what a prefill leg's handle names)
     local_blocks: int = 0  # blocks the engine's own prefix cache had when it asked
     pinned: tuple[tuple[int, ...], tuple[bool, ...]] = ((), ())  # slots and readiness of the hit
 
@@ -139,6 +150,10 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # Requests whose loads each recent step carried: their pins go two steps later, once the
         # worker has surely run that step (with async scheduling it may run one step behind).
         self._loaded: deque[list[str]] = deque([[], []])
+        self._receives: list[Load] = []  # asynchronous loads for the next step's metadata
+        self._receiving: set[str] = set()  # their requests, pinned until the workers report them
+        self._saved_reqs: set[str] = set()  # requests with blocks in a save so far
+        self._delayed: list[str] = []  # finished ones of those, for the next step's metadata
         # worker side
         self._arena: SlotArena | None = None
         self._layers: dict[str, int] = {}  # layer name -> index in a slot
@@ -146,6 +161,8 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._copier = BlockCopier(torch.device("cpu"))  # replaced by the caches' device's
         self._block_dim = 0
         self._load_errors: set[int] = set()
+        self._in_receive = Receiving()
+        self._in_save = Saving()
 
     # === scheduler side ============================================================================
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -164,23 +181,40 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
         tracked.local_blocks = first
         tracked.pinned = (slots, ready)
-        return len(slots) * self._block_size, False
+        # Blocks still landing: vLLM waits for them without holding up its other requests.
+        return len(slots) * self._block_size, not all(ready)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
-        if num_external_tokens == 0 and tracked.pinned[0]:
-            # vLLM took less than the hit (another source covered it): nothing to load from us.
-            self._release([request.request_id])
-            tracked.pinned = ((), ())
-        elif num_external_tokens:
-            n = num_external_tokens // self._block_size
-            tracked.pinned = (tracked.pinned[0][:n], tracked.pinned[1][:n])
+        req_id = request.request_id
+        tracked = self._tracked.setdefault(req_id, _Tracked(request))
+        slots, ready = tracked.pinned
+        if num_external_tokens == 0:
+            if slots:  # vLLM took less than the hit (another source covered it): nothing to load from us
+                self._release([req_id])
+                tracked.pinned = ((), ())
+            return
+        n = num_external_tokens // self._block_size
+        if all(ready):
+            tracked.pinned = (slots[:n], ready[:n])
+            return
+        # Asynchronous (we said so): the request waits, not scheduled, and its blocks are these.
+        start = tracked.local_blocks
+        ids = tuple(blocks.get_block_ids()[0][start : start + n])
+        self._receives.append(Load(req_id, slots[:n], ids))
+        self._receiving.add(req_id)
+        tracked.pinned = ((), ())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMeta:
         self._step += 1
-        meta = ConnectorMeta(step=self._step)
+        meta = ConnectorMeta(
+            step=self._step,
+            receives=self._receives,
+            delayed=self._delayed,
+            preempted=bool(scheduler_output.preempted_req_ids),
+        )
+        self._receives, self._delayed = [], []
         done = self._loaded.popleft()
         if done:
             self._release(done)
@@ -191,11 +225,11 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if tracked is None:
                 continue
             tracked.block_ids = list(new.block_ids[0])
-            slots, ready = tracked.pinned
+            slots, _ = tracked.pinned
             if slots:
                 start = tracked.local_blocks
                 ids = tuple(tracked.block_ids[start : start + len(slots)])
-                meta.loads.append(Load(new.req_id, slots, ids, ready))
+                meta.loads.append(Load(new.req_id, slots, ids))
                 loaded.append(new.req_id)
                 tracked.pinned = ((), ())
         cached = scheduler_output.scheduled_cached_reqs
@@ -215,7 +249,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _reserve_saves(self, scheduler_output: SchedulerOutput) -> Save | None:
         """Pool slots for the prompt blocks this step completes that the pool does not hold yet."""
         blocks: list[SaveBlock] = []
-        where: dict[bytes, int] = {}
+        where: dict[bytes, tuple[int, str]] = {}  # key -> (engine block, request)
         for req_id, n_tokens in scheduler_output.num_scheduled_tokens.items():
             tracked = self._tracked.get(req_id)
             if tracked is None:
@@ -223,40 +257,60 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             request = tracked.request
             done = min(request.num_computed_tokens + n_tokens, request.num_prompt_tokens)
             full = min(done // self._block_size, len(request.block_hashes), len(tracked.block_ids))
-            if full <= tracked.saved:
+            if full <= tracked.sent:
                 continue
             prompt = request.prompt_token_ids or []
-            # The whole chain so far, not only the new blocks: the pool skips (and keeps) the ones it
-            # holds, so making room for the new ones cannot evict this prompt's own prefix, and a
-            # prefix block evicted since is saved again.
-            for b in range(full):
+            for b in range(tracked.sent, full):
                 key = request.block_hashes[b]
-                parent = request.block_hashes[b - 1] if b else None
-                tokens = list(prompt[b * self._block_size : (b + 1) * self._block_size])
                 if key not in where:
-                    blocks.append(SaveBlock(key, parent, tokens))
-                    where[key] = tracked.block_ids[b]
-            tracked.saved = max(tracked.saved, full)
+                    tokens = list(prompt[b * self._block_size : (b + 1) * self._block_size])
+                    blocks.append(SaveBlock(key, request.block_hashes[b - 1] if b else None, tokens))
+                    where[key] = (tracked.block_ids[b], req_id)
+            tracked.sent, tracked.saved = full, max(tracked.saved, full)
         if not blocks:
             return None
-        owner = f"{self._engine}:{self._step}"
         try:
-            got = self._agent.call(Reserve(owner, blocks), Reserved).slots
+            answer = self._agent.call(Reserve(f"{self._engine}:{self._step}", blocks), Reserved)
         except LocalError as e:
             log.warning("pool reserve failed, not saving this step's blocks: %s", e)
-            return None
+            answer = Reserved([], [key for key, _ in where.items()])
+        for key in answer.orphans:  # the chain's head left the pool since: the whole chain, next step
+            tracked = self._tracked.get(where[key][1]) if key in where else None
+            if tracked is not None:
+                tracked.sent = 0
+        got = [(key, slot) for key, slot in answer.slots if key in where]
         if not got:
             return None
-        return Save(tuple(s for _, s in got), tuple(where[k] for k, _ in got), tuple(k for k, _ in got))
+        reqs = tuple(sorted({where[key][1] for key, _ in got}))
+        self._saved_reqs.update(reqs)
+        return Save(
+            tuple(slot for _, slot in got),
+            tuple(where[key][0] for key, _ in got),
+            tuple(k for k, _ in got),
+            reqs,
+        )
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        loaded = [r for r in connector_output.finished_recving or () if r in self._receiving]
+        if loaded:  # the workers copied them: the pins can go
+            self._receiving.difference_update(loaded)
+            self._release(loaded)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        tracked = self._tracked.pop(request.request_id, None)
-        self._release([request.request_id])
+        req_id = request.request_id
+        tracked = self._tracked.pop(req_id, None)
+        if req_id not in self._receiving:  # (else its pins go when the workers report the load)
+            self._release([req_id])
+        # Its blocks stay until the saves that read them are done (the workers report it).
+        delay = req_id in self._saved_reqs and req_id not in self._receiving
+        self._saved_reqs.discard(req_id)
+        if delay:
+            self._delayed.append(req_id)
         params = request.kv_transfer_params
         if tracked is None or not isinstance(params, dict) or not params.get("do_remote_decode"):
-            return False, None  # not a prefill leg (the gateway's says do_remote_decode, as for NIXL)
+            return delay, None  # not a prefill leg (the gateway's says do_remote_decode, as for NIXL)
         # A prefill leg: the gateway moves these blocks to the decode instance's pool.
-        return False, pool_handle(self._block_size, request.block_hashes[: tracked.saved])
+        return delay, pool_handle(self._block_size, request.block_hashes[: tracked.saved])
 
     def _req(self, req_id: str) -> str:
         return f"{self._engine}:{req_id}"
@@ -308,12 +362,20 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return raw.view(like.dtype).view(like.shape)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        # Loads happen layer by layer in ``wait_for_layer_load`` (vLLM may call this after the
-        # forward pass); without a pool, every block to load is an error to recompute.
+        # Synchronous loads happen layer by layer in ``wait_for_layer_load`` (vLLM may call this after
+        # the forward pass); asynchronous ones are settled in ``get_finished``. Without a pool, every
+        # block to load is an error to recompute.
         meta = self._get_connector_metadata()
-        if meta.loads and self._arena is None:
-            for load in meta.loads:
+        self._in_save.finishing(meta.delayed)
+        if self._arena is None:
+            for load in (*meta.loads, *meta.receives):
                 self._load_errors.update(load.block_ids)
+            for load in meta.receives:
+                self._in_receive.copying(load.req_id, FINISHED)
+            return
+        deadline = time.monotonic() + self._load_timeout_s
+        for load in meta.receives:
+            self._in_receive.add(Receive(load.req_id, load.slots, load.block_ids, deadline))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         meta = self._get_connector_metadata()
@@ -323,32 +385,21 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         cache = self._caches[layer]
         pairs = []
         for load in meta.loads:
-            for slot, block_id, ready in zip(load.slots, load.block_ids, load.ready, strict=True):
+            for slot, block_id in zip(load.slots, load.block_ids, strict=True):
                 if block_id in self._load_errors:
                     continue
-                if not ready and not self._wait_landed(slot, layer):
+                if self._arena.layers_ready(slot) <= layer:  # whole when pinned, so never: but never wrong
                     self._load_errors.add(block_id)
                     continue
                 dst = cache.select(self._block_dim, block_id)
                 pairs.append((self._slot_tensor(slot, layer, dst), dst))
         self._copier.load(pairs)
 
-    def _wait_landed(self, slot: int, layer: int) -> bool:
-        """Wait until a landing block's ``layer`` is in its slot; False if it failed or is late."""
-        assert self._arena is not None
-        deadline = time.monotonic() + self._load_timeout_s
-        while True:
-            n = self._arena.layers_ready(slot)
-            if n == FAILED:
-                return False
-            if n > layer:
-                return True
-            if time.monotonic() > deadline:
-                log.warning(
-                    "slot %d layer %d did not land in %.1f s: recomputing", slot, layer, self._load_timeout_s
-                )
-                return False
-            time.sleep(0.0002)  # the transfer writes from the agent's process: nothing to wait on here
+    def handle_preemptions(self, kv_connector_metadata: ConnectorMeta) -> None:
+        # A preempted request's blocks go to others in this step: its saves must have read them first.
+        pending = self._in_save.pending()
+        if kv_connector_metadata.preempted and pending:
+            self._copier.order_after(pending[-1].done)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
@@ -364,16 +415,54 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._copier.save(pairs)
 
     def wait_for_save(self) -> None:
+        # Does not wait: the step's copies are committed once done (``_commit_saves``).
         meta = self._get_connector_metadata()
-        if meta.save is None or self._arena is None:
+        if meta.save is not None:
+            done = self._copier.saves_done() if self._arena is not None else FINISHED
+            save = meta.save
+            owner = f"{self._engine}:{meta.step}"
+            self._in_save.add(InFlightSave(owner, save.slots, save.keys, frozenset(save.reqs), done))
+        self._commit_saves()
+
+    def _commit_saves(self) -> None:
+        for save in self._in_save.done():
+            keys = list(save.keys)
+            if self._arena is None:
+                keys = []  # nothing was copied: the commit only lets the reservations go
+            else:
+                for slot in save.slots:  # every layer's copy is in its slot before the slot says so
+                    self._arena.set_layers_ready(slot, len(self._layers))
+            try:
+                self._agent.call(Commit(save.owner, keys), Committed)
+            except LocalError as e:
+                log.warning("pool commit failed: %s", e)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._commit_saves()
+        self._settle_receives()
+        return self._in_save.finished() or None, self._in_receive.finished() or None
+
+    def _settle_receives(self) -> None:
+        """Copy in the asynchronous loads whose blocks have landed (or that failed or are late)."""
+        arena = self._arena
+        if arena is None or not self._in_receive:
             return
-        self._copier.wait_saves()  # every layer's copy is in its slot before the slots say so
-        for slot in meta.save.slots:
-            self._arena.set_layers_ready(slot, len(self._layers))
-        try:
-            self._agent.call(Commit(f"{self._engine}:{meta.step}", list(meta.save.keys)), Committed)
-        except LocalError as e:
-            log.warning("pool commit failed: %s", e)
+        for settled in self._in_receive.decide(arena.layers_ready, len(self._layers), time.monotonic()):
+            receive = settled.receive
+            if settled.late:
+                log.warning(
+                    "request %s: %d blocks did not land in %.1f s: recomputing them",
+                    receive.req_id,
+                    len(settled.failed_blocks),
+                    self._load_timeout_s,
+                )
+            self._load_errors.update(settled.failed_blocks)
+            pairs = []
+            for layer, cache in enumerate(self._caches):
+                for slot, block_id in zip(receive.slots[: settled.loaded], receive.block_ids, strict=False):
+                    dst = cache.select(self._block_dim, block_id)
+                    pairs.append((self._slot_tensor(slot, layer, dst), dst))
+            self._in_receive.copying(receive.req_id, self._copier.load_async(pairs) if pairs else FINISHED)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

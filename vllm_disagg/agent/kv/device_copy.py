@@ -11,14 +11,18 @@ a layer's blocks out once the layer ran; a load copies them in before it runs.
 
   * a **save** first makes the side stream wait for the compute stream's work so far (the layer's
     KV is written: a stream dependency, not a host wait), copies the layer's blocks out, and records
-    an event per layer; ``wait_saves`` waits on the host for the last one, which is vLLM's
-    ``wait_for_save`` contract (the slots are whole once it returns, so the commit that follows is
-    true);
+    an event per layer; ``saves_done`` hands the last one to the connector, which commits the slots
+    once it has happened (``inflight.py``): the host never waits for a save. A preemption may give
+    a saved block to another request before its copy ran: ``order_after`` makes the compute stream
+    wait for the saves first;
   * a **load** makes the side stream wait for the compute stream too (a block just given to this
     request may still be read by the kernels of the step before), copies the blocks in, records an
     event, and makes the compute stream wait on that event: the layer's attention starts after its
     copy, and the host never waits. The pins of the slots are released two steps later by the
-    scheduler side, after the step's output (so its compute stream, so the copies) is done.
+    scheduler side, after the step's output (so its compute stream, so the copies) is done;
+  * an **asynchronous load** (blocks that landed while vLLM scheduled other requests) copies the
+    same way outside a forward pass, and hands its event back (``load_async``): the request is
+    reported loaded once it has happened.
 
 ``scripts/gpu_check.sh`` measures this path against a plain pinned-memory copy of the same bytes
 with torch alone (``gpu_check.py``).
@@ -29,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+
+from vllm_disagg.agent.kv.inflight import FINISHED, Done
 
 # (source block, destination block): views of one layer's block, the same shape and dtype.
 Pairs = Iterable[tuple[torch.Tensor, torch.Tensor]]
@@ -76,6 +82,16 @@ class BlockCopier:
             event.record(stream)
         self._saved = event
 
+    def saves_done(self) -> Done:
+        """What tells when every save so far is in its slots (on CPU they already are)."""
+        saved, self._saved = self._saved, None
+        return FINISHED if saved is None else saved
+
+    def order_after(self, done: Done) -> None:
+        """Make the compute stream's next work wait for ``done`` (a save's copy): no host wait."""
+        if self.cuda and isinstance(done, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(done)
+
     def wait_saves(self) -> None:
         """Return once every save so far is in its slots (the host waits for the last one's event)."""
         saved, self._saved = self._saved, None
@@ -98,6 +114,23 @@ class BlockCopier:
             event = torch.cuda.Event()
             event.record(stream)
         compute.wait_event(event)
+
+    def load_async(self, pairs: Pairs) -> Done:
+        """Copy each (slot block, cache block) pair into the cache outside a forward pass; what tells
+        when they are there."""
+        stream = self._stream
+        if stream is None:
+            for src, dst in pairs:
+                dst.copy_(src)
+            return FINISHED
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for src, dst in pairs:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        done: Done = event
+        return done
 
     def close(self) -> None:
         """Wait for the saves, and unregister the host memory (before its mapping goes)."""

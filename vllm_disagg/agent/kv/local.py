@@ -15,8 +15,10 @@ Requests (connector -> agent), each answered by its own message:
 - ``Lookup {req, keys}`` -> ``Pinned {slots, ready}``: pin the leading keys held for request ``req``
   (again: replaces its pins); ``ready`` is False while a transfer is landing a block.
 - ``Release {reqs}`` -> ``Released``: the requests loaded or finished; their pins go.
-- ``Reserve {owner, blocks: [[key, parent, token_ids], ...]}`` -> ``Reserved {slots}``: slots to
-  save new blocks into.
+- ``Reserve {owner, blocks: [[key, parent, token_ids], ...]}`` -> ``Reserved {slots, orphans}``:
+  slots to save new blocks into; ``orphans``, blocks whose parent the pool no longer holds (not
+  reserved: the engine sends their chain again). An engine sends a prompt's chain once, then only
+  the blocks each step completes: the pool keeps the chain a new block continues from eviction.
 - ``Commit {owner, keys}`` -> ``Committed {committed}``: the owner wrote them; they are ready, and
   its other reservations go.
 """

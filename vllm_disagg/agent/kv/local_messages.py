@@ -17,7 +17,7 @@ version 1's fields as they are and adds new ones (which version 1 readers ignore
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 from vllm_disagg.agent.kv.arena import Geometry
@@ -115,9 +115,13 @@ class Released:
 
 @dataclass(frozen=True, slots=True)
 class Reserved:
-    """``Reserve``'s answer: the slot of each block to write, by key."""
+    """``Reserve``'s answer: the slot of each block to write, by key; and the blocks not reserved
+    because the pool no longer holds their parent (``PrefixPool.reserve_chain``), which the engine
+    sends again with their whole chain. (Added after version 1's layout: an answer without it has
+    none.)"""
 
     slots: list[tuple[bytes, int]]
+    orphans: list[bytes] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +281,10 @@ def _reserved(raw: dict[str, Any]) -> Reserved:
         if not isinstance(key, bytes) or type(slot) is not int:
             raise ValueError("reserve: expected [key, slot] pairs")
         out.append((key, slot))
-    return Reserved(out)
+    orphans = raw.get("orphans", [])
+    if not isinstance(orphans, list) or not all(isinstance(k, bytes) for k in orphans):
+        raise ValueError("reserve: expected orphans as a list of keys")
+    return Reserved(out, orphans)
 
 
 def _committed(raw: dict[str, Any]) -> Committed:

@@ -227,21 +227,37 @@ class PrefixPool:
         owner: str,
         blocks: Sequence[tuple[BlockKey, BlockKey | None, Sequence[int]]],
     ) -> dict[BlockKey, int]:
-        """Slots for the blocks (key, parent, token ids) not yet held, pending and referenced by owner.
+        """``reserve_chain``'s slots."""
+        return self.reserve_chain(owner, blocks)[0]
 
-        Blocks already held are skipped (someone else wrote or is writing them). Stops at the first
-        block for which no slot can be freed: the caller writes the prefix it got, and the rest of the
-        prompt is simply not pooled. Returns key -> slot for what to write, in prompt order.
+    def reserve_chain(
+        self,
+        owner: str,
+        blocks: Sequence[tuple[BlockKey, BlockKey | None, Sequence[int]]],
+    ) -> tuple[dict[BlockKey, int], list[BlockKey]]:
+        """Slots for the blocks (key, parent, token ids) not yet held, pending and referenced by owner;
+        and the *orphans*: blocks whose parent is neither held nor reserved before them here.
+
+        Blocks already held are skipped (someone else wrote or is writing them). An orphan is not
+        reserved: a lookup walks a prompt from its first block, so it could never reach it (its
+        chain's earlier blocks were evicted since they were saved; the caller sends the chain
+        again). Stops at the first block for which no slot can be freed: the caller writes the
+        prefix it got, and the rest of the prompt is simply not pooled. Returns key -> slot for what
+        to write, in prompt order.
         """
-        # The prompt's blocks already held are not evicted to make room for its others: that would
-        # leave a hole in the chain, and the blocks after it would be written for nothing. They are
-        # used by this save, so they re-enter the LRU newest, first block last.
-        kept = [key for key in dict.fromkeys(key for key, _, _ in blocks) if key in self._lru]
+        # The chains these blocks continue are not evicted to make room for them: that would leave a
+        # hole, and the blocks after it would be written for nothing. They are used by this save, so
+        # they re-enter the LRU newest, first block last.
+        kept = self._chains_in_lru(blocks)
         for key in kept:
             del self._lru[key]
         got: dict[BlockKey, int] = {}
+        orphans: list[BlockKey] = []
         for key, parent, token_ids in blocks:
             if key in self._entries:
+                continue
+            if parent is not None and parent not in self._entries:
+                orphans.append(key)
                 continue
             slot = self._take_slot()
             if slot is None:
@@ -249,9 +265,29 @@ class PrefixPool:
             self._entries[key] = _Entry(slot, "pending", owner, {}, tuple(token_ids), parent)
             self._ref(owner, key)
             got[key] = slot
-        for key in reversed(kept):
+        for key in kept:
             self._lru[key] = None
-        return got
+        return got, orphans
+
+    def _chains_in_lru(
+        self, blocks: Sequence[tuple[BlockKey, BlockKey | None, Sequence[int]]]
+    ) -> list[BlockKey]:
+        """The evictable blocks among ``blocks`` and up their parents, tail first."""
+        parent_in = {key: parent for key, parent, _ in blocks}
+        out: list[BlockKey] = []
+        seen: set[BlockKey] = set()
+        for key, _, _ in reversed(blocks):
+            at: BlockKey | None = key
+            while at is not None and at not in seen:
+                seen.add(at)
+                entry = self._entries.get(at)
+                if entry is None:
+                    at = parent_in.get(at)
+                    continue
+                if at in self._lru:
+                    out.append(at)
+                at = entry.parent
+        return out
 
     def describe(self, owner: str, key: BlockKey, token_ids: Sequence[int]) -> bool:
         """Set the token ids of a block ``owner`` is writing (reserved before they were known, as a

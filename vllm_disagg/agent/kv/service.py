@@ -52,6 +52,7 @@ class PoolService:
         # Lifetime prompt blocks the engines asked the pool for, and those it held (memory or disk).
         self.asked = 0
         self.found = 0
+        self.offered = 0  # lifetime blocks engines sent to be saved (a prompt's chain once, then new ones)
         self._sock: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -89,8 +90,11 @@ class PoolService:
                 return Released()
             case Reserve():
                 owner = "save:" + request.owner
-                got = pool.reserve(owner, [(b.key, b.parent, b.tokens) for b in request.blocks])
-                return Reserved(list(got.items()))
+                self.offered += len(request.blocks)
+                got, orphans = pool.reserve_chain(
+                    owner, [(b.key, b.parent, b.tokens) for b in request.blocks]
+                )
+                return Reserved(list(got.items()), orphans)
             case Commit():
                 owner = "save:" + request.owner
                 done = pool.commit(owner, request.keys)

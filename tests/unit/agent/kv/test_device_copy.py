@@ -68,6 +68,24 @@ def test_blocks_saved_to_slots_load_back_into_other_blocks_bit_for_bit(
     copier.close()
 
 
+def test_an_asynchronous_load_copies_every_layer_and_says_when_it_is_done(arena: SlotArena) -> None:
+    (shape, dim) = LAYOUTS[0]
+    caches = [torch.randn(shape, dtype=torch.float16) for _ in range(3)]
+    copier = BlockCopier.for_caches(caches)
+    for layer, cache in enumerate(caches):
+        _slot(arena, 2, layer, cache.select(dim, 0)).copy_(cache.select(dim, 0))
+    assert copier.saves_done().query()  # on CPU nothing is ever in flight
+    done = copier.load_async(
+        [
+            (_slot(arena, 2, layer, cache.select(dim, 4)), cache.select(dim, 4))
+            for layer, cache in enumerate(caches)
+        ]
+    )
+    assert done.query()
+    assert all(torch.equal(cache.select(dim, 4), cache.select(dim, 0)) for cache in caches)
+    copier.close()
+
+
 def test_a_cpu_cache_pins_nothing_and_closes_cleanly(arena: SlotArena) -> None:
     copier = BlockCopier(torch.device("cpu"))
     assert copier.pin(arena.buffer) is False

@@ -133,7 +133,11 @@ def node(tmp_path: Path) -> Iterator[PoolNode]:
 def store(node: PoolNode, *ids: int) -> None:
     pool, arena = node.pool, node.arena
     assert pool is not None and arena is not None
-    got = pool.reserve("save:1", [(key(i), key(i - 1) if i > 1 else None, (i,) * 4) for i in ids])
+    # A block continues block i - 1 where that is pooled or stored with it; else it starts a chain.
+    chained = [i > 1 and (i - 1 in ids or key(i - 1) in pool) for i in ids]
+    got = pool.reserve(
+        "save:1", [(key(i), key(i - 1) if c else None, (i,) * 4) for i, c in zip(ids, chained, strict=True)]
+    )
     for k, slot in got.items():
         arena.block_view(slot)[:] = payload(k[-1])
     pool.commit("save:1", got)

@@ -90,6 +90,30 @@ def test_reserving_the_rest_of_a_held_prefix_does_not_evict_the_prefix() -> None
     assert pool.take_removed() == [b"x"]
 
 
+def test_reserving_only_a_chain_s_new_block_keeps_the_chain_it_continues_from_eviction() -> None:
+    # The engine sends a prompt's chain once, then only the blocks each step completes.
+    pool = PrefixPool(3)
+    prompt = chain("a", 3)
+    save(pool, "save:1", prompt[:2])
+    save(pool, "save:2", [b"x"])  # newer than the chain: eviction would take the chain's tail first
+    got = pool.reserve("save:3", blocks(prompt)[2:])
+    assert list(got) == [prompt[2]]
+    assert pool.take_removed() == [b"x"]  # not a1, which would have left a2 unreachable
+    pool.commit("save:3", got)
+    assert pool.lookup(prompt) == 3
+
+
+def test_a_block_whose_parent_left_the_pool_is_an_orphan_and_is_not_reserved() -> None:
+    pool = PrefixPool(2)
+    prompt = chain("a", 3)
+    save(pool, "save:1", prompt[:2])
+    save(pool, "save:2", chain("x", 2))  # the chain is gone
+    got, orphans = pool.reserve_chain("save:3", blocks(prompt)[2:])
+    assert got == {} and orphans == [prompt[2]]  # no lookup could reach it: not written
+    got, orphans = pool.reserve_chain("save:3", blocks(prompt)[:2])  # the chain again, from its head
+    assert list(got) == prompt[:2] and orphans == []
+
+
 def test_a_pending_block_whose_writer_aborts_is_dropped_and_its_reader_sees_it_gone() -> None:
     pool = PrefixPool(2)
     key = b"a0"

@@ -76,6 +76,12 @@ def test_open_names_the_arena_the_worker_maps(node: PoolNode) -> None:
     assert node.arena is not None and str(node.arena.path) == answer["path"]
 
 
+def test_a_block_whose_chain_left_the_pool_is_answered_as_an_orphan(service: PoolService) -> None:
+    answer = service.handle({"op": "reserve", "owner": "e:1", "blocks": _blocks(3)[2:]})
+    assert answer == {"ok": True, "slots": [], "orphans": [KEYS[2]]}  # the engine sends the chain again
+    assert service.offered == 1
+
+
 def test_a_saved_prompt_is_found_and_pinned_for_the_request_that_asks(service: PoolService) -> None:
     _save(service, "e:1", 2)
     answer = service.handle({"op": "lookup", "req": "e:r1", "keys": KEYS})
@@ -255,12 +261,13 @@ def test_pool_changes_are_reported_as_pool_events_with_vllms_folded_hashes(servi
 
 
 def test_a_snapshot_starts_the_pool_over_with_every_parent_before_its_child(service: PoolService) -> None:
-    # A chain's later blocks stored before its first one (a prefix block evicted, then saved again):
-    # the pool holds them in that order, but the index can only chain a block to a known parent.
+    # A chain's later blocks stored before its first one (its first block's save never committed,
+    # then saved again): the pool holds them in that order, but the index can only chain a block to
+    # a known parent.
     blocks = _blocks(3)
-    for owner, part in (("e:1", blocks[1:]), ("e:2", blocks[:1])):
-        slots = service.handle({"op": "reserve", "owner": owner, "blocks": part})["slots"]
-        service.handle({"op": "commit", "owner": owner, "keys": [k for k, _ in slots]})
+    for owner, part, commit in (("e:1", blocks, KEYS[1:3]), ("e:2", blocks[:1], KEYS[:1])):
+        service.handle({"op": "reserve", "owner": owner, "blocks": part})
+        service.handle({"op": "commit", "owner": owner, "keys": list(commit)})
     pool = service.node.pool
     assert pool is not None and pool.held_keys() == [KEYS[1], KEYS[2], KEYS[0]]
     snapshot = pool_snapshot(service.node)
