@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.protocol.engine_urls import EngineNetworks, host_local_endpoint
+from vllm_disagg.protocol.kv_connectors import check_kv_settings
 from vllm_disagg.protocol.messages import ROLES, Role, label_problem
 
 
@@ -495,6 +496,7 @@ class AgentConfig:
     engine_device: str = "auto"  # "cpu", "cuda", or "auto" (cuda when nvidia-smi is found)
     engine_python: str = ""  # interpreter whose venv holds vLLM; empty: the agent's own
     kv_connector: str = "NixlConnector"  # empty: no --kv-transfer-config (a plain colocated engine)
+    kv_connector_config: str = ""  # JSON object: its kv_connector_extra_config (protocol/kv_connectors)
     # vLLM's kv_transfer_config.kv_load_failure_policy, for a decode engine whose KV pull fails: "fail"
     # answers an error, "recompute" computes the prompt itself (silently slower). Empty: vLLM's default
     # ("fail" in 0.32). Passed only with a connector.
@@ -570,13 +572,8 @@ class AgentConfig:
             raise ConfigError(
                 f"agent.engine_device must be 'auto', 'cpu' or 'cuda', got {self.engine_device!r}"
             )
-        if self.kv_load_failure_policy not in ("", "fail", "recompute"):
-            raise ConfigError(
-                "agent.kv_load_failure_policy must be 'fail', 'recompute' or empty (vLLM's default), "
-                f"got {self.kv_load_failure_policy!r}"
-            )
-        if self.kv_lease_s < 0:
-            raise ConfigError(f"agent.kv_lease_s must be >= 0 (0: the default), got {self.kv_lease_s}")
+        kv = (self.kv_connector, self.kv_connector_config, self.kv_load_failure_policy, self.kv_lease_s)
+        check_kv_settings(self.role, *kv)
 
     def _check_kv_events(self) -> None:
         if self.kv_events_endpoint and not self.kv_events_endpoint.startswith(("tcp://", "ipc://")):

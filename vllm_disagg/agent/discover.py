@@ -36,7 +36,7 @@ from vllm_disagg.agent.engine_kinds import tokenizer_source
 from vllm_disagg.agent.layout import attached_layout
 from vllm_disagg.agent.probe import ProbeUnanswered, probe_capabilities
 from vllm_disagg.agent.session import AgentSession, RoleSwitch
-from vllm_disagg.agent.vllm_command import KV_ROLES, uses_pool
+from vllm_disagg.agent.vllm_command import launched_kv_role
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.protocol.engine_urls import host_local_endpoint
 from vllm_disagg.protocol.messages import EngineCapabilities, InstanceInfo, KvLayout, Role
@@ -115,7 +115,7 @@ def role_switch(cfg: AgentConfig, role: Role, facts: EngineFacts | None) -> Role
     if cfg.engine != "vllm":
         return RoleSwitch("live")
 
-    kv_role = "kv_both" if uses_pool(cfg) else KV_ROLES[cfg.role]
+    kv_role = launched_kv_role(cfg)
     if kv_role != "kv_both":
         return RoleSwitch("restart", f"the engine was launched with kv_role {kv_role}: it restarts as {role}")
     return RoleSwitch("live")

@@ -40,7 +40,7 @@ from vllm_disagg.agent.engine_command import kv_events_endpoint
 from vllm_disagg.agent.kv_mirror import KvMirror
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import KvEventsError
-from vllm_disagg.protocol.messages import KvEvent, KvEvents
+from vllm_disagg.protocol.messages import MEDIUM_DISK, MEDIUM_GPU, MEDIUM_POOL, KvEvent, KvEvents
 from vllm_disagg.wire import kv_events
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,21 @@ def _items(event: KvEvent) -> int:
     return len(event.block_hashes) + len(event.token_ids) + 1
 
 
+def medium_of(engine_medium: str) -> str:
+    """The index's medium for blocks an engine reports in ``engine_medium``: its prefix cache; a
+    connector's host-memory tier, which the engine loads on a hit as from a pool; any other tier of
+    its connector (storage), as from a disk tier (``protocol/kv_connectors.py``)."""
+    if engine_medium == kv_events.GPU:
+        return MEDIUM_GPU
+    return MEDIUM_POOL if engine_medium == "cpu" else MEDIUM_DISK
+
+
 def to_protocol(event: kv_events.KvEvent, max_items: int = MAX_MESSAGE_ITEMS) -> Iterator[KvEvent]:
     """One engine event as protocol events of at most ``max_items`` items each (chained pieces)."""
     if isinstance(event, kv_events.BlockStored):
         if event.keyed:
             return  # not indexable by tokens; its children then have an unknown parent and are skipped too
+        medium = medium_of(event.medium)
         size = event.block_size
         per_piece = max(1, (max_items - 1) // (size + 1))
         parent = event.parent_block_hash
@@ -79,13 +89,13 @@ def to_protocol(event: kv_events.KvEvent, max_items: int = MAX_MESSAGE_ITEMS) ->
         for start in range(0, len(hashes), per_piece):
             piece = hashes[start : start + per_piece]
             tokens = event.token_ids[start * size : (start + len(piece)) * size]
-            yield KvEvent("stored", list(piece), parent, list(tokens), size)
+            yield KvEvent("stored", list(piece), parent, list(tokens), size, medium)
             parent = piece[-1]  # the next piece chains to this one's last block
     elif isinstance(event, kv_events.BlockRemoved):
         hashes = event.block_hashes
         per_piece = max(1, max_items - 1)
         for start in range(0, len(hashes), per_piece):
-            yield KvEvent("removed", list(hashes[start : start + per_piece]))
+            yield KvEvent("removed", list(hashes[start : start + per_piece]), medium=medium_of(event.medium))
     else:
         yield _CLEARED
 
@@ -244,8 +254,11 @@ class KvEventForwarder:
         elif last is not None and batch.seq > last + 1:
             self._lost(batch.seq - last - 1)
         events = [piece for event in batch.events for piece in to_protocol(event, self._max_items)]
-        if events:
-            self._record(events)
+        engine = [e for e in events if e.medium == MEDIUM_GPU]
+        if engine:
+            self._record(engine)
+        if len(engine) < len(events):  # a connector's tiers: indexed apart, never mirrored (lost at a resync)
+            self.forward([e for e in events if e.medium != MEDIUM_GPU])
 
     def engine_restarted(self) -> None:
         """The supervisor replaced the engine: what the old one published is read first, then cleared."""

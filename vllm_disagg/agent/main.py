@@ -32,6 +32,7 @@ from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.private_files import private_dir
 from vllm_disagg.protocol.curve import ClientCurve, load_keypair, load_public
+from vllm_disagg.protocol.kv_connectors import extra_config, resolve
 from vllm_disagg.protocol.messages import ROLES, EngineState
 from vllm_disagg.runtime import become_subreaper, reap_children, run_service
 
@@ -105,8 +106,16 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "--kv-connector",
         "kv_connector",
         str,
-        "KV connector: NixlConnector, vllm-disagg (the project's, over this agent's prefix pool; "
-        "docs/kv-pool.md), or empty for none",
+        "KV connector: nixl (NixlConnector), vllm-disagg (the project's, over this agent's prefix pool), "
+        "shared-storage, lmcache, mooncake, mooncake-store, offloading, cpu-offload, another vLLM class "
+        "name, or empty for none (docs/kv-pool.md, Connectors)",
+    ),
+    (
+        "--kv-connector-config",
+        "kv_connector_config",
+        str,
+        "the connector's settings, a JSON object (vLLM's kv_connector_extra_config), e.g. "
+        '\'{"shared_storage_path": "/var/lib/kv"}\'',
     ),
     (
         "--kv-pool-capacity",
@@ -209,6 +218,8 @@ def run_config(cfg: AgentConfig, log_level: str = "INFO", log_format: str = "tex
     disk_bytes(cfg.kv_disk_capacity)  # or a disk tier's
     if cfg.kv_disk_dir:
         private_dir(Path(cfg.kv_disk_dir))  # and a disk tier's directory another user holds
+    if store := extra_config(resolve(cfg.kv_connector), cfg.kv_connector_config).get("shared_storage_path"):
+        private_dir(Path(str(store)))  # the prompts' KV, written by the engine: this user's alone
     if cfg.command_log:
         CommandLog.open(cfg.command_log).close()  # and a command log that cannot be written
     logs.configure(log_level, log_format, f"agent {cfg.agent_id}")

@@ -27,6 +27,7 @@ from vllm_disagg.agent.layout import launched_layout
 from vllm_disagg.agent.vllm_plugin import NIXL_PROGRESS_NICE_ENV
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
+from vllm_disagg.protocol.kv_connectors import extra_config, reported_connector, resolve
 from vllm_disagg.protocol.messages import VLLM_CAPABILITIES, InstanceInfo, Role
 from vllm_disagg.wire.block_hash import HASH_ALGO
 
@@ -85,6 +86,14 @@ def uses_pool(cfg: AgentConfig) -> bool:
     return cfg.engine == "vllm" and cfg.kv_connector == CONNECTOR_NAME
 
 
+def launched_kv_role(cfg: AgentConfig) -> str:
+    """The ``kv_role`` the agent launches its engine with: a P/D connector's by role; ``kv_both`` for
+    the project's pool, a store or an engine's own tier (each engine saves and loads)."""
+    if uses_pool(cfg) or resolve(cfg.kv_connector).handoff != "params":
+        return "kv_both"
+    return KV_ROLES[cfg.role]
+
+
 def pool_transfer_config(cfg: AgentConfig) -> dict[str, object]:
     """The project's connector (docs/kv-pool.md): vLLM loads it from this package, and it talks to
     this agent over a local socket. Always ``kv_both``: the same engine saves what it computes and
@@ -108,15 +117,19 @@ def kv_transfer_config(cfg: AgentConfig, device: Device) -> dict[str, object]:
         return {}
     if cfg.kv_connector == CONNECTOR_NAME:
         return pool_transfer_config(cfg)
-    config: dict[str, object] = {"kv_connector": cfg.kv_connector, "kv_role": KV_ROLES[cfg.role]}
+    spec = resolve(cfg.kv_connector)
+    config: dict[str, object] = {"kv_connector": spec.vllm_class, "kv_role": launched_kv_role(cfg)}
     if device == "cpu":
         # No device memory to register: NIXL moves blocks between host buffers over UCX.
         config["kv_buffer_device"] = "cpu"
     if cfg.kv_load_failure_policy:
         # What a decode engine does when a pull fails; unset, vLLM's default applies ("fail" in 0.32).
         config["kv_load_failure_policy"] = cfg.kv_load_failure_policy
+    extra = extra_config(spec, cfg.kv_connector_config)
     if cfg.kv_lease_s:
-        config["kv_connector_extra_config"] = {"kv_lease_duration": cfg.kv_lease_s}
+        extra["kv_lease_duration"] = cfg.kv_lease_s
+    if extra:
+        config["kv_connector_extra_config"] = extra
     return config
 
 
@@ -270,7 +283,8 @@ class VllmEngineCommand(EngineCommand):
             model=served_model_name(cfg),
             engine="vllm",
             block_size=effective_block_size(cfg, self.device(cfg)),
-            kv_connector=cfg.kv_connector,
+            # vLLM's class name, as an attached engine's says: launched and attached pair alike.
+            kv_connector=reported_connector(cfg.kv_connector),
             max_model_len=cfg.max_model_len,
             # The agent launches vLLM 0.32 with 0.32's flags (scripts/setup_engine.sh installs it).
             capabilities=VLLM_CAPABILITIES,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import json
 import os
 import shutil
 import sys
@@ -56,6 +57,7 @@ from vllm_disagg.orchestrator.flags import (
     tracing_argv,
 )
 from vllm_disagg.protocol.curve import make_keypair
+from vllm_disagg.protocol.kv_connectors import check_kv_settings, connector_names, parse_settings, resolve
 from vllm_disagg.runtime import run_service
 
 DEFAULT_MODELS = {"vllm": "tiny", "sim": "sim-model"}
@@ -207,11 +209,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-connector",
-        choices=("NixlConnector", "vllm-disagg"),
+        choices=connector_names(),
         default=d.kv_connector,
-        help="how KV moves from prefill to decode: NIXL (vLLM's, the default), or vllm-disagg (the "
+        help="how KV moves from prefill to decode: NIXL (vLLM's, the default), vllm-disagg (the "
         "project's connector over each agent's prefix pool: a prefix computed once serves every "
-        "instance; docs/kv-pool.md)",
+        "instance), shared-storage (vLLM's example connector: a directory every engine reads), or "
+        "another of vLLM's (docs/kv-pool.md, Connectors)",
+    )
+    parser.add_argument(
+        "--kv-connector-config",
+        default=d.kv_connector_config,
+        help="the connector's settings for every engine, a JSON object (vLLM's "
+        "kv_connector_extra_config); shared-storage's directory defaults to one of this cluster's",
     )
     parser.add_argument(
         "--kv-pool-capacity",
@@ -319,6 +328,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         kv_load_failure_policy=args.kv_load_failure_policy or "",
         kv_lease_s=args.kv_lease_s,
         kv_connector=args.kv_connector,
+        kv_connector_config=store_config(args.kv_connector, args.kv_connector_config, args.port),
         kv_pool_capacity=args.kv_pool_capacity,
         kv_disk_dir=args.kv_disk_dir,
         kv_disk_capacity=args.kv_disk_capacity,
@@ -352,7 +362,9 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         otlp_traces_protocol=args.otlp_protocol or "http/protobuf",
     )
     spec = _with_admin_token(spec, args.admin_token_file)
-    spec.plans()
+    for plan in spec.plans():  # what every agent would refuse, refused before any starts
+        if spec.engine == "vllm":
+            check_kv_settings(plan.role, spec.kv_connector, spec.kv_connector_config, "", 0)
     if args.scheduler_config:  # refused here, before any process starts
         from vllm_disagg.orchestrator.scheduling.config import load_config_file
 
@@ -387,6 +399,16 @@ def with_keys(spec: ClusterSpec, directory: Path) -> ClusterSpec:
     for plan in spec.plans():
         make_keypair(agents, plan.agent_id)
     return replace(spec, keys_dir=str(directory))
+
+
+def store_config(connector: str, settings: str, port: int) -> str:
+    """``--kv-connector-config``, with a store connector's directory where it needs one and none is
+    given: one of this cluster's, private to this user (the engines check it as they start)."""
+    spec = resolve(connector)
+    if "shared_storage_path" not in spec.required or "shared_storage_path" in parse_settings(settings):
+        return settings
+    store = admin_token_path(port).parent / "kv-store"
+    return json.dumps({**parse_settings(settings), "shared_storage_path": str(store)})
 
 
 def admin_token_path(port: int) -> Path:

@@ -43,6 +43,7 @@ class ClusterSpec:
     # The engines' KV connector: NIXL (vLLM's), or "vllm-disagg", the project's over each agent's
     # prefix pool (docs/kv-pool.md), with the pool's capacity.
     kv_connector: str = "NixlConnector"
+    kv_connector_config: str = ""  # its settings, a JSON object (protocol/kv_connectors.py)
     kv_pool_capacity: str = ""  # "": the agent's default
     kv_disk_dir: str = ""  # the pools' disk tier: one directory per agent under it; "": none
     kv_disk_capacity: str = ""  # each agent's disk tier, in bytes; "": the agent's default
@@ -196,6 +197,8 @@ class ClusterSpec:
             argv += ["--kv-lease-s", str(self.kv_lease_s)]
         if self.engine == "vllm" and self.kv_connector != ClusterSpec.kv_connector:
             argv += ["--kv-connector", self.kv_connector]
+        if self.engine == "vllm" and self.kv_connector_config:
+            argv += ["--kv-connector-config", self.kv_connector_config]
         if self.kv_pool_capacity:
             argv += ["--kv-pool-capacity", self.kv_pool_capacity]
         if self.kv_disk_dir:  # one tier per agent: its directory is its own, and outlives this run

@@ -19,6 +19,9 @@ import msgpack
 from vllm_disagg.errors import KvEventsError
 
 TOPIC = b"kv-events"
+# vLLM's ``medium``: "GPU" (or none) for the engine's own prefix cache, whatever its device; a
+# connector's tier says its own ("CPU", "STORAGE" for vLLM's offloading connector). Lowercased here.
+GPU = "gpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,13 +35,15 @@ class BlockStored:
     # The engine's hash also covers a LoRA, multimodal inputs or a cache salt: the same tokens
     # without them would not hit, so such blocks must not be indexed by their tokens.
     keyed: bool = False
+    medium: str = GPU  # where: the engine's cache, or a tier its connector keeps (lowercased)
 
 
 @dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Blocks left the engine's prefix cache."""
+    """Blocks left the engine's prefix cache (or, by ``medium``, a tier its connector keeps)."""
 
     block_hashes: tuple[int, ...]
+    medium: str = GPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,13 +146,21 @@ def _event(raw: object) -> KvEvent:
                 or fields.get("lora_name") is not None
                 or (isinstance(extra, list) and any(k is not None for k in extra))
             )
-            return BlockStored(hashes, parent, token_ids, block_size, keyed)
+            return BlockStored(hashes, parent, token_ids, block_size, keyed, _medium(fields.get("medium")))
         if kind == "BlockRemoved":
             hashes = _hashes(fields["block_hashes"], "block_hashes")
-            return BlockRemoved(hashes)
+            return BlockRemoved(hashes, _medium(fields.get("medium")))
         return AllBlocksCleared()
     except KeyError as exc:
         raise KvEventsError(f"{kind} lacks field {exc.args[0]!r}") from None
+
+
+def _medium(raw: object) -> str:
+    if raw is None:
+        return GPU
+    if not isinstance(raw, str) or not raw:
+        raise KvEventsError(f"medium must be a string, got {raw!r}")
+    return raw.lower()
 
 
 def decode_frames(frames: list[bytes]) -> KvEventBatch:
@@ -180,10 +193,14 @@ def _to_wire(event: KvEvent) -> dict[str, Any]:
             "token_ids": list(event.token_ids),
             "block_size": event.block_size,
             "lora_id": None,
-            "medium": "GPU",
+            "medium": event.medium.upper(),
         }
     if isinstance(event, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "medium": "GPU"}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": list(event.block_hashes),
+            "medium": event.medium.upper(),
+        }
     return {"type": "AllBlocksCleared"}
 
 

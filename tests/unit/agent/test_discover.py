@@ -247,6 +247,17 @@ def test_an_attached_simulator_says_no_connector_as_a_launched_one_does() -> Non
         (dict(engine="sim", attach_url="", role_switch="restart"), None, "decode", "restart", "role_switch"),
         (dict(attach_url=""), None, "decode", "restart", "launched with kv_role kv_producer: it restarts"),
         (dict(attach_url="", role="both"), None, "decode", "live", ""),
+        (
+            dict(
+                attach_url="",
+                kv_connector="shared-storage",
+                kv_connector_config='{"shared_storage_path": "/kv"}',
+            ),
+            None,
+            "decode",
+            "live",
+            "",
+        ),
         (dict(attach_url="", role="both", role_switch="restart"), None, "decode", "restart", "role_switch"),
         (dict(attach_url="", kv_connector=""), None, "decode", "refuse", "without a KV connector"),
         (
@@ -265,6 +276,7 @@ def test_an_attached_simulator_says_no_connector_as_a_launched_one_does() -> Non
         "role_switch restart restarts even the simulator",
         "a launched producer restarts to decode",
         "a launched kv_both engine switches by routing",
+        "a launched store connector's engine is kv_both in every role: by routing",
         "unless role_switch says restart",
         "a launched engine without a connector serves whole requests only",
         "an attached producer says it cannot decode: not ours to restart",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,10 @@ from vllm_disagg.config import AgentConfig
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
 from vllm_disagg.protocol.messages import (
+    MEDIUM_DISK,
+    MEDIUM_GPU,
+    MEDIUM_POOL,
+    PROTOCOL_MINOR,
     PROTOCOL_VERSION,
     InstanceInfo,
     KvEvent,
@@ -391,3 +396,22 @@ def test_the_kv_events_endpoint_flag_reaches_the_config_and_must_be_a_zeromq_end
 def test_keyed_blocks_are_not_forwarded_so_their_tokens_never_score_a_hit() -> None:
     keyed = BlockStored((1, 2), None, tuple(TOKENS[:8]), BS, keyed=True)
     assert list(to_protocol(keyed)) == []
+
+
+async def test_a_connectors_tiers_are_indexed_as_pool_and_disk_and_never_mirrored(rig: Rig) -> None:
+    # vLLM's offloading connector publishes its tiers' blocks beside the engine's own: host memory
+    # ("CPU") and storage. The engine loads either on a hit, so routing counts them, apart.
+    forwarder = await rig.start()
+    rig.session.peer_minor = PROTOCOL_MINOR  # an orchestrator that indexes more than the engine's cache
+    offloaded = dataclasses.replace(blocks(1, 2), medium="cpu")
+    stored = dataclasses.replace(blocks(3, 1), medium="storage")
+    rig.publish(blocks(1, 2), offloaded, stored, BlockRemoved((1,), medium="cpu"))
+    sent = events_of(await rig.messages_until(lambda got: len(events_of(got)) >= 4))
+    assert [(e.kind, e.medium, e.block_hashes) for e in sent] == [
+        ("stored", MEDIUM_GPU, [1, 2]),
+        ("stored", MEDIUM_POOL, [1, 2]),
+        ("stored", MEDIUM_DISK, [3]),
+        ("removed", MEDIUM_POOL, [1]),
+    ]
+    snapshot = forwarder.mirror.snapshot(1000)  # what a resync sends: the engine's own cache alone
+    assert [(e.kind, e.block_hashes) for e in snapshot] == [("cleared", []), ("stored", [1, 2])]

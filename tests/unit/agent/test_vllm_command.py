@@ -337,3 +337,32 @@ def test_a_kv_lease_goes_into_the_connectors_extra_config_as_vllms_kv_lease_dura
 def test_a_negative_kv_lease_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="kv_lease_s"):
         agent(kv_lease_s=-1)
+
+
+STORE_ROLES = [pytest.param(role, id=role) for role in ("prefill", "decode", "both")]
+
+
+@pytest.mark.parametrize("role", STORE_ROLES)
+def test_a_store_connector_runs_kv_both_in_every_role_with_its_settings(role: str) -> None:
+    cfg = agent(
+        role=role, kv_connector="shared-storage", kv_connector_config='{"shared_storage_path": "/kv"}'
+    )
+    transfer = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-transfer-config"])
+    assert transfer == {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",  # each engine saves what it computes and loads what the store holds
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"shared_storage_path": "/kv"},
+    }
+
+
+def test_a_p_d_connector_by_our_name_runs_vllm_s_class_by_role_with_the_lease_beside_its_settings() -> None:
+    cfg = agent(
+        role="decode", kv_connector="mooncake", kv_connector_config='{"num_workers": 4}', kv_lease_s=60
+    )
+    transfer = jsonutil.loads(flags(vllm_argv(cfg, "cuda"))["--kv-transfer-config"])
+    assert transfer == {
+        "kv_connector": "MooncakeConnector",
+        "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"num_workers": 4, "kv_lease_duration": 60},
+    }

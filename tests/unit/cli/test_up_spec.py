@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -60,6 +61,34 @@ def test_each_agent_gets_a_disk_tier_directory_of_its_own_under_the_one_given() 
 def test_a_disk_tier_capacity_that_is_not_bytes_is_refused_before_anything_starts(capacity: str) -> None:
     with pytest.raises(ConfigError, match="kv disk capacity"):
         spec_of("--kv-disk-dir", "/tmp/x", "--kv-disk-capacity", capacity)
+
+
+def vllm_spec_of(*flags: str) -> list[list[str]]:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    spec = spec_from_args(parser.parse_args(["--engine", "vllm", "--model", "/m", "--port", "8123", *flags]))
+    return [spec.agent_argv(plan) for plan in spec.plans()]
+
+
+def test_a_store_connector_s_directory_defaults_to_one_of_the_cluster_s_the_same_for_every_agent() -> None:
+    argvs = vllm_spec_of("--kv-connector", "shared-storage")
+    settings = {
+        json.loads(argv[argv.index("--kv-connector-config") + 1])["shared_storage_path"] for argv in argvs
+    }
+    (store,) = settings
+    assert store.endswith("/up-8123/kv-store")
+    given = vllm_spec_of(
+        "--kv-connector", "shared-storage", "--kv-connector-config", '{"shared_storage_path": "/kv"}'
+    )
+    assert {argv[argv.index("--kv-connector-config") + 1] for argv in given} == {
+        '{"shared_storage_path": "/kv"}'
+    }
+    assert all("--kv-connector-config" not in argv for argv in vllm_spec_of())
+
+
+def test_a_connector_that_keeps_kv_under_its_engine_is_refused_for_a_p_d_cluster() -> None:
+    with pytest.raises(ConfigError, match="role must be 'both'"):
+        vllm_spec_of("--kv-connector", "offloading")
 
 
 def orchestrator_argv_of(*flags: str) -> list[str]:

@@ -256,3 +256,26 @@ def test_blocks_whose_hash_covers_more_than_tokens_are_marked_keyed(
     payload = msgpack.packb([0.0, [event | extra], 0])
     (stored,) = decode_frames([b"kv-events", (1).to_bytes(8, "big"), payload]).events
     assert isinstance(stored, BlockStored) and stored.keyed is keyed
+
+
+def test_the_medium_says_whose_blocks_the_engine_s_or_a_connector_tier_s() -> None:
+    frames = encode_batch(
+        7,
+        1.0,
+        [
+            BlockStored((1,), None, (5,) * 4, 4),
+            BlockStored((2,), None, (5,) * 4, 4, medium="cpu"),
+            BlockRemoved((2,), medium="storage"),
+        ],
+    )
+    events = decode_frames(frames).events
+    assert [getattr(e, "medium", None) for e in events] == ["gpu", "cpu", "storage"]
+    raw = msgpack.unpackb(frames[2])
+    raw[1][0]["medium"] = None  # older vLLM: no medium, the engine's own cache
+    raw[1][1]["medium"] = 7
+    with pytest.raises(KvEventsError, match="medium"):
+        decode_frames([frames[0], frames[1], msgpack.packb(raw)])
+    del raw[1][1:]
+    assert decode_frames([frames[0], frames[1], msgpack.packb(raw)]).events[0] == BlockStored(
+        (1,), None, (5,) * 4, 4
+    )

@@ -68,6 +68,7 @@ from vllm_disagg.orchestrator.scheduling.recovery import (
     resume_pick,
 )
 from vllm_disagg.orchestrator.state.in_flight import Held
+from vllm_disagg.protocol.kv_connectors import handoff_of
 from vllm_disagg.protocol.kv_pool import POOL_PARAMS, read_pool_handle
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
 from vllm_disagg.wire.block_hash import event_hash, prompt_block_hashes
@@ -131,9 +132,8 @@ class Flow:
         may = parsed.stream and gateway.config.max_resumes > 0
         self._resumable = may and resumable(parsed.body, self.chat)
         self.state: StreamState | None = None
-        # Why the stream could not be resumed, though the request could: its decode engine says no
-        # token ids (``no_token_ids``), or its events left them out (``ids_missing``); "" otherwise.
-        self.not_resumable = ""
+        # Why a resumable request's stream could not be: no token ids from its engine or in its events.
+        self.not_resumable = ""  # "no_token_ids" | "ids_missing" | ""
         self.not_resumable_why = ""
         options = parsed.body.get("stream_options")
         self._client_usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -173,7 +173,6 @@ class Flow:
     async def _prefill(self) -> Any | None:
         """The prefill's ``kv_transfer_params``; None when the request falls back to colocated."""
         gw = self.gw
-        body = prefill_body(self.parsed.body)
         path_cause = ""
         p = self.prefill_id
         while p is not None:
@@ -187,7 +186,7 @@ class Flow:
                 continue
             self.prefill_tries += 1
             try:
-                kv = await self._prefill_once(p, body)
+                kv = await self._prefill_once(p)
             except UpstreamError as exc:
                 path_cause = exc.cause
                 gw.registry.leg_failed(p, gw.clock.monotonic())
@@ -216,18 +215,19 @@ class Flow:
         self._set_headers()
         return None
 
-    async def _prefill_once(self, p: str, body: bytes) -> Any:
+    async def _prefill_once(self, p: str) -> Any:
         gw = self.gw
-        target = gw.target("prefill", p, self.route)
+        view = gw.registry.get(p)  # how its connector hands KV over: vLLM's params, or a store both read
+        handoff = handoff_of(view.info.kv_connector) if view is not None else None
+        body, target = prefill_body(self.parsed.body, handoff), gw.target("prefill", p, self.route)
         gw.registry.acquire(p)
         started = self.stamps["prefill_start"] = gw.clock.monotonic()
         self.stamps.setdefault("dispatched", started)
         # Its own task, shielded: a client that leaves now must not strand the KV the prefill keeps
         # for a decode that will never come (vLLM holds it for its lease, 30 s by default).
+        headers = self._leg_headers("prefill", p, started)
         leg = asyncio.ensure_future(
-            run_prefill(
-                gw.session_or_fail(), target, body, self._leg_headers("prefill", p, started), gw.metrics
-            )
+            run_prefill(gw.session_or_fail(), target, body, headers, gw.metrics, handoff)
         )
         try:
             async with gw.watch.leg(p, target.describe()):

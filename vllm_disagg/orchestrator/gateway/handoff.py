@@ -19,6 +19,7 @@ from vllm_disagg.config import OrchestratorConfig
 from vllm_disagg.errors import BadRequest, EngineRejected, UpstreamError, UpstreamTimeout
 from vllm_disagg.orchestrator.gateway.upstream import EngineClient, EngineConnectError, EngineHTTPError
 from vllm_disagg.orchestrator.metrics import OrchestratorMetrics
+from vllm_disagg.protocol.kv_connectors import Handoff
 from vllm_disagg.wire.kv_transfer import PREFILL_LEG
 
 # Longest engine error text quoted back to a client.
@@ -70,16 +71,24 @@ def one_token_body(request: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-def prefill_body(request: dict[str, Any]) -> bytes:
-    """The prefill leg's body: one token, no stream, asking the engine to keep the KV for a remote decode."""
+def prefill_body(request: dict[str, Any], handoff: Handoff | None = "params") -> bytes:
+    """The prefill leg's body: one token, no stream, asking the engine to keep the KV for a remote
+    decode; a store connector (``protocol/kv_connectors.py``) needs no asking: it saves every prompt."""
     body = one_token_body(request)
-    body["kv_transfer_params"] = dict(PREFILL_LEG)
+    if handoff == "store":
+        body.pop("kv_transfer_params", None)
+    else:
+        body["kv_transfer_params"] = dict(PREFILL_LEG)
     return dumps_leg(body)
 
 
 def decode_body(request: dict[str, Any], kv_transfer_params: Any) -> bytes:
-    """The decode leg's body: the client's, plus the prefill engine's ``kv_transfer_params`` as they came."""
-    request["kv_transfer_params"] = kv_transfer_params
+    """The decode leg's body: the client's, plus the prefill engine's ``kv_transfer_params`` as they
+    came (none after a store connector's prefill: its decode engine finds the prompt in the store)."""
+    if kv_transfer_params == {}:
+        request.pop("kv_transfer_params", None)
+    else:
+        request["kv_transfer_params"] = kv_transfer_params
     return dumps_leg(request)
 
 
@@ -174,9 +183,11 @@ async def run_prefill(
     body: bytes,
     headers: dict[str, str],
     metrics: OrchestratorMetrics,
+    handoff: Handoff | None = "params",
 ) -> Prefilled:
-    """POST the prefill leg; its ``kv_transfer_params``, or an ``UpstreamError`` (retry elsewhere) or
-    ``EngineRejected`` (the engine's own 4xx: the request is at fault)."""
+    """POST the prefill leg; its ``kv_transfer_params`` (none from a store connector's engine), or an
+    ``UpstreamError`` (retry elsewhere) or ``EngineRejected`` (the engine's own 4xx: the request is at
+    fault)."""
     try:
         async with session.post(target.url, data=body, headers=headers) as resp:
             data = await resp.read()
@@ -193,6 +204,8 @@ async def run_prefill(
             f"{target.describe()} answered a body that is not JSON", cause="invalid_response"
         ) from None
     kv = parsed.get("kv_transfer_params") if isinstance(parsed, dict) else None
+    if kv is None and handoff == "store" and isinstance(parsed, dict):
+        kv = {}  # the prompt's KV is in the store: nothing to hand over
     if not isinstance(kv, dict):
         metrics.upstream_error(target.leg, "invalid_response")
         raise UpstreamError(

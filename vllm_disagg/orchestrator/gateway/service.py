@@ -186,6 +186,8 @@ class Gateway:
                 kv = (await prefill).kv
             except Exception:  # it failed: nothing is held
                 return
+            if not kv:  # a store connector's: the engine holds nothing for a decode
+                return
             released = decode_body(one_token_body(body), kv)
             released_headers = {**headers, "X-Request-Id": headers["X-Request-Id"] + "-release"}
             # Twice: a pooled connection the engine closed just then fails before any answer.

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
+from vllm_disagg.protocol.kv_connectors import handoff_of
 from vllm_disagg.protocol.messages import InstanceInfo, KvLayout
 
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPushConnector"})
@@ -104,6 +105,10 @@ def judge(p: InstanceInfo, d: InstanceInfo) -> Mismatch | None:
         )
     if p.block_size != d.block_size:
         return Mismatch("block_size", f"block size differs: prefill {p.block_size}, decode {d.block_size}")
+    if handoff_of(p.kv_connector) == "local":
+        return Mismatch(
+            "connector", f"{p.kv_connector} keeps KV under its own engine: it never crosses instances"
+        )
     return layout_mismatch(p.layout, d.layout, p.kv_connector)
 
 

@@ -200,3 +200,12 @@ def test_request_log_keeps_the_newest_records_up_to_capacity() -> None:
     assert log.get("r0") is None and log.get("r1") is None
     assert [r.request_id for r in log.recent(10)] == ["r4", "r3", "r2"]
     assert [r.request_id for r in log.recent(1)] == ["r4"]
+
+
+def test_with_a_store_connector_neither_leg_carries_kv_transfer_params() -> None:
+    # The prefill engine saves every prompt to the store; the decode engine finds it there.
+    client = {"model": "m", "prompt": "p", "max_tokens": 5, "kv_transfer_params": {"x": 1}}
+    assert "kv_transfer_params" not in orjson.loads(prefill_body(client, "store"))
+    assert "kv_transfer_params" in orjson.loads(prefill_body(client, "params"))
+    assert "kv_transfer_params" not in orjson.loads(decode_body(dict(client), {}))
+    assert orjson.loads(decode_body(dict(client), {"h": 1}))["kv_transfer_params"] == {"h": 1}

@@ -132,6 +132,12 @@ def test_instance_fields_must_be_equal(p: dict[str, Any], d: dict[str, Any], cod
     assert found is not None and found.code == code
 
 
+def test_a_connector_that_keeps_kv_under_its_own_engine_is_never_paired() -> None:
+    found = judge(info("OffloadingConnector"), info("OffloadingConnector", role="decode"))
+    assert found is not None and found.code == "connector" and "never crosses instances" in found.text
+    assert judge(info("ExampleConnector"), info("ExampleConnector", role="decode")) is None  # a store
+
+
 def test_the_reason_names_both_sides() -> None:
     assert pair_mismatch(info(tp_size=2), info(role="decode", tp_size=3)) == (
         "TP sizes must divide one another for NixlConnector: prefill 2, decode 3"
