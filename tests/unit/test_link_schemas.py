@@ -188,7 +188,7 @@ GEOMETRY = Geometry(num_layers=2, layer_block_bytes=64, block_size=4)
 # A header is [op, field, ...] in this order; ``version`` (and a Refused's ``code``) only when not 1 ("").
 FRAME_FIELDS: dict[type[Any], tuple[str, tuple[str, ...]]] = {
     frames.FetchRequest: ("fetch", ("token", "keys", "geometry", "window", "timeout_s", "version")),
-    frames.Start: ("start", ("blocks", "geometry", "tokens", "version")),
+    frames.Start: ("start", ("blocks", "geometry", "tokens", "version", "extras")),
     frames.Chunk: ("chunk", ("layer", "first")),
     frames.Credit: ("credit", ("chunks",)),
     frames.Done: ("done", ("landed",)),

@@ -13,8 +13,6 @@ failed) while the engine waits on them.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,10 +20,10 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.e2e.vllm.pool_thread import PoolThread
 from tests.e2e.vllm.support import BLOCK, MODEL, running_vllms
 from tests.helpers import eventually_sync, free_ports, http_json, metric_sum, parse_prometheus
 from vllm_disagg import jsonutil
-from vllm_disagg.agent.kv.agent_pool import KvPool
 from vllm_disagg.agent.kv.arena import FAILED, SlotArena
 from vllm_disagg.agent.kv.pool import PrefixPool
 from vllm_disagg.config import AgentConfig
@@ -36,28 +34,6 @@ T = TypeVar("T")
 SOURCE = "vllm:prompt_tokens_by_source_total"
 PROMPT = [(i * 7919) % 1500 + 20 for i in range(2 * BLOCK + 9)]  # two full blocks and a tail
 KEYS = prompt_block_hashes(PROMPT, BLOCK)
-
-
-class PoolThread:
-    """The agent's pool on its own event loop, in a thread; ``call`` runs a function on that loop."""
-
-    def __init__(self, cfg: AgentConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
-        self.pool: KvPool = asyncio.run_coroutine_threadsafe(KvPool.start(cfg), self.loop).result(30)
-
-    def call(self, fn: Callable[[], T]) -> T:
-        async def run() -> T:
-            return fn()
-
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(30)
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.pool.close(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(30)
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,8 @@ connector serves the same requests through the gateway, token for token; the dec
 counters say the prompts' full blocks were loaded (``external_kv_transfer``), not computed. Then a
 prompt is computed on the prefill engine alone, and a second prompt sharing its long prefix is sent
 to the decode instance: its engine loads that prefix from its pool (which its agent fetched from the
-prefill agent's) and computes only the rest. At most two vLLM instances run at once (2 cores).
+prefill agent's) and computes only the rest. A salted prompt moves from P to D under its salted
+keys. At most two vLLM instances run at once (2 cores).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 from tests.e2e.vllm.reference import Book, PoolPrompts, pool_cases, pool_prompts
 from tests.e2e.vllm.support import (
     BLOCK,
+    JSON,
     Answers,
     Case,
     UpCluster,
@@ -30,6 +32,7 @@ from tests.e2e.vllm.support import (
     up_1p1d_argv,
 )
 from tests.helpers import eventually, free_port, metric_sum, parse_prometheus
+from vllm_disagg import jsonutil
 
 pytestmark = pytest.mark.timeout(1800)
 SOURCE = "vllm:prompt_tokens_by_source_total"
@@ -139,3 +142,28 @@ async def test_a_prefix_computed_on_one_instance_is_loaded_from_the_pool_by_the_
     assert hit == 0  # D had never seen any of it
     assert loaded == shared_blocks * BLOCK
     assert computed == reference.prompt_tokens["sharing"] - shared_blocks * BLOCK
+
+
+async def test_a_salted_prompt_moves_to_decode_with_its_salt_and_is_loaded_there(
+    cluster: UpCluster, reference: Answers, prompts: PoolPrompts
+) -> None:
+    # vLLM keys a salted prompt's blocks with the salt: D's own cache (of the unsalted prompt) misses,
+    # and the blocks P saved move to D's pool only because its agent checks their keys with the salt.
+    case = next(c for c in _cases(prompts) if not c.chat and not c.stream)
+    decode_url = cluster.instances()["decode-0"]["url"]
+    body = jsonutil.dumps({**case.body(), "cache_salt": "tenant-a"})
+    async with aiohttp.ClientSession() as session:
+        before = await _metrics(session, decode_url)
+        async with session.post(cluster.base + case.route, data=body, headers=JSON) as resp:
+            assert resp.status == 200, await resp.text()
+            answer = await resp.json()
+            headers = resp.headers
+        after = await _metrics(session, decode_url)
+
+    def grew(source: str) -> float:
+        return metric_sum(after, SOURCE, source=source) - metric_sum(before, SOURCE, source=source)
+
+    assert (headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"]) == ("prefill-0", "decode-0")
+    assert answer["choices"][0]["text"] == reference.texts[case.name]  # the salt changes no answer
+    assert grew("local_cache_hit") == 0
+    assert grew("external_kv_transfer") == reference.prompt_tokens[case.name] // BLOCK * BLOCK

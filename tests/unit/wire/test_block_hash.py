@@ -174,3 +174,31 @@ def test_event_hash_matches_vllms_conversion_of_a_real_key(
     key = prompt_block_hashes(list(range(16)), 16, seed="s")[0]
     assert event_hash(key) == vllm.k.maybe_convert_block_hash(key)
     assert event_hash(key) == int.from_bytes(key[-8:], "big")
+
+
+extra_items = st.one_of(st.text(max_size=20), st.binary(max_size=20), st.integers(-(2**40), 2**40))
+extras = st.lists(
+    st.tuples(st.sampled_from(["lora", "mm", "cache_salt", "prompt_embeds"]), extra_items), max_size=3
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(parent=st.binary(min_size=1, max_size=40), token_ids=st.lists(ids, max_size=20), extra=extras)
+def test_a_block_with_extra_keys_hashes_as_in_vllm(
+    vllm: SimpleNamespace, parent: bytes, token_ids: list[int], extra: list[tuple[str, object]]
+) -> None:
+    keys = tuple(extra) or None
+    expected = vllm.k.hash_block_tokens(vllm.sha256_cbor, parent, token_ids, keys)
+    assert block_hash(parent, token_ids, keys) == bytes(expected)  # type: ignore[arg-type]
+
+
+def test_vllm_s_own_extra_keys_of_a_lora_and_a_salted_request_hash_as_in_vllm(vllm: SimpleNamespace) -> None:
+    parent = none_hash(seed=DEFAULT_SEED)
+    for keys in (
+        (("lora", "ada", "/adapters/ada"),),
+        (("lora", "ada", "/a"), ("cache_salt", "s1")),
+        (("mm", "h", -3),),
+    ):
+        expected = vllm.k.hash_block_tokens(vllm.sha256_cbor, parent, [1, 2, 3], keys)
+        assert block_hash(parent, [1, 2, 3], keys) == bytes(expected)
+    assert block_hash(parent, [1, 2, 3], (("cache_salt", "s1"),)) != block_hash(parent, [1, 2, 3])

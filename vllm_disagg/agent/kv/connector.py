@@ -54,6 +54,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys
 
 from vllm_disagg.agent.kv.arena import Geometry, SlotArena
 from vllm_disagg.agent.kv.device_copy import BlockCopier
@@ -259,12 +260,10 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             full = min(done // self._block_size, len(request.block_hashes), len(tracked.block_ids))
             if full <= tracked.sent:
                 continue
-            prompt = request.prompt_token_ids or []
             for b in range(tracked.sent, full):
                 key = request.block_hashes[b]
                 if key not in where:
-                    tokens = list(prompt[b * self._block_size : (b + 1) * self._block_size])
-                    blocks.append(SaveBlock(key, request.block_hashes[b - 1] if b else None, tokens))
+                    blocks.append(self._save_block(request, b))
                     where[key] = (tracked.block_ids[b], req_id)
             tracked.sent, tracked.saved = full, max(tracked.saved, full)
         if not blocks:
@@ -289,6 +288,15 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             tuple(k for k, _ in got),
             reqs,
         )
+
+    def _save_block(self, request: Request, b: int) -> SaveBlock:
+        """Prompt block ``b`` of ``request`` as the pool keeps it: its key and parent's, its tokens, and
+        the extra keys vLLM hashed into its key (a LoRA adapter's, multimodal inputs', a cache salt's),
+        so that another agent can check the key before it serves the block (``landing.py``)."""
+        start, end = b * self._block_size, (b + 1) * self._block_size
+        extra, _ = generate_block_hash_extra_keys(request, start, end, 0)
+        tokens = list((request.prompt_token_ids or [])[start:end])
+        return SaveBlock(request.block_hashes[b], request.block_hashes[b - 1] if b else None, tokens, extra)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         loaded = [r for r in connector_output.finished_recving or () if r in self._receiving]

@@ -6,11 +6,12 @@ One file per block, named by its key, under a directory per KV geometry (``<dir>
     magic (8) | header length (4) | header (msgpack-free: struct-packed) | payload | checksum (16)
 
 where the header holds the key, the parent key and the block's token ids (what the orchestrator's
-index needs to chain it), the payload is the block's bytes exactly as its pool slot holds them
-(every layer, layer-major), and the checksum is BLAKE2b-128 over everything before it. A file is
-written under a temporary name and renamed, so a reader sees a whole file or none; a file cut short
-or changed on disk (a crash before the page cache reached the disk, a bad sector) fails the checksum
-and is deleted, never loaded: its engine computes the block again.
+index needs to chain it), then, for a block of a LoRA adapter, multimodal inputs or a salted prompt,
+its extra keys (msgpack, to the header's end); the payload is the block's bytes exactly as its pool
+slot holds them (every layer, layer-major), and the checksum is BLAKE2b-128 over everything before
+it. A file is written under a temporary name and renamed, so a reader sees a whole file or none; a
+file cut short or changed on disk (a crash before the page cache reached the disk, a bad sector)
+fails the checksum and is deleted, never loaded: its engine computes the block again.
 
 Capacity is in bytes; past it the least recently used files go (a load or a spill makes a block the
 newest). Blocks on disk have no references: only the memory pool's copy of a promoted block is
@@ -31,10 +32,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgpack
+
 from vllm_disagg.agent.kv.arena import Capacity, Geometry
 from vllm_disagg.agent.kv.pool import BlockKey, chain_order
 from vllm_disagg.errors import ConfigError
 from vllm_disagg.private_files import private_dir
+from vllm_disagg.wire.block_hash import Extra, read_extra
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,7 @@ class DiskBlock:
     parent: BlockKey | None
     token_ids: tuple[int, ...]
     size: int  # the file's bytes
+    extra: Extra | None = None  # vLLM's extra keys, where its key covers some
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,26 +82,36 @@ class DiskStats:
     evictions: int  # lifetime files removed for room
 
 
-def _pack_header(key: BlockKey, parent: BlockKey | None, token_ids: tuple[int, ...]) -> bytes:
+def _pack_header(
+    key: BlockKey, parent: BlockKey | None, token_ids: tuple[int, ...], extra: Extra | None
+) -> bytes:
     parent_bytes = parent or b""
     return (
         struct.pack("<BB", len(key), len(parent_bytes))
         + key
         + parent_bytes
         + struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids)
+        + (b"" if extra is None else msgpack.packb(extra, use_bin_type=True))
     )
 
 
-def _unpack_header(header: bytes) -> tuple[BlockKey, BlockKey | None, tuple[int, ...]]:
+def _unpack_header(header: bytes) -> tuple[BlockKey, BlockKey | None, tuple[int, ...], Extra | None]:
     key_len, parent_len = struct.unpack_from("<BB", header, 0)
     at = 2
     key, parent = header[at : at + key_len], header[at + key_len : at + key_len + parent_len]
     at += key_len + parent_len
     (count,) = struct.unpack_from("<I", header, at)
     tokens = struct.unpack_from(f"<{count}q", header, at + 4)
-    if at + 4 + 8 * count != len(header) or not key:
+    at += 4 + 8 * count
+    if at > len(header) or not key:
         raise ValueError("header length does not match its fields")
-    return key, parent or None, tuple(tokens)
+    extra = None
+    if at < len(header):
+        try:
+            extra = read_extra(msgpack.unpackb(header[at:], raw=False))
+        except (ValueError, msgpack.UnpackException) as e:
+            raise ValueError(f"header: extra keys: {e}") from None
+    return key, parent or None, tuple(tokens), extra
 
 
 class DiskTier:
@@ -211,7 +226,12 @@ class DiskTier:
 
     # --- writes ------------------------------------------------------------------------------------
     def spill(
-        self, key: BlockKey, parent: BlockKey | None, token_ids: tuple[int, ...], payload: memoryview
+        self,
+        key: BlockKey,
+        parent: BlockKey | None,
+        token_ids: tuple[int, ...],
+        payload: memoryview,
+        extra: Extra | None = None,
     ) -> bool:
         """Write a block (its pool slot's bytes) to its file; False if it cannot fit or the write
         failed. A block already on disk is only made the newest."""
@@ -224,7 +244,7 @@ class DiskTier:
             raise ValueError(
                 f"a block of {self.geometry} is {self.geometry.block_bytes} bytes, got {len(payload)}"
             )
-        header = _pack_header(key, parent, token_ids)
+        header = _pack_header(key, parent, token_ids, extra)
         head = MAGIC + _LENGTH.pack(len(header)) + header
         digest = hashlib.blake2b(head, digest_size=_CHECKSUM)
         digest.update(payload)
@@ -244,7 +264,7 @@ class DiskTier:
             log.warning("disk tier: writing block %s failed: %s", key.hex()[:16], e)
             tmp.unlink(missing_ok=True)
             return False
-        self._index[key] = DiskBlock(parent, tuple(token_ids), size)
+        self._index[key] = DiskBlock(parent, tuple(token_ids), size, extra)
         self._bytes += size
         self._spills += 1
         self.stored.append(key)
@@ -286,12 +306,12 @@ class DiskTier:
             (length,) = _LENGTH.unpack_from(start, len(MAGIC))
             if length > _MAX_HEADER:
                 raise ValueError(f"header of {length} bytes")
-            key, parent, tokens = _unpack_header(f.read(length))
+            key, parent, tokens, extra = _unpack_header(f.read(length))
         size = path.stat().st_size
         expected = len(start) + length + self.geometry.block_bytes + _CHECKSUM
         if size != expected or path.name != key.hex() + SUFFIX:
             raise ValueError(f"{size} bytes, expected {expected} for its geometry and name")
-        return key, DiskBlock(parent, tokens, size)
+        return key, DiskBlock(parent, tokens, size, extra)
 
     def _check(self, data: bytes, key: BlockKey) -> int:
         """Where the payload starts in a whole, unchanged file of ``key``; ``ValueError`` otherwise."""

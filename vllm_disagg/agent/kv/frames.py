@@ -36,6 +36,7 @@ import msgpack
 
 from vllm_disagg.agent.kv.arena import Geometry
 from vllm_disagg.errors import MalformedFrame, UnsupportedVersion
+from vllm_disagg.wire.block_hash import Extra, read_extra
 
 FRAMES_VERSION = 1  # the newest version of the frames this agent reads and speaks
 MAX_KEYS = 1 << 16  # blocks in one fetch: a 1M-token prompt of 16-token blocks
@@ -68,6 +69,10 @@ class Start:
     # reports with it: ``kv_fetch`` names only keys, and the orchestrator indexes a block by its tokens.
     tokens: tuple[tuple[int, ...], ...]
     version: int = FRAMES_VERSION  # the request's: the frames of this connection
+    # Each block's extra keys (LoRA, multimodal, cache salt), which its key covers: the receiver checks
+    # them with the tokens. Empty: none has any (a holder of before says none, and such a block's
+    # check then fails: it is computed, never served).
+    extras: tuple[Extra | None, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +130,8 @@ def encode(frame: Frame) -> bytes:
         case Start():
             tokens = [list(t) for t in frame.tokens]
             fields = ["start", frame.blocks, frame.geometry.to_wire(), tokens, *_version(frame.version)]
+            if any(e is not None for e in frame.extras):  # after the version, which is then always said
+                fields[4:] = [frame.version, list(frame.extras)]
         case Chunk():
             fields = ["chunk", frame.layer, frame.first]
         case Credit():
@@ -169,6 +176,8 @@ def decode(data: bytes | memoryview, max_bytes: int) -> Frame:
         want += 1
     elif op == "refused" and len(fields) == 2:
         want = 2  # with a code
+    if op == "start" and len(fields) == want + 1 and want > _ARITY[op]:
+        want += 1  # with each block's extra keys (after the version, which is then always said)
     if len(fields) != want:
         raise MalformedFrame(f"{op}: expected {want} fields, got {len(fields)}")
     return decoder(fields)
@@ -212,7 +221,16 @@ def _start(fields: list[Any]) -> Start:
         if not all(type(t) is int and t >= 0 for t in ids):
             raise MalformedFrame("tokens: expected non-negative integers")
     version = fields[3] if len(fields) > 3 else 1
-    return Start(blocks, geometry, tuple(tuple(ids) for ids in tokens), version)
+    extras: tuple[Extra | None, ...] = ()
+    if len(fields) > 4:
+        raw = fields[4]
+        if not isinstance(raw, list) or len(raw) != blocks:
+            raise MalformedFrame(f"extras: expected the extra keys of each of the {blocks} blocks")
+        try:
+            extras = tuple(read_extra(e) for e in raw)
+        except ValueError as e:
+            raise MalformedFrame(str(e)) from None
+    return Start(blocks, geometry, tuple(tuple(ids) for ids in tokens), version, extras)
 
 
 def _chunk(fields: list[Any]) -> Chunk:

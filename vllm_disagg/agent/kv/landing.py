@@ -129,9 +129,10 @@ class _Landing:
             raise Failed(f"the holder would send {start.blocks} of {len(self._f.keys)} blocks")
         self.served = start.blocks
         _check_tokens(self._f, start)
-        for key, tokens in zip(self._f.keys, start.tokens, strict=False):
+        extras = start.extras or (None,) * len(start.tokens)
+        for key, tokens, extra in zip(self._f.keys, start.tokens, extras, strict=False):
             if tokens:
-                self._f.pool.describe(self._f.owner, key, tokens)
+                self._f.pool.describe(self._f.owner, key, tokens, extra)
         for slot in self._f.slots[start.blocks :]:  # will never come: let a waiting load give up now
             self._f.arena.set_layers_ready(slot, FAILED)
         self.complete = start.blocks == 0
@@ -170,15 +171,19 @@ class _Landing:
 
 
 def _check_tokens(fetch: Fetch, start: Start) -> None:
-    """``Failed`` unless each block's token ids hash, with its parent's key, to the key asked for.
+    """``Failed`` unless each block's token ids hash, with its parent's key (and its extra keys: a
+    LoRA adapter's, multimodal inputs', a cache salt's), to the key asked for.
 
     The pool reports a block with the holder's token ids, and the orchestrator indexes it by them: a
     holder naming other tokens than its key's would make this pool claim a prompt it does not hold.
     The KV bytes themselves cannot be checked here (only an engine computing them again could).
     Blocks the holder sends no token ids for are not checked, and not indexed either (too short).
     """
-    for i, (key, parent, tokens) in enumerate(zip(fetch.keys, fetch.parents, start.tokens, strict=False)):
-        if tokens and block_hash(none_hash() if parent is None else parent, tokens) != key:
+    extras = start.extras or (None,) * len(start.tokens)
+    for i, (key, parent, tokens, extra) in enumerate(
+        zip(fetch.keys, fetch.parents, start.tokens, extras, strict=False)
+    ):
+        if tokens and block_hash(none_hash() if parent is None else parent, tokens, extra) != key:
             raise Failed(f"block {i}: the holder's token ids do not hash to the key asked for")
 
 

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, TypeVar
 
 from vllm_disagg.agent.kv.arena import Geometry
 from vllm_disagg.errors import UnsupportedVersion
+from vllm_disagg.wire.block_hash import Extra, read_extra
 
 LOCAL_VERSION = 1  # the newest version of the local link this side reads and speaks
 _MAX_VERSION = 1 << 16
@@ -62,11 +63,14 @@ class Release:
 
 @dataclass(frozen=True, slots=True)
 class SaveBlock:
-    """A prompt block to save: its key, its parent's (None for the first), its token ids."""
+    """A prompt block to save: its key, its parent's (None for the first), its token ids, and the extra
+    keys vLLM hashed into its key (a LoRA adapter's, multimodal inputs', a cache salt's; added within
+    version 1: a block without them has none)."""
 
     key: bytes
     parent: bytes | None
     tokens: list[int]
+    extra: Extra | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +165,8 @@ def _to_wire(value: Any) -> Any:
     if isinstance(value, Geometry):
         return value.to_wire()
     if isinstance(value, SaveBlock):
-        return [value.key, value.parent, value.tokens]
+        plain = [value.key, value.parent, value.tokens]
+        return plain if value.extra is None else [*plain, value.extra]
     if isinstance(value, list):
         return [_to_wire(v) for v in value]
     if isinstance(value, tuple):
@@ -236,14 +241,18 @@ def _str(raw: object, what: str) -> str:
 
 
 def _block(raw: object) -> SaveBlock:
-    if not isinstance(raw, list | tuple) or len(raw) != 3:
-        raise BadRequest("a block is [key, parent, token_ids]")
-    key, parent, tokens = raw
+    if not isinstance(raw, list | tuple) or len(raw) not in (3, 4):
+        raise BadRequest("a block is [key, parent, token_ids] or [key, parent, token_ids, extra_keys]")
+    key, parent, tokens = raw[:3]
+    try:
+        extra = read_extra(raw[3]) if len(raw) == 4 else None
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
     if not isinstance(key, bytes) or not (parent is None or isinstance(parent, bytes)):
         raise BadRequest("a block's key and parent are byte strings (parent may be nil)")
     if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
         raise BadRequest("a block's token_ids are a list of integers")
-    return SaveBlock(key, parent, tokens)
+    return SaveBlock(key, parent, tokens, extra)
 
 
 def read_answer(raw: dict[str, Any], kind: type[A]) -> A:

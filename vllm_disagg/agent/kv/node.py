@@ -21,6 +21,7 @@ from pathlib import Path
 from vllm_disagg.agent.kv.arena import Capacity, Geometry, SlotArena
 from vllm_disagg.agent.kv.disk import DiskTier
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
+from vllm_disagg.wire.block_hash import Extra
 
 log = logging.getLogger(__name__)
 
@@ -102,10 +103,17 @@ class PoolNode:
                 for listener in self.disk_listeners:
                     listener(stored, removed)
 
-    def _spill(self, key: BlockKey, slot: int, parent: BlockKey | None, token_ids: tuple[int, ...]) -> None:
+    def _spill(
+        self,
+        key: BlockKey,
+        slot: int,
+        parent: BlockKey | None,
+        token_ids: tuple[int, ...],
+        extra: Extra | None,
+    ) -> None:
         """A block evicted from memory goes to disk, from its slot, before the slot is reused."""
         assert self.disk is not None and self.arena is not None
-        self.disk.spill(key, parent, token_ids, self.arena.block_view(slot))
+        self.disk.spill(key, parent, token_ids, self.arena.block_view(slot), extra)
 
     def promote(self, keys: Sequence[BlockKey]) -> int:
         """Read back from disk, into the pool, the blocks of ``keys`` that follow the pool's leading
@@ -121,6 +129,7 @@ class PoolNode:
         # The prefix in memory goes in too: ``reserve`` skips what is held, but never evicts it to make
         # room for the rest of the same chain.
         blocks: list[tuple[BlockKey, BlockKey | None, tuple[int, ...]]] = []
+        extras: dict[BlockKey, Extra] = {}
         for key in keys[:start]:
             held = pool.info(key)
             assert held is not None
@@ -129,7 +138,9 @@ class PoolNode:
             info = disk.info(key)
             assert info is not None
             blocks.append((key, info.parent, info.token_ids))
-        got = pool.reserve(PROMOTER, blocks)
+            if info.extra is not None:
+                extras[key] = info.extra
+        got = pool.reserve(PROMOTER, blocks, extras)
         loaded = []
         for key in wanted:
             slot = got.get(key)
@@ -151,7 +162,7 @@ class PoolNode:
         for key in pool.held_keys():
             slot, info = pool.slot_of(key), pool.info(key)
             if key in pool and slot is not None and info is not None:
-                kept += disk.spill(key, info[0], info[1], arena.block_view(slot))
+                kept += disk.spill(key, info[0], info[1], arena.block_view(slot), pool.extra_of(key))
         return kept
 
     def close(self) -> None:

@@ -23,9 +23,11 @@ its tail, which keeps what is left a usable (shorter) prefix.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from vllm_disagg.wire.block_hash import Extra
 
 BlockKey = bytes  # vLLM's chained block hash of one full block (32 bytes with sha256_cbor)
 BlockState = Literal["pending", "ready"]
@@ -66,6 +68,7 @@ class _Entry:
     owners: dict[str, int] = field(default_factory=dict)  # owner -> references it holds
     token_ids: tuple[int, ...] = ()  # what the block holds, for the orchestrator's prefix index
     parent: BlockKey | None = None
+    extra: Extra | None = None  # vLLM's extra keys (LoRA, multimodal, cache salt): its key covers them
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,8 +95,9 @@ class PoolFull(Exception):
     """No free slot and none evictable: every block is referenced."""
 
 
-# (key, slot, parent key, token ids) of a ready block about to be evicted, its bytes still in its slot.
-Evicting = Callable[[BlockKey, int, "BlockKey | None", tuple[int, ...]], None]
+# (key, slot, parent key, token ids, extra keys) of a ready block about to be evicted, its bytes still
+# in its slot.
+Evicting = Callable[[BlockKey, int, "BlockKey | None", tuple[int, ...], "Extra | None"], None]
 
 
 class PrefixPool:
@@ -141,6 +145,11 @@ class PrefixPool:
         """A held block's parent key and token ids (what a KV event says of it)."""
         entry = self._entries.get(key)
         return None if entry is None else (entry.parent, entry.token_ids)
+
+    def extra_of(self, key: BlockKey) -> Extra | None:
+        """A held block's extra keys (None: a plain text block's, or not held)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.extra
 
     def references(self, key: BlockKey) -> int:
         entry = self._entries.get(key)
@@ -226,14 +235,16 @@ class PrefixPool:
         self,
         owner: str,
         blocks: Sequence[tuple[BlockKey, BlockKey | None, Sequence[int]]],
+        extras: Mapping[BlockKey, Extra] | None = None,
     ) -> dict[BlockKey, int]:
         """``reserve_chain``'s slots."""
-        return self.reserve_chain(owner, blocks)[0]
+        return self.reserve_chain(owner, blocks, extras)[0]
 
     def reserve_chain(
         self,
         owner: str,
         blocks: Sequence[tuple[BlockKey, BlockKey | None, Sequence[int]]],
+        extras: Mapping[BlockKey, Extra] | None = None,
     ) -> tuple[dict[BlockKey, int], list[BlockKey]]:
         """Slots for the blocks (key, parent, token ids) not yet held, pending and referenced by owner;
         and the *orphans*: blocks whose parent is neither held nor reserved before them here.
@@ -243,7 +254,7 @@ class PrefixPool:
         chain's earlier blocks were evicted since they were saved; the caller sends the chain
         again). Stops at the first block for which no slot can be freed: the caller writes the
         prefix it got, and the rest of the prompt is simply not pooled. Returns key -> slot for what
-        to write, in prompt order.
+        to write, in prompt order. ``extras``: the extra keys of the blocks that have some.
         """
         # The chains these blocks continue are not evicted to make room for them: that would leave a
         # hole, and the blocks after it would be written for nothing. They are used by this save, so
@@ -262,7 +273,8 @@ class PrefixPool:
             slot = self._take_slot()
             if slot is None:
                 break
-            self._entries[key] = _Entry(slot, "pending", owner, {}, tuple(token_ids), parent)
+            extra = extras.get(key) if extras else None
+            self._entries[key] = _Entry(slot, "pending", owner, {}, tuple(token_ids), parent, extra)
             self._ref(owner, key)
             got[key] = slot
         for key in kept:
@@ -289,13 +301,15 @@ class PrefixPool:
                 at = entry.parent
         return out
 
-    def describe(self, owner: str, key: BlockKey, token_ids: Sequence[int]) -> bool:
-        """Set the token ids of a block ``owner`` is writing (reserved before they were known, as a
-        fetch's blocks are); False if it is not such a block."""
+    def describe(
+        self, owner: str, key: BlockKey, token_ids: Sequence[int], extra: Extra | None = None
+    ) -> bool:
+        """Set the token ids (and extra keys) of a block ``owner`` is writing (reserved before they
+        were known, as a fetch's blocks are); False if it is not such a block."""
         entry = self._entries.get(key)
         if entry is None or entry.state != "pending" or entry.writer != owner:
             return False
-        entry.token_ids = tuple(token_ids)
+        entry.token_ids, entry.extra = tuple(token_ids), extra
         return True
 
     def commit(self, owner: str, keys: Iterable[BlockKey]) -> list[BlockKey]:
@@ -348,7 +362,7 @@ class PrefixPool:
         entry = self._entries[key]
         slot = entry.slot
         if self._on_evict is not None:
-            self._on_evict(key, slot, entry.parent, entry.token_ids)
+            self._on_evict(key, slot, entry.parent, entry.token_ids, entry.extra)
         self._drop(key, free_slot=False)
         return slot
 

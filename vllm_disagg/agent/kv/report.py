@@ -3,7 +3,9 @@ orchestrator's index knows them too.
 
 The pool keys blocks by vLLM's chained hash; the events carry it folded to 64 bits as vLLM's own KV
 events do (``event_hash``), with the parent's and the block's token ids, so the orchestrator indexes a
-pool block exactly as it indexes an engine's cached one. They travel in the engine events' stream
+pool block exactly as it indexes an engine's cached one. A block whose key covers extra keys (a LoRA
+adapter's, multimodal inputs', a salted prompt's) is not reported, as the engine's own such blocks are
+not indexed: the same tokens without them would not hit. They travel in the engine events' stream
 (``KvEventForwarder.forward``), and each resync of that stream starts the pool over from
 ``pool_snapshot``.
 """
@@ -20,11 +22,13 @@ from vllm_disagg.wire.block_hash import event_hash
 
 
 def _info(node: PoolNode, key: BlockKey, medium: str) -> tuple[BlockKey | None, tuple[int, ...]] | None:
-    """A block's parent key and token ids, as the pool (or its disk tier) holds it."""
+    """A block's parent key and token ids, as the pool (or its disk tier) holds it; None for a block
+    not held, or one whose key covers extra keys (not indexable by its tokens)."""
     if medium == MEDIUM_DISK:
         block = node.disk.info(key) if node.disk is not None else None
-        return None if block is None else (block.parent, block.token_ids)
-    return node.pool.info(key) if node.pool is not None else None
+        return None if block is None or block.extra is not None else (block.parent, block.token_ids)
+    pool = node.pool
+    return None if pool is None or pool.extra_of(key) is not None else pool.info(key)
 
 
 def stored_events(node: PoolNode, keys: Iterable[BlockKey], medium: str = MEDIUM_POOL) -> list[KvEvent]:

@@ -91,9 +91,9 @@ class PoolService:
             case Reserve():
                 owner = "save:" + request.owner
                 self.offered += len(request.blocks)
-                got, orphans = pool.reserve_chain(
-                    owner, [(b.key, b.parent, b.tokens) for b in request.blocks]
-                )
+                blocks = [(b.key, b.parent, b.tokens) for b in request.blocks]
+                extras = {b.key: b.extra for b in request.blocks if b.extra is not None}
+                got, orphans = pool.reserve_chain(owner, blocks, extras)
                 return Reserved(list(got.items()), orphans)
             case Commit():
                 owner = "save:" + request.owner

@@ -214,9 +214,10 @@ class GrantServer:
         n = servable(grant, request.keys)
         slots = tuple(node.pool.slot_of(key) for key in request.keys[:n])
         tokens = tuple(_tokens(node.pool, key) for key in request.keys[:n])
+        extras = tuple(node.pool.extra_of(key) for key in request.keys[:n])
         grant.in_use = True
         self._arm()  # from now on it ends by its hard deadline
-        if not self._send(peer, Start(n, node.geometry, tokens, request.version)) or n == 0:
+        if not self._send(peer, Start(n, node.geometry, tokens, request.version, extras)) or n == 0:
             self._grants.end(request.token)
             return
         stream = _Stream(peer, request.token, tuple(s for s in slots if s is not None), request.window)

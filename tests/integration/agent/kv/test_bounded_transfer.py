@@ -1,5 +1,6 @@
 """Bounded transfers: whatever an agent is told, a fetch waits, and a grant pins, only so long; and a
-receiver lands only blocks whose token ids hash to the keys it asked for."""
+receiver lands only blocks whose token ids (and extra keys: a LoRA adapter's, a cache salt's) hash to
+the keys it asked for."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import zmq.asyncio
 from tests.integration.agent.kv import test_transfer as base
 from tests.integration.agent.kv.test_transfer import GEOMETRY, KEYS, Agent, StartAgent, refused, start_fetch
 from vllm_disagg.agent.kv.grants import Grants
+from vllm_disagg.agent.kv.report import stored_events
 from vllm_disagg.clock import FakeClock
 from vllm_disagg.protocol.kv_pool import MAX_FETCH_TIMEOUT_S, MAX_GRANT_TTL_S, MAX_STREAM_S
+from vllm_disagg.wire.block_hash import Extra, block_hash, none_hash
 
 agents = base.agents  # the fixture: holders and receivers on this loop
 
@@ -76,3 +79,38 @@ async def test_a_holder_naming_other_token_ids_than_its_keys_lands_nothing(agent
 
 def fill_keys(agent: Agent) -> None:
     base.fill(agent, KEYS)
+
+
+async def test_a_lora_prompt_s_blocks_move_with_their_extra_keys_and_stay_out_of_the_index(
+    agents: StartAgent,
+) -> None:
+    # vLLM keys a LoRA request's blocks with the adapter: the receiver checks the keys with it.
+    holder, receiver = await agents(), await agents()
+    adapter: Extra = (("lora", "ada", "/adapters/ada"),)
+    parent = none_hash()
+    blocks: list[tuple[bytes, bytes | None, tuple[int, ...]]] = []
+    for tokens in base.BLOCK_TOKENS[:3]:
+        key = block_hash(parent, tokens, adapter)
+        blocks.append((key, parent if blocks else None, tokens))
+        parent = key
+    keys = [key for key, _, _ in blocks]
+    got = holder.pool.reserve("save:1", blocks, {key: adapter for key in keys})
+    holder.pool.commit("save:1", got)
+    holder.pool.release("save:1")
+    holder.transfer.grant("t", keys, None, 30)
+    started = await receiver.transfer.fetch(holder.transfer.endpoint, None, "t", keys, 10.0)
+    assert await started.done == 3
+    assert [receiver.pool.extra_of(k) for k in keys] == [adapter] * 3
+    assert stored_events(receiver.node, keys) == []  # not indexable by their tokens alone
+
+
+async def test_a_holder_that_leaves_out_the_extra_keys_lands_nothing(agents: StartAgent) -> None:
+    holder, receiver = await agents(), await agents()
+    adapter: Extra = (("cache_salt", "s1"),)
+    key = block_hash(none_hash(), base.BLOCK_TOKENS[0], adapter)
+    got = holder.pool.reserve("save:1", [(key, None, base.BLOCK_TOKENS[0])])  # its extra keys forgotten
+    holder.pool.commit("save:1", got)
+    holder.pool.release("save:1")
+    holder.transfer.grant("t", [key], None, 30)
+    reason = await refused(receiver, *await start_fetch(receiver, holder, "t", [key]))
+    assert "token ids do not hash to the key" in reason

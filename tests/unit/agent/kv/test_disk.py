@@ -42,6 +42,15 @@ def test_a_spilled_block_reads_back_byte_for_byte_with_its_chain_and_tokens(tmp_
     assert tier.stats().loads == 1 and tier.take_stored() == [key(7)]
 
 
+def test_a_block_s_extra_keys_are_kept_across_a_restart(tmp_path: Path) -> None:
+    extra = (("lora", "ada", "/adapters/ada"), ("cache_salt", "s1"))
+    assert DiskTier.open(tmp_path, GEOMETRY, 1 << 20).spill(key(1), None, (1, 2, 3, 4), payload(1), extra)
+    spill(DiskTier.open(tmp_path, GEOMETRY, 1 << 20), 2)
+    again = DiskTier.open(tmp_path, GEOMETRY, 1 << 20)
+    one, two = again.info(key(1)), again.info(key(2))
+    assert one is not None and one.extra == extra and two is not None and two.extra is None
+
+
 def test_a_new_tier_on_the_same_directory_finds_every_block_and_reads_it(tmp_path: Path) -> None:
     first = DiskTier.open(tmp_path, GEOMETRY, 1 << 20)
     for i in range(1, 4):

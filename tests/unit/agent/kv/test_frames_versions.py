@@ -123,3 +123,26 @@ def fields(frame: Frame) -> list[Any]:
 def test_a_later_version_is_written_after_the_fields_of_version_1() -> None:
     assert fields(FetchRequest("t", (KEY,), GEOMETRY, 8, 2.0, version=2))[6] == 2
     assert fields(Start(0, GEOMETRY, (), version=2))[4] == 2
+
+
+def test_a_start_with_extra_keys_says_its_version_then_each_block_s_extra_keys() -> None:
+    extra = (("lora", "ada", "/a"),)
+    frame = Start(2, GEOMETRY, ((1, 2, 3, 4), (5, 6, 7, 8)), 1, (extra, None))
+    assert encode(frame) == packed(
+        "start", 2, GEO, [[1, 2, 3, 4], [5, 6, 7, 8]], 1, [[["lora", "ada", "/a"]], None]
+    )
+    assert decode(encode(frame), 1 << 16) == frame
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        pytest.param([None], id="fewer than the blocks"),
+        pytest.param([[["lora", True]], None], id="a boolean item"),
+        pytest.param([[], None], id="an empty list of keys"),
+        pytest.param("lora", id="not a list"),
+    ],
+)
+def test_malformed_extra_keys_are_refused(extras: object) -> None:
+    with pytest.raises(MalformedFrame):
+        decode(packed("start", 2, GEO, [[1, 2, 3, 4], [5, 6, 7, 8]], 1, extras), 1 << 16)

@@ -76,6 +76,16 @@ def test_open_names_the_arena_the_worker_maps(node: PoolNode) -> None:
     assert node.arena is not None and str(node.arena.path) == answer["path"]
 
 
+def test_a_block_s_extra_keys_are_kept_with_it_and_a_malformed_one_is_refused(service: PoolService) -> None:
+    block = [*_blocks(1)[0], [["lora", "ada", "/a"]]]
+    assert service.handle({"op": "reserve", "owner": "e:1", "blocks": [block]})["slots"]
+    pool = service.node.pool
+    assert pool is not None and pool.extra_of(KEYS[0]) == (("lora", "ada", "/a"),)
+    bad = [*_blocks(2)[1], [[None]]]
+    answer = service.handle({"op": "reserve", "owner": "e:1", "blocks": [bad]})
+    assert answer["ok"] is False and "extra keys" in answer["error"]
+
+
 def test_a_block_whose_chain_left_the_pool_is_answered_as_an_orphan(service: PoolService) -> None:
     answer = service.handle({"op": "reserve", "owner": "e:1", "blocks": _blocks(3)[2:]})
     assert answer == {"ok": True, "slots": [], "orphans": [KEYS[2]]}  # the engine sends the chain again
