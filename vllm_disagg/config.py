@@ -510,6 +510,7 @@ class AgentConfig:
     # fetch its blocks on (0: engine_port + 3000).
     kv_pool_capacity: str = "2GiB"
     kv_pool_port: int = 0
+    kv_pool_node: str = ""  # another agent of this host whose pool the engine shares; "": its own
     # Its disk tier: a directory where blocks evicted from memory go and outlive the agent, and its
     # size in bytes ("50GiB"); "": none (docs/kv-pool.md, The disk tier).
     kv_disk_dir: str = ""

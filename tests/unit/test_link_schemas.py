@@ -81,6 +81,7 @@ PROTOCOL_FIELDS: dict[type[Any], tuple[str, ...]] = {
     InstanceInfo: (
         "url", "role", "model", "engine", "revision", "block_size", "kv_connector", "max_model_len",
         "tokenizer", "tensor_parallel_size", "kv_pool_endpoint", "capabilities", "labels", "layout",
+        "kv_pool_node",
     ),
     KvLayout: (
         "tp_size", "tp_rank", "pp_size", "pp_rank", "dp_size", "dp_rank", "dtype", "kv_cache_dtype",
@@ -133,6 +134,7 @@ SINCE_MINOR = {
     (MetricsSnapshot, "kv_in_transfers"): 7,
     (MetricsSnapshot, "kv_in_links"): 7,
     (MetricsSnapshot, "kv_pool_hit_rate"): 8,
+    (InstanceInfo, "kv_pool_node"): 9,
 }
 
 

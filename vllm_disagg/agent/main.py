@@ -27,7 +27,7 @@ from vllm_disagg.agent.labels import add_label_arguments, labels_from_args
 from vllm_disagg.agent.scraper import MetricsScraper
 from vllm_disagg.agent.session import EXIT_REFUSED, SessionEnd
 from vllm_disagg.agent.sessions import Sessions
-from vllm_disagg.agent.vllm_command import uses_pool
+from vllm_disagg.agent.vllm_command import serves_pool
 from vllm_disagg.clock import Clock, SystemClock
 from vllm_disagg.config import AgentConfig, add_sim_timing_arguments, sim_timing_from_args
 from vllm_disagg.private_files import private_dir
@@ -124,6 +124,13 @@ _VLLM_FLAGS: tuple[tuple[str, str, type, str], ...] = (
         "with --kv-connector vllm-disagg: the pool as blocks (4096), bytes (2GiB) or a share (10%%)",
     ),
     ("--kv-pool-port", "kv_pool_port", int, "TCP port other agents fetch pool blocks on (0: engine+3000)"),
+    (
+        "--kv-pool-node",
+        "kv_pool_node",
+        str,
+        "with --kv-connector vllm-disagg: the id of another agent of this host whose pool the engine "
+        "shares (one pool per host; up does this by default), instead of running one here",
+    ),
     (
         "--kv-disk-dir",
         "kv_disk_dir",
@@ -248,7 +255,7 @@ async def serve(cfg: AgentConfig, stop: asyncio.Event, *, clock: Clock | None = 
             except DiscoveryError as exc:
                 print(f"vllm-disagg agent {cfg.agent_id}: {exc}", file=sys.stderr, flush=True)
                 return EXIT_REFUSED
-        pool = await KvPool.start(cfg) if uses_pool(cfg) else None
+        pool = await KvPool.start(cfg) if serves_pool(cfg) else None  # (not for its host's pool's agent)
         if pool is not None:
             info = dataclasses.replace(info, kv_pool_endpoint=pool.transfer.endpoint)
         command_log = CommandLog.open(cfg.command_log) if cfg.command_log else None

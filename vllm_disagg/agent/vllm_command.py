@@ -82,8 +82,18 @@ def kv_pool_port(cfg: AgentConfig) -> int:
 
 
 def uses_pool(cfg: AgentConfig) -> bool:
-    """Whether the engine runs the project's connector over this agent's prefix pool."""
+    """Whether the engine runs the project's connector over a prefix pool (this agent's, or its host's)."""
     return cfg.engine == "vllm" and cfg.kv_connector == CONNECTOR_NAME
+
+
+def pool_agent(cfg: AgentConfig) -> str:
+    """The agent whose pool the engine uses: another of this host's (``kv_pool_node``), or this one."""
+    return cfg.kv_pool_node or cfg.agent_id
+
+
+def serves_pool(cfg: AgentConfig) -> bool:
+    """Whether this agent runs a pool: its engine's, and those of the engines that share it."""
+    return uses_pool(cfg) and pool_agent(cfg) == cfg.agent_id
 
 
 def launched_kv_role(cfg: AgentConfig) -> str:
@@ -105,7 +115,7 @@ def pool_transfer_config(cfg: AgentConfig) -> dict[str, object]:
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "agent_endpoint": local_endpoint(cfg.agent_id),
+            "agent_endpoint": local_endpoint(pool_agent(cfg)),
             "engine_name": cfg.agent_id,
         },
     }
@@ -290,4 +300,5 @@ class VllmEngineCommand(EngineCommand):
             capabilities=VLLM_CAPABILITIES,
             layout=layout,
             tensor_parallel_size=layout.tp_size,
+            kv_pool_node="" if not uses_pool(cfg) or serves_pool(cfg) else cfg.kv_pool_node,
         )

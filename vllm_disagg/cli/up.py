@@ -229,6 +229,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "share of memory (10%%); default 2GiB",
     )
     parser.add_argument(
+        "--kv-pool-scope",
+        choices=("node", "agent"),
+        default=d.kv_pool_scope,
+        help="with --kv-connector vllm-disagg: node (default) runs one pool on this host that every "
+        "engine shares, the first agent's, so blocks move between engines through shared memory; "
+        "agent runs one per agent, blocks moved between them over loopback TCP",
+    )
+    parser.add_argument(
         "--kv-disk-dir",
         default=d.kv_disk_dir,
         help="with --kv-connector vllm-disagg: the pools' disk tier, a directory (one per agent under "
@@ -331,6 +339,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
         kv_connector_config=store_config(args.kv_connector, args.kv_connector_config, args.port),
         kv_pool_capacity=args.kv_pool_capacity,
         kv_disk_dir=args.kv_disk_dir,
+        kv_pool_scope=args.kv_pool_scope,
         kv_disk_capacity=args.kv_disk_capacity,
         host=args.host,
         port=args.port,

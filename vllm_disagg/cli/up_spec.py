@@ -46,6 +46,9 @@ class ClusterSpec:
     kv_connector_config: str = ""  # its settings, a JSON object (protocol/kv_connectors.py)
     kv_pool_capacity: str = ""  # "": the agent's default
     kv_disk_dir: str = ""  # the pools' disk tier: one directory per agent under it; "": none
+    # "node": the engines share one pool, the first agent's (they run on this one host); "agent": one
+    # pool per agent, blocks moved between them over loopback TCP.
+    kv_pool_scope: str = "node"
     kv_disk_capacity: str = ""  # each agent's disk tier, in bytes; "": the agent's default
     engine_startup_timeout_s: float = 900.0
     host: str = "127.0.0.1"
@@ -79,6 +82,13 @@ class ClusterSpec:
     # there too, through ``extra_orchestrator_args``); "": no engine traces.
     otlp_traces_endpoint: str = ""
     otlp_traces_protocol: str = "http/protobuf"
+
+    def pool_owner(self) -> str:
+        """The agent whose KV pool every engine shares (they all run on this host); "" for none, or
+        one pool per agent."""
+        if self.engine != "vllm" or self.kv_connector != "vllm-disagg" or self.kv_pool_scope != "node":
+            return ""
+        return self.plans()[0].agent_id
 
     def labels_of(self, agent_id: str) -> dict[str, str]:
         """The labels instance ``agent_id`` gets."""
@@ -199,9 +209,12 @@ class ClusterSpec:
             argv += ["--kv-connector", self.kv_connector]
         if self.engine == "vllm" and self.kv_connector_config:
             argv += ["--kv-connector-config", self.kv_connector_config]
-        if self.kv_pool_capacity:
+        owner = self.pool_owner()
+        if owner and owner != plan.agent_id:  # its engine uses the host's pool, run by another agent
+            argv += ["--kv-pool-node", owner]
+        elif self.kv_pool_capacity:
             argv += ["--kv-pool-capacity", self.kv_pool_capacity]
-        if self.kv_disk_dir:  # one tier per agent: its directory is its own, and outlives this run
+        if self.kv_disk_dir and owner in ("", plan.agent_id):  # one tier per pool, and outlives this run
             argv += ["--kv-disk-dir", str(Path(self.kv_disk_dir) / plan.agent_id)]
         if self.kv_disk_capacity:
             argv += ["--kv-disk-capacity", self.kv_disk_capacity]

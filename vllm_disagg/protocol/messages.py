@@ -43,7 +43,9 @@ PROTOCOL_VERSION = 1  # the major version: peers must agree on it
 # (``Command.epoch``: the term of the leader that sent it; ``STALE_EPOCH`` refusals). 7: where an
 # instance runs and how it lays out its KV (``InstanceInfo.labels``, ``InstanceInfo.layout``), and
 # the KV an engine pulled in (``MetricsSnapshot.kv_in_bytes``, ``kv_in_seconds``, ``kv_in_links``).
-PROTOCOL_MINOR = 8
+# 8: ``MetricsSnapshot.kv_pool_hit_rate``. 9: ``InstanceInfo.kv_pool_node`` (engines sharing one
+# host's KV pool).
+PROTOCOL_MINOR = 9
 # A field added after 1.0 is marked with the minor that added it: the codec leaves it out of a frame
 # while it holds its default, since a peer of 1.0 refuses fields it does not know.
 SINCE_MINOR_1 = {"since_minor": 1}
@@ -54,6 +56,7 @@ SINCE_MINOR_5 = {"since_minor": TYPED_MINOR}
 SINCE_MINOR_6 = {"since_minor": 6}
 SINCE_MINOR_7 = {"since_minor": 7}
 SINCE_MINOR_8 = {"since_minor": 8}
+SINCE_MINOR_9 = {"since_minor": 9}
 # ``Ack.code`` of a ``set_role`` the engine can obey only by restarting with the role's KV role: the
 # orchestrator drains the instance, then asks again with ``SetRole.restart`` (1.4: ``args["restart"]``).
 RESTART_REQUIRED = "restart_required"
@@ -201,6 +204,9 @@ class InstanceInfo:
     # Where it runs (``LABEL_NODE``, ``LABEL_ZONE``, ``LABEL_DOMAIN`` and the operator's own), bounded.
     labels: dict[str, str] = field(default_factory=dict, metadata=SINCE_MINOR_7)
     layout: KvLayout = field(default_factory=KvLayout, metadata=SINCE_MINOR_7)
+    # The agent whose KV pool the engine uses, where it shares its host's pool with other engines (one
+    # pool per host: blocks move between them through shared memory); "": its own agent's, or none.
+    kv_pool_node: str = field(default="", metadata=SINCE_MINOR_9)
 
 
 MAX_KV_LINKS = 64  # sources a heartbeat reports KV fetches from (``MetricsSnapshot.kv_in_links``)

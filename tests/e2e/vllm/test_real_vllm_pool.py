@@ -58,7 +58,8 @@ def cluster(
 ) -> Iterator[UpCluster]:
     port, zmq_port = free_port(), free_port()
     argv = [*up_1p1d_argv(tiny_model, port, zmq_port, free_engine_ports(2)), "--kv-connector", "vllm-disagg"]
-    argv += ["--kv-pool-capacity", "256MiB"]
+    # One pool per agent, blocks moved between them over TCP (the node pool: test_real_vllm_node_pool.py).
+    argv += ["--kv-pool-capacity", "256MiB", "--kv-pool-scope", "agent"]
     # This 2-core machine stalls for seconds at times (up_1p1d_argv): these tests prove where the KV
     # comes from, so a move must not give up on a stall (the defaults give up after 1 s and 2 s).
     argv += ["--kv-grant-timeout-s", "60", "--kv-fetch-timeout-s", "60"]

@@ -14,7 +14,7 @@ import pytest
 from vllm_disagg import jsonutil
 from vllm_disagg.agent.engine_command import SimEngineCommand, kv_events_endpoint
 from vllm_disagg.agent.engine_kinds import engine_command, instance_info
-from vllm_disagg.agent.kv.local import CONNECTOR_NAME, local_dir
+from vllm_disagg.agent.kv.local import CONNECTOR_NAME, local_dir, local_endpoint
 from vllm_disagg.agent.kv_forwarder import forwarder_endpoint
 from vllm_disagg.agent.main import add_arguments, config_from_args
 from vllm_disagg.agent.vllm_command import (
@@ -366,3 +366,16 @@ def test_a_p_d_connector_by_our_name_runs_vllm_s_class_by_role_with_the_lease_be
         "kv_role": "kv_consumer",
         "kv_connector_extra_config": {"num_workers": 4, "kv_lease_duration": 60},
     }
+
+
+def test_an_engine_sharing_its_host_s_pool_talks_to_that_agent_and_says_so() -> None:
+    cfg = agent(role="decode", kv_connector="vllm-disagg", kv_pool_node="prefill-0")
+    transfer = jsonutil.loads(flags(vllm_argv(cfg, "cpu"))["--kv-transfer-config"])
+    assert transfer["kv_connector_extra_config"] == {
+        "agent_endpoint": local_endpoint("prefill-0"),  # the pool's agent, not its own
+        "engine_name": "a",  # its own name in the shared pool
+    }
+    info = VllmEngineCommand("cpu").instance_info(cfg)
+    assert info.kv_pool_node == "prefill-0"
+    own = VllmEngineCommand("cpu").instance_info(agent(role="decode", kv_connector="vllm-disagg"))
+    assert own.kv_pool_node == ""

@@ -215,3 +215,19 @@ def test_tracing_flags_reach_the_orchestrator_and_the_vllm_engines_the_agents_la
         assert agent[agent.index("--otlp-traces-endpoint") + 1] == url
         assert agent[agent.index("--otlp-traces-protocol") + 1] == "http/protobuf"
     assert not any("--otlp-traces-endpoint" in agent for agent in spec_of()), "none without the flag"
+
+
+def test_with_the_project_s_connector_every_engine_shares_the_first_agent_s_pool_by_default() -> None:
+    argvs = vllm_spec_of(
+        "--prefill", "1", "--decode", "2", "--kv-connector", "vllm-disagg", "--kv-disk-dir", "/d"
+    )
+    ids = [argv[argv.index("--agent-id") + 1] for argv in argvs]
+    nodes = {
+        i: argv[argv.index("--kv-pool-node") + 1] if "--kv-pool-node" in argv else ""
+        for i, argv in zip(ids, argvs, strict=True)
+    }
+    assert nodes == {"prefill-0": "", "decode-0": "prefill-0", "decode-1": "prefill-0"}
+    disks = [argv[argv.index("--kv-disk-dir") + 1] for argv in argvs if "--kv-disk-dir" in argv]
+    assert disks == ["/d/prefill-0"]  # one disk tier: the pool's
+    per_agent = vllm_spec_of("--kv-connector", "vllm-disagg", "--kv-pool-scope", "agent")
+    assert all("--kv-pool-node" not in argv for argv in per_agent)

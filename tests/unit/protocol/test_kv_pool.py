@@ -47,8 +47,8 @@ def fields(message: Message) -> dict[str, Any]:
     return dict(msgpack.unpackb(encode(message))[1])
 
 
-def test_this_release_speaks_1_8_and_the_pool_commands_need_1_3() -> None:
-    assert PROTOCOL_MINOR == 8
+def test_this_release_speaks_1_9_and_the_pool_commands_need_1_3() -> None:
+    assert PROTOCOL_MINOR == 9
     assert dict(COMMAND_SINCE_MINOR) == {"kv_grant": 3, "kv_fetch": 3}
 
 

@@ -87,6 +87,7 @@ if TYPE_CHECKING:
 log = init_logger("vllm.vllm_disagg.connector")  # under "vllm.": its lines go to the engine's log
 
 LOAD_TIMEOUT_S = 10.0  # a landing block not there by then is recomputed
+REOPEN_EVERY_S = 1.0  # at most this often the workers map their agent's pool again
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ class ConnectorMeta(KVConnectorMetadata):  # type: ignore[misc]
     save: Save | None = None
     delayed: list[str] = field(default_factory=list)  # finished, their KV blocks kept until saved
     preempted: bool = False
+    reopen: bool = False  # the agent's pool is not the one the workers mapped: map it again
 
 
 @dataclass
@@ -155,12 +157,14 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._receiving: set[str] = set()  # their requests, pinned until the workers report them
         self._saved_reqs: set[str] = set()  # requests with blocks in a save so far
         self._delayed: list[str] = []  # finished ones of those, for the next step's metadata
+        self._reopen, self._reopen_at = False, 0.0
         # worker side
         self._arena: SlotArena | None = None
         self._layers: dict[str, int] = {}  # layer name -> index in a slot
         self._caches: list[torch.Tensor] = []
         self._copier = BlockCopier(torch.device("cpu"))  # replaced by the caches' device's
         self._block_dim = 0
+        self._geometry = Geometry(1, 1, self._block_size)  # the engine's, once its caches are registered
         self._load_errors: set[int] = set()
         self._in_receive = Receiving()
         self._in_save = Saving()
@@ -176,7 +180,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             answer = self._agent.call(Lookup(self._req(request.request_id), keys[first:last]), Pinned)
         except LocalError as e:
-            log.warning("pool lookup failed, computing the prompt: %s", e)
+            self._refused(e, "pool lookup failed, computing the prompt")
             return 0, False
         slots, ready = tuple(answer.slots), tuple(answer.ready)
         tracked = self._tracked.setdefault(request.request_id, _Tracked(request))
@@ -214,8 +218,9 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             receives=self._receives,
             delayed=self._delayed,
             preempted=bool(scheduler_output.preempted_req_ids),
+            reopen=self._reopen,
         )
-        self._receives, self._delayed = [], []
+        self._receives, self._delayed, self._reopen = [], [], False
         done = self._loaded.popleft()
         if done:
             self._release(done)
@@ -271,7 +276,7 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         try:
             answer = self._agent.call(Reserve(f"{self._engine}:{self._step}", blocks), Reserved)
         except LocalError as e:
-            log.warning("pool reserve failed, not saving this step's blocks: %s", e)
+            self._refused(e, "pool reserve failed, not saving this step's blocks")
             answer = Reserved([], [key for key, _ in where.items()])
         for key in answer.orphans:  # the chain's head left the pool since: the whole chain, next step
             tracked = self._tracked.get(where[key][1]) if key in where else None
@@ -320,6 +325,18 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # A prefill leg: the gateway moves these blocks to the decode instance's pool.
         return delay, pool_handle(self._block_size, request.block_hashes[: tracked.saved])
 
+    def _refused(self, e: LocalError, what: str) -> None:
+        """Log a call the agent refused or never answered; where it says this engine has not mapped
+        the pool open now (its agent restarted, or this engine shares another agent's pool that did,
+        or started before it), the workers map it again (``ConnectorMeta.reopen``)."""
+        if e.code != "not_open":
+            log.warning("%s: %s", what, e)
+            return
+        now = time.monotonic()
+        if now >= self._reopen_at:
+            self._reopen, self._reopen_at = True, now + REOPEN_EVERY_S
+            log.info("%s: the agent's pool is not the one this engine mapped; mapping it again", what)
+
     def _req(self, req_id: str) -> str:
         return f"{self._engine}:{req_id}"
 
@@ -340,7 +357,12 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._caches = list(kv_caches.values())
         self._copier = BlockCopier.for_caches(self._caches)
         one = first.select(self._block_dim, 0)
-        geometry = Geometry(len(kv_caches), one.numel() * one.element_size(), self._block_size)
+        self._geometry = Geometry(len(kv_caches), one.numel() * one.element_size(), self._block_size)
+        self._map_pool()
+
+    def _map_pool(self) -> None:
+        """Open the agent's pool for this engine's KV geometry and map its arena (None: it computes)."""
+        geometry = self._geometry
         try:
             opened = self._agent.call(Open(geometry, self._engine, os.getpid()), Opened)
             self._arena = SlotArena.attach(opened.path, geometry, opened.capacity)
@@ -357,6 +379,18 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._copier.device,
             " (page-locked)" if pinned else "",
         )
+
+    def _remap_pool(self) -> None:
+        """The agent's pool was replaced: let go of the old mapping (what still lands there never will
+        for this engine: recomputed) and map the new one."""
+        for receive in self._in_receive.abandon():
+            self._load_errors.update(receive.block_ids)
+            self._in_receive.copying(receive.req_id, FINISHED)
+        if self._arena is not None:
+            self._copier.unpin()  # once its saves are done: they read from the engine, not the old pool
+            self._arena.close()
+            self._arena = None
+        self._map_pool()
 
     def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:
         num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
@@ -375,6 +409,8 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
         # block to load is an error to recompute.
         meta = self._get_connector_metadata()
         self._in_save.finishing(meta.delayed)
+        if meta.reopen and self._layers:
+            self._remap_pool()
         if self._arena is None:
             for load in (*meta.loads, *meta.receives):
                 self._load_errors.update(load.block_ids)

@@ -132,8 +132,8 @@ class BlockCopier:
         done: Done = event
         return done
 
-    def close(self) -> None:
-        """Wait for the saves, and unregister the host memory (before its mapping goes)."""
+    def unpin(self) -> None:
+        """Wait for every copy, and unregister the host memory (before its mapping goes)."""
         self.wait_saves()
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -143,3 +143,7 @@ class BlockCopier:
             for address in self._pinned:
                 cudart.cudaHostUnregister(address)
         self._pinned.clear()
+
+    def close(self) -> None:
+        """Wait for the copies, and unregister the host memory (before its mapping goes)."""
+        self.unpin()

@@ -92,6 +92,11 @@ class Receiving:
                 settled.append(Settled(receive, loaded, late=state != FAILED and loaded < len(receive.slots)))
         return settled
 
+    def abandon(self) -> list[Receive]:
+        """Every receive still waiting, which stops waiting (the pool it waited on is gone)."""
+        out, self._waiting = list(self._waiting.values()), {}
+        return out
+
     def copying(self, req_id: str, done: Done) -> None:
         """A settled receive's copies are queued: it is reported once ``done``."""
         self._copying.append((req_id, done))

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Any
 
 import msgpack
 import zmq
 import zmq.asyncio
 
+from vllm_disagg.agent.kv.arena import Geometry
 from vllm_disagg.agent.kv.local import make_local_dir
 from vllm_disagg.agent.kv.local_messages import (
     BadRequest,
@@ -43,12 +45,26 @@ from vllm_disagg.errors import UnsupportedVersion
 log = logging.getLogger(__name__)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
 class PoolService:
     """Answers the connector's requests on the agent's ``PoolNode``."""
 
     def __init__(self, node: PoolNode) -> None:
         self.node = node
         self._engine_pids: dict[str, int] = {}  # engine name -> the process that opened for it
+        # Engines whose worker mapped the arena open now: another's requests would name slots of a
+        # mapping it does not have (an arena this pool replaced), so they are refused.
+        self._mapped: set[str] = set()
+        self._arena_id = 0
         # Lifetime prompt blocks the engines asked the pool for, and those it held (memory or disk).
         self.asked = 0
         self.found = 0
@@ -66,9 +82,14 @@ class PoolService:
         except BadRequest as e:
             return refusal(str(e))
         if isinstance(request, Open):
-            return answer_to_wire(self._open(request))
+            opened = self._open(request)
+            return answer_to_wire(opened) if isinstance(opened, Opened) else opened
         if self.node.pool is None:
-            return refusal("the pool is not open (no engine said its geometry)")
+            return refusal("the pool is not open (no engine said its geometry)", "not_open")
+        if not self._from_mapped(request):
+            return refusal(
+                "this engine has not mapped the pool open now (it was replaced): it computes", "not_open"
+            )
         answer = self.answer(self.node.pool, request)
         self.node.changed()
         return answer_to_wire(answer)
@@ -101,11 +122,21 @@ class PoolService:
                 pool.release(owner)
                 return Committed(len(done))
 
-    def _open(self, request: Open) -> Opened:
+    def _open(self, request: Open) -> Opened | dict[str, Any]:
+        engine, pid = request.engine, request.pid
+        other = self._other_geometry(engine, request.geometry)
+        if other is not None:
+            return refusal(
+                f"this host's pool holds KV blocks of {self.node.geometry}, engine {other}'s; "
+                f"this engine's are {request.geometry}: it computes its prompts",
+                "geometry",
+            )
         arena = self.node.open(request.geometry)
+        if id(arena) != self._arena_id:  # a new arena: no engine has it mapped yet
+            self._arena_id, self._mapped = id(arena), set()
+        self._mapped.add(engine)
         pool = self.node.pool
         assert pool is not None
-        engine, pid = request.engine, request.pid
         if self._engine_pids.get(engine) != pid:
             # A new process for this engine: what the old one pinned or was writing, it never will.
             mine = (f"req:{engine}:", f"save:{engine}:")
@@ -115,6 +146,27 @@ class PoolService:
             self._engine_pids[engine] = pid
             self.node.changed()
         return Opened(str(arena.path), arena.capacity)
+
+    def _other_geometry(self, engine: str, geometry: Geometry) -> str | None:
+        """Another engine, alive, that opened the pool with another KV geometry; None if none did."""
+        if self.node.geometry is None or self.node.geometry == geometry:
+            return None
+        for other in self._mapped - {engine}:
+            pid = self._engine_pids.get(other)
+            if pid is not None and _alive(pid):
+                return other
+        return None
+
+    def _from_mapped(self, request: Lookup | Release | Reserve | Commit) -> bool:
+        """Does ``request`` come from an engine that mapped the open arena (its names start ENGINE:)?"""
+        match request:
+            case Lookup():
+                name = request.req
+            case Reserve() | Commit():
+                name = request.owner
+            case Release():
+                return True  # letting go of pins is always safe
+        return any(name.startswith(engine + ":") for engine in self._mapped)
 
     # --- the socket --------------------------------------------------------------------------------
     async def start(self, endpoint: str, ctx: zmq.asyncio.Context | None = None) -> None:

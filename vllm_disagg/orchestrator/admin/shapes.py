@@ -63,6 +63,7 @@ def instance_json(view: InstanceView, in_flight: int, requests_total: int, now: 
         "max_model_len": info.max_model_len,
         "tensor_parallel_size": info.tensor_parallel_size,
         "kv_pool_endpoint": info.kv_pool_endpoint,
+        "kv_pool_node": info.kv_pool_node,  # the agent whose pool it shares (its host's); "": its own
         "capabilities": dataclasses.asdict(info.capabilities),  # what its streams say (docs/engines.md)
         "labels": dict(info.labels),  # topology: node, zone, domain (docs/scheduler.md, "Topology")
         "layout": dataclasses.asdict(info.layout),  # as its agent could tell (docs/agent.md); 0/"": unknown

@@ -1,6 +1,8 @@
 """Moving a prompt's KV blocks from one agent's pool to another's: ``kv_grant``, then ``kv_fetch``.
 
-The gateway asks for a move when a decode instance should load blocks another agent's pool holds:
+The gateway asks for a move when a decode instance should load blocks another agent's pool holds
+(engines sharing their host's pool, ``InstanceInfo.kv_pool_node``, move nothing between them, and
+that pool's agent moves for them):
 after a prefill leg between two ``vllm-disagg`` instances (the prefill engine saved the prompt's
 blocks in its agent's pool) and for a request sent straight to decode (``Decision.kv_source``). The
 control plane sends the commands (docs/protocol.md): ``kv_grant`` to the holder, whose Ack says how
@@ -23,7 +25,7 @@ from typing import Protocol
 
 from vllm_disagg.errors import AgentTooOld, CommandError, CommandTimeout, ConfigError, NotLeader
 from vllm_disagg.orchestrator.control.plane import ControlPlane
-from vllm_disagg.orchestrator.state.views import GatewayRegistry
+from vllm_disagg.orchestrator.state.views import GatewayRegistry, pool_of
 from vllm_disagg.protocol.commands import FetchResult, GrantResult, KvFetch, KvGrant, z85
 from vllm_disagg.protocol.kv_pool import MAX_COMMAND_KEYS, MAX_FETCH_TIMEOUT_S, MAX_GRANT_TTL_S
 
@@ -109,6 +111,15 @@ class ControlKvMover:
         h, r = self._registry.get(holder), self._registry.get(receiver)
         if h is None or r is None:
             return failed("unreachable", f"instance {holder if h is None else receiver!r} is not registered")
+        # Engines sharing their host's pool: the agent that runs it grants and fetches for them.
+        holder, receiver = pool_of(h), pool_of(r)
+        if holder == receiver:  # one pool: the blocks are there, in the memory both engines map
+            return MoveResult(True, requested=requested, held=requested, already_held=requested)
+        h, r = self._registry.get(holder), self._registry.get(receiver)
+        if h is None or r is None:
+            return failed(
+                "unreachable", f"the KV pool of {holder if h is None else receiver!r} is not registered"
+            )
         if not h.info.kv_pool_endpoint or not r.info.kv_pool_endpoint:
             who = holder if not h.info.kv_pool_endpoint else receiver
             return failed("no_pool", f"instance {who!r} serves no KV pool", requested)

@@ -345,7 +345,7 @@ class PluginScheduler:
         pin_p, pin_d = request.pinned_prefill, request.pinned_decode
         pinned = pins.resolve(pin_p, snapshot, model, "prefill") if pin_p else None
         pinned_d = pins.resolve(pin_d, snapshot, model, "decode") if pin_d else None
-        dctx = ProfileContext(_own_pools(request), snapshot, now, "decode", pinned)
+        dctx = ProfileContext(_own_pools(request, snapshot), snapshot, now, "decode", pinned)
         if pinned_d is None:
             dtrace = self._profiles["decode"].run(dctx, population, request.exclude)
             if dtrace.picked < 0:
@@ -468,7 +468,7 @@ class PluginScheduler:
         """Another decode instance (a retry), able to take KV from ``prefill`` when given; None if none."""
         partner = snapshot.by_id.get(prefill) if prefill is not None else None
         population = snapshot.model_ids.get(request.model, ())
-        ctx = ProfileContext(_own_pools(request), snapshot, now, "decode", partner)
+        ctx = ProfileContext(_own_pools(request, snapshot), snapshot, now, "decode", partner)
         exclude = request.exclude
         if partner is not None and snapshot.blocked_links:
             exclude = exclude | {d for p, d in snapshot.blocked_links if p == partner.agent_id}
@@ -513,20 +513,23 @@ def _colocate_for_ttft(
     )
 
 
-def _own_pools(request: SchedulingRequest) -> SchedulingRequest:
+def _own_pools(request: SchedulingRequest, snapshot: RegistrySnapshot) -> SchedulingRequest:
     """The request as the decode profile reads it where agents' KV pools hold some of the prompt: what
-    an instance's own pool holds (memory or disk) counts as its cache, since its engine loads that
-    instead of computing it (the straight-to-decode shortcut, a colocated request). So the prefix
-    holders sampled first and the prefix term include the pools' holders, and a D whose own pool holds
-    the prompt is preferred over one that would fetch it from another agent's. Another instance's pool
-    counts for nothing here: reaching it takes a transfer (the decider weighs that)."""
+    an instance's own pool holds (memory or disk; its host's, where engines share one) counts as its
+    cache, since its engine loads that instead of computing it (the straight-to-decode shortcut, a
+    colocated request). So the prefix holders sampled first and the prefix term include the pools'
+    holders, and a D whose own pool holds the prompt is preferred over one that would fetch it from
+    another agent's. Another pool counts for nothing here: reaching it takes a transfer (the decider
+    weighs that)."""
     pooled = request.pooled_tokens
     if not pooled:
         return request
     cached = dict(request.cached_tokens)
+    members = snapshot.pool_members
     for agent_id, tokens in pooled.items():
-        if tokens > cached.get(agent_id, 0):
-            cached[agent_id] = tokens
+        for holder in (agent_id, *members.get(agent_id, ())):
+            if tokens > cached.get(holder, 0):
+                cached[holder] = tokens
     return dataclasses.replace(request, cached_tokens=MappingProxyType(cached))
 
 

@@ -141,6 +141,18 @@ class RegistrySnapshot:
             built = self._built[name] = MappingProxyType({m: tuple(map(pick, i)) for m, i in ids.items()})
         return built
 
+    @property
+    def pool_members(self) -> Mapping[str, tuple[str, ...]]:
+        """Agent whose KV pool several engines share (one per host) -> the other instances using it."""
+        built = self._built.get("pool_members")
+        if built is None:
+            members: dict[str, list[str]] = {}
+            for v in self.by_id.values():
+                if v.info.kv_pool_node:
+                    members.setdefault(v.info.kv_pool_node, []).append(v.agent_id)
+            built = self._built["pool_members"] = MappingProxyType({o: tuple(m) for o, m in members.items()})
+        return built
+
     def in_flight_of(self, agent_id: str) -> int:
         """Gateway requests outstanding on an instance."""
         return self.in_flight.get(agent_id, 0)
@@ -148,6 +160,11 @@ class RegistrySnapshot:
     def ready_models(self) -> list[str]:
         """Models at least one ready instance serves, sorted."""
         return sorted(set(self.prefill_ids) | set(self.decode_ids))
+
+
+def pool_of(view: InstanceView) -> str:
+    """The agent whose KV pool ``view``'s engine uses: its host's shared one, or its own agent's."""
+    return view.info.kv_pool_node or view.agent_id
 
 
 class SnapshotSource:

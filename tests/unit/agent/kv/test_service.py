@@ -160,7 +160,7 @@ def test_a_malformed_request_is_refused_with_a_reason(
 ) -> None:
     answer = service.handle(request_)
     assert answer["ok"] is False and error in answer["error"]
-    assert service.handle({"op": "lookup", "req": "r", "keys": KEYS})["ok"]  # and it goes on
+    assert service.handle({"op": "lookup", "req": "e:r", "keys": KEYS})["ok"]  # and it goes on
 
 
 @pytest.mark.parametrize(
@@ -232,7 +232,11 @@ async def test_the_client_raises_the_agents_refusal_with_its_code(sock_dir: str)
 
 def test_before_the_engine_says_its_geometry_there_is_no_pool_to_ask(node: PoolNode) -> None:
     answer = PoolService(node).handle({"op": "lookup", "req": "r", "keys": KEYS})
-    assert answer == {"ok": False, "error": "the pool is not open (no engine said its geometry)"}
+    assert answer == {
+        "ok": False,
+        "error": "the pool is not open (no engine said its geometry)",
+        "code": "not_open",
+    }
 
 
 async def test_the_connectors_client_talks_to_the_service_over_its_socket(
@@ -292,3 +296,30 @@ def test_a_long_agent_id_still_makes_a_socket_path_the_kernel_takes() -> None:
     assert len(path.encode()) <= 100
     assert local_endpoint(long_id) != local_endpoint("b" * 128)
     assert local_endpoint("prefill-0").endswith("/kv-prefill-0.sock")
+
+
+def test_engines_of_one_host_share_the_pool_and_see_each_other_s_blocks(node: PoolNode) -> None:
+    service = PoolService(node)
+    for engine in ("prefill-0", "decode-0"):
+        opened = service.handle(
+            {"op": "open", "geometry": GEOMETRY.to_wire(), "engine": engine, "pid": os.getpid()}
+        )
+        assert opened["ok"] and opened["path"] == str(node.arena.path if node.arena else "")
+    _save(service, "prefill-0:1", 2)
+    assert service.handle({"op": "lookup", "req": "decode-0:r1", "keys": KEYS[:2]})["slots"] != []
+
+
+def test_an_engine_that_has_not_mapped_the_open_arena_is_refused(service: PoolService) -> None:
+    answer = service.handle({"op": "lookup", "req": "other:r1", "keys": KEYS})
+    assert (answer["ok"], answer["code"]) == (False, "not_open")  # it would read slots it has not mapped
+    assert service.handle({"op": "release", "reqs": ["other:r1"]})["ok"]  # letting go is always fine
+
+
+def test_an_engine_of_another_geometry_is_refused_while_the_first_runs(node: PoolNode) -> None:
+    service = PoolService(node)
+    first = {"op": "open", "geometry": GEOMETRY.to_wire(), "engine": "a", "pid": os.getpid()}
+    assert service.handle(first)["ok"]
+    other = Geometry(GEOMETRY.num_layers + 1, GEOMETRY.layer_block_bytes, GEOMETRY.block_size)
+    answer = service.handle({"op": "open", "geometry": other.to_wire(), "engine": "b", "pid": os.getpid()})
+    assert (answer["ok"], answer["code"]) == (False, "geometry") and "engine a's" in answer["error"]
+    assert node.geometry == GEOMETRY  # the first engine's blocks stay

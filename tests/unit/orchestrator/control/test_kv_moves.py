@@ -156,3 +156,33 @@ async def test_nothing_is_sent_between_instances_that_cannot_move_kv(
     result = await move.move(holder, receiver, HEX)
     assert (result.ok, result.reason) == (False, reason)
     assert control.sent == []
+
+
+def node_mover(
+    answer: Callable[[CommandKind, CommandPayload], Ack | CommandError],
+) -> tuple[ControlKvMover, FakeControl]:
+    """p0 runs its host's pool, which d0 shares; d1 runs its own on another host."""
+    control = FakeControl(answer)
+    member = pool_view("d0")
+    member = dataclasses.replace(member, info=dataclasses.replace(member.info, kv_pool_node="p0"))
+    registry = FakeRegistry(pool_view("p0", "tcp://p0:1"), member, pool_view("d1", "tcp://d1:1"))
+    return ControlKvMover(cast(ControlPlane, control), cast(GatewayRegistry, registry)), control
+
+
+async def test_engines_sharing_their_host_s_pool_move_nothing_between_them() -> None:
+    move, control = node_mover(granting(held=4))
+    result = await move.move("p0", "d0", HEX)
+    assert (result.ok, result.reserved, result.already_held) == (True, 0, 4)
+    assert control.sent == []  # the blocks are in the memory both engines map
+
+
+async def test_the_agent_running_a_shared_pool_grants_for_the_engines_that_share_it() -> None:
+    move, control = node_mover(granting(held=4))
+    result = await move.move("d0", "d1", HEX)  # d0's engine saved them: they are in p0's pool
+    assert result.ok
+    assert [(agent, payload.KIND) for agent, payload, _ in control.sent] == [
+        ("p0", "kv_grant"),
+        ("d1", "kv_fetch"),
+    ]
+    fetch = control.sent[1][1]
+    assert isinstance(fetch, KvFetch) and fetch.endpoint == "tcp://p0:1"

@@ -37,6 +37,7 @@ class Inst:
     revision: str = ""
     dead: bool = False
     in_flight: int = 0
+    node: str = ""  # the agent whose pool it shares (its host's); "": its own
 
 
 P0, P1, D0 = Inst("p0", "prefill"), Inst("p1", "prefill"), Inst("d0", "decode")
@@ -52,7 +53,8 @@ def snapshot(*instances: Inst) -> RegistrySnapshot:
             block_size=i.block_size,
             kv_connector=i.connector,
             revision=i.revision,
-            kv_pool_endpoint=f"tcp://{i.id}:11000" if i.pool else "",
+            kv_pool_endpoint=f"tcp://{i.id}:11000" if i.pool and not i.node else "",
+            kv_pool_node=i.node,
         )
         reg.hello(i.id, info, NOW)
         reg.heartbeat(i.id, Heartbeat(seq=1, engine_state="ready", metrics=MetricsSnapshot()), NOW)
@@ -223,3 +225,23 @@ def test_another_instances_pool_does_not_make_a_decode_instance_look_cached() ->
         for i in range(40)
     }
     assert picks == {"d0", "d1"}
+
+
+D1_ON_P0 = Inst("d1", "decode", node="p0")  # shares p0's host pool
+
+
+def test_a_decode_instance_sharing_the_host_pool_that_holds_the_prompt_loads_it_with_no_move() -> None:
+    decision = decide((P0, D0, D1_ON_P0), {"p0": FULL})
+    assert (decision.mode, decision.decode, decision.kv_source) == ("colocated", "d1", "d1")
+    assert decision.explanation is not None
+    assert "d1's host's KV pool holds all 4 blocks" in str(decision.explanation.to_json())
+
+
+def test_the_decode_profile_counts_the_host_pool_as_its_cache() -> None:
+    picks = {
+        SCHEDULER.decide(
+            dataclasses.replace(request({"p0": 2 * 16}), request_id=f"r{i}"), snapshot(P0, D0, D1_ON_P0), NOW
+        ).decode
+        for i in range(40)
+    }
+    assert picks == {"d1"}

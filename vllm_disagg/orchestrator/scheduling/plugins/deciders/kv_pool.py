@@ -23,7 +23,7 @@ from typing import ClassVar
 from vllm_disagg.orchestrator.scheduling.framework import ModeChoice, PluginSpec, ProfileContext
 from vllm_disagg.orchestrator.scheduling.plugins import check_int
 from vllm_disagg.orchestrator.scheduling.plugins.deciders import uncached_tokens
-from vllm_disagg.orchestrator.state.views import InstanceView
+from vllm_disagg.orchestrator.state.views import InstanceView, pool_of
 from vllm_disagg.protocol.messages import POOL_CONNECTOR
 
 TYPE = "kv-pool-decider"
@@ -43,12 +43,13 @@ class Params:
 
 
 def can_hand_over(holder: InstanceView, decode: InstanceView) -> bool:
-    """May ``holder``'s agent hand pool blocks to ``decode``'s? Both serve a pool, the KV is alike."""
+    """May ``holder``'s agent hand pool blocks to ``decode``'s? Both serve a pool (``decode``'s may be
+    its host's, another agent's), the KV is alike."""
     h, d = holder.info, decode.info
     return (
         holder.state != "dead"
         and bool(h.kv_pool_endpoint)
-        and bool(d.kv_pool_endpoint)
+        and bool(d.kv_pool_endpoint or d.kv_pool_node)
         and h.kv_connector == POOL_CONNECTOR
         and h.model == d.model
         and h.revision == d.revision
@@ -81,8 +82,9 @@ class KvPoolDecider:
             return None
         need = blocks * size
         d = decode.agent_id
-        if pooled.get(d, 0) >= need:
-            why = f"straight to decode: {d}'s own KV pool holds all {blocks} blocks of the prompt"
+        if pooled.get(pool_of(decode), 0) >= need:
+            whose = "own" if pool_of(decode) == d else "host's"
+            why = f"straight to decode: {d}'s {whose} KV pool holds all {blocks} blocks of the prompt"
             return ModeChoice("colocated", why, d)
         snapshot = ctx.snapshot
         by_id = snapshot.by_id
