@@ -45,6 +45,8 @@ from vllm_disagg.agent.kv.arena import Capacity, Geometry, SlotArena
 from vllm_disagg.agent.kv.node import PoolNode
 from vllm_disagg.agent.kv.pool import BlockKey, PrefixPool
 from vllm_disagg.agent.kv.transfer import DEFAULT_CHUNK_BYTES, DEFAULT_WINDOW, KvTransfer
+from vllm_disagg.bench.kv_handoff import add_arguments as add_handoff_arguments
+from vllm_disagg.bench.kv_handoff import handoff_part, print_handoff
 from vllm_disagg.bench.kv_ttft import add_arguments as add_ttft_arguments
 from vllm_disagg.bench.kv_ttft import ttft_part
 from vllm_disagg.protocol.curve import Keypair, load_keypair, make_keypair
@@ -73,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--churn-rss-bound-mib", type=float, default=32.0, help="RSS growth allowed")
     parser.add_argument("--seed", type=int, default=0)
     add_ttft_arguments(parser)
+    add_handoff_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
@@ -542,6 +545,8 @@ async def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             result.update(vars(await churn_part(args, keydir)))
     if args.ttft_rounds > 0:
         result.update(asdict(await ttft_part(args)))
+    if args.handoff_rounds > 0:
+        result.update(asdict(await handoff_part(args)))
     return result
 
 
@@ -589,4 +594,5 @@ def run(args: argparse.Namespace) -> int:
             f"tokens the engine loaded from the pool: {result['ttft_pool_loaded_tokens']}, "
             f"from the disk tier: {result['ttft_disk_loaded_tokens']}"
         )
+    print_handoff(result)
     return int(failed)

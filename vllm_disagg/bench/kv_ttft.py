@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-async def _latency(session: aiohttp.ClientSession, url: str, ids: list[int]) -> float:
+async def latency(session: aiohttp.ClientSession, url: str, ids: list[int]) -> float:
     body = {"model": "tiny", "prompt": ids, "max_tokens": 1, "temperature": 0.0}
     start = time.perf_counter()
     async with session.post(f"{url}/v1/completions", data=jsonutil.dumps(body), headers=_JSON) as resp:
@@ -70,7 +70,7 @@ async def _latency(session: aiohttp.ClientSession, url: str, ids: list[int]) -> 
     return time.perf_counter() - start
 
 
-async def _loaded_tokens(session: aiohttp.ClientSession, url: str) -> float:
+async def loaded_tokens(session: aiohttp.ClientSession, url: str) -> float:
     async with session.get(f"{url}/metrics") as resp:
         for line in (await resp.text()).splitlines():
             if line.startswith(SOURCE):
@@ -78,7 +78,7 @@ async def _loaded_tokens(session: aiohttp.ClientSession, url: str) -> float:
     return 0.0
 
 
-async def _healthy(session: aiohttp.ClientSession, url: str, proc: asyncio.subprocess.Process) -> None:
+async def healthy(session: aiohttp.ClientSession, url: str, proc: asyncio.subprocess.Process) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline and proc.returncode is None:
         try:
@@ -94,11 +94,11 @@ async def _healthy(session: aiohttp.ClientSession, url: str, proc: asyncio.subpr
 _JSON = {"Content-Type": "application/json"}
 
 
-def _open_log(path: Path) -> IO[bytes]:
+def open_log(path: Path) -> IO[bytes]:
     return path.open("wb")
 
 
-def _tail(path: Path, lines: int = 40) -> str:
+def tail(path: Path, lines: int = 40) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
@@ -111,25 +111,25 @@ async def _rounds(
     times: dict[str, list[float]] = {"computed": [], "pool": [], "local": [], "disk": []}
     loaded = {"pool": 0.0, "disk": 0.0}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        await _healthy(session, url, proc)
+        await healthy(session, url, proc)
         for _ in range(args.ttft_rounds):
             prefix = [rng.randrange(10, 1000) for _ in range(2 * block)]
             tails = [[rng.randrange(10, 1000) for _ in range(TAIL_TOKENS)] for _ in range(4)]
-            times["computed"].append(await _latency(session, url, prefix + tails[0]))
-            await _reset(session, url)
-            before = await _loaded_tokens(session, url)
-            times["pool"].append(await _latency(session, url, prefix + tails[1]))
-            loaded["pool"] += await _loaded_tokens(session, url) - before
-            times["local"].append(await _latency(session, url, prefix + tails[2]))
-            await _reset(session, url)
+            times["computed"].append(await latency(session, url, prefix + tails[0]))
+            await reset(session, url)
+            before = await loaded_tokens(session, url)
+            times["pool"].append(await latency(session, url, prefix + tails[1]))
+            loaded["pool"] += await loaded_tokens(session, url) - before
+            times["local"].append(await latency(session, url, prefix + tails[2]))
+            await reset(session, url)
             _to_disk(pool)
-            before = await _loaded_tokens(session, url)
-            times["disk"].append(await _latency(session, url, prefix + tails[3]))
-            loaded["disk"] += await _loaded_tokens(session, url) - before
+            before = await loaded_tokens(session, url)
+            times["disk"].append(await latency(session, url, prefix + tails[3]))
+            loaded["disk"] += await loaded_tokens(session, url) - before
     return times, loaded
 
 
-async def _reset(session: aiohttp.ClientSession, url: str) -> None:
+async def reset(session: aiohttp.ClientSession, url: str) -> None:
     async with session.post(f"{url}/reset_prefix_cache", data=b"{}", headers=_JSON) as resp:
         await resp.read()
 
@@ -147,7 +147,7 @@ def _to_disk(kv: KvPool) -> None:
     node.changed()
 
 
-def _engine_port(rng: random.Random) -> int:
+def engine_port(rng: random.Random) -> int:
     """A port free for the engine, its KV events (+2000) and its pool's transfers (+3000)."""
     while True:
         port = rng.randrange(20000, 28000)
@@ -170,7 +170,7 @@ async def ttft_part(args: argparse.Namespace) -> TtftResult:
     disk_dir = disk_tmp.name
     cfg = AgentConfig(
         agent_id=f"bench-kv-{random.randrange(1 << 30)}", role="both", engine="vllm", model="tiny",
-        model_path=str(model.path), engine_port=_engine_port(random.Random()), kv_connector="vllm-disagg",
+        model_path=str(model.path), engine_port=engine_port(random.Random()), kv_connector="vllm-disagg",
         kv_pool_capacity="256MiB", kv_disk_dir=disk_dir, kv_disk_capacity="1GiB",
     )  # fmt: skip
     command = VllmEngineCommand()
@@ -182,12 +182,12 @@ async def ttft_part(args: argparse.Namespace) -> TtftResult:
     try:
         with tempfile.TemporaryDirectory(prefix="vllm-disagg-bench-kv-") as tmp:
             log_path = Path(tmp) / "vllm.log"
-            with _open_log(log_path) as log:
+            with open_log(log_path) as log:
                 proc = await spawn(command.argv(cfg), env=env, output=log)
             try:
                 times, loaded = await _rounds(args, f"http://127.0.0.1:{cfg.engine_port}", proc, block, pool)
             except RuntimeError as exc:
-                raise RuntimeError(f"{exc}; the engine's last lines:\n{_tail(log_path)}") from None
+                raise RuntimeError(f"{exc}; the engine's last lines:\n{tail(log_path)}") from None
             finally:
                 await stop_processes([proc], 20)
     finally:

@@ -517,7 +517,7 @@ def test_bench_kv_runs_small_and_reports_its_keys(capsys: pytest.CaptureFixture[
     from vllm_disagg.cli.commands import main
 
     argv = ["bench", "kv", "--blocks", "4", "--rounds", "1", "--layers", "4", "--layer-block-kib", "16"]
-    argv += ["--ttft-rounds", "0"]  # the real-vLLM part: tests/e2e/vllm/test_bench_kv_ttft.py
+    argv += ["--ttft-rounds", "0", "--handoff-rounds", "0"]  # real vLLM: tests/e2e/vllm/test_bench_kv_ttft.py
     assert main([*argv, "--churn-s", "2", "--churn-capacity", "8", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert {"agent_gbps", "loopback_gbps", "ratio"} <= result.keys()
