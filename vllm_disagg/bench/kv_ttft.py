@@ -1,12 +1,13 @@
-"""``bench kv``'s TTFT part: a repeated 2-block prefix on real vLLM, with and without the pool.
+"""``bench kv``'s TTFT part: a repeated long prefix on real vLLM, with and without the pool.
 
 One vLLM engine on the project's connector, its pool served by this process (as its agent would).
-Each round uses a fresh 2-block prefix (token ids, so its blocks are exact) and times three requests
+Each round uses a fresh prefix of as many full blocks as the engine's context holds beside a tail (3
+blocks of the tiny model's 512 tokens; token ids, so its blocks are exact) and times the requests
 of ``max_tokens=1`` (their latency is the time to the first token):
 
 - ``computed``: the prefix never seen anywhere: the engine computes all of it;
 - ``pool``: the same prefix with another tail, after the engine's own prefix cache was reset: the
-  engine loads the two blocks from the pool (checked on its ``external_kv_transfer`` counter);
+  engine loads the prefix's blocks from the pool (checked on its ``external_kv_transfer`` counter);
 - ``local``: once more, another tail: the engine's own prefix cache has it (vLLM's best case);
 - ``disk``: after the engine's prefix cache was reset again and the pool's blocks went to its disk
   tier (``--kv-disk-dir``) and left memory, the disk tier's index rebuilt from its files as a
@@ -113,7 +114,7 @@ async def _rounds(
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         await healthy(session, url, proc)
         for _ in range(args.ttft_rounds):
-            prefix = [rng.randrange(10, 1000) for _ in range(2 * block)]
+            prefix = [rng.randrange(10, 1000) for _ in range(prefix_blocks(block) * block)]
             tails = [[rng.randrange(10, 1000) for _ in range(TAIL_TOKENS)] for _ in range(4)]
             times["computed"].append(await latency(session, url, prefix + tails[0]))
             await reset(session, url)
@@ -145,6 +146,12 @@ def _to_disk(kv: KvPool) -> None:
     pool.clear()
     node.disk = DiskTier.open(disk.directory.parents[0], disk.geometry, disk.capacity_bytes)
     node.changed()
+
+
+def prefix_blocks(block: int, max_model_len: int = AgentConfig.max_model_len) -> int:
+    """The most full blocks a prompt of the engine's longest context holds beside a tail and the one
+    token vLLM always computes."""
+    return max(1, (max_model_len - TAIL_TOKENS - 1) // block)
 
 
 def engine_port(rng: random.Random) -> int:
@@ -196,7 +203,7 @@ async def ttft_part(args: argparse.Namespace) -> TtftResult:
     median = {kind: round(statistics.median(t) * 1e3, 2) for kind, t in times.items()}
     return TtftResult(
         args.ttft_rounds,
-        2 * block,
+        prefix_blocks(block) * block,
         median["computed"],
         median["pool"],
         median["local"],

@@ -69,8 +69,9 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         "bench kv",
-        "vllm_disagg.bench.kv",
-        "agent-to-agent KV transfer GB/s vs a loopback socket; a pool under churn (RSS, capacity)",
+        "vllm_disagg.bench.kv_main",
+        "agent-to-agent KV transfer GB/s vs a loopback socket; a pool and its disk tier under churn; "
+        "real-vLLM TTFT from the pool, the disk tier, and another engine's host pool",
     ),
     (
         "bench calibrate",

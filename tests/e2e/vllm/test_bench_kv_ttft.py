@@ -14,7 +14,7 @@ from tests.e2e.vllm.engine_slots import engine_slots
 pytestmark = pytest.mark.timeout(1200)
 
 
-def test_the_pool_round_loads_the_two_blocks_instead_of_computing_them(
+def test_the_pool_round_loads_the_prefix_s_blocks_instead_of_computing_them(
     tiny_model: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from vllm_disagg.cli.commands import main
@@ -23,10 +23,10 @@ def test_the_pool_round_loads_the_two_blocks_instead_of_computing_them(
     with engine_slots(1, "bench kv"):  # the TTFT part starts one engine
         assert main([*argv, "--ttft-rounds", "2", "--handoff-rounds", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["ttft_prefix_tokens"] == 256  # two CPU blocks of 128
-    # Each round's pool request loaded both blocks; the computed and local ones loaded nothing.
-    assert result["ttft_pool_loaded_tokens"] == 2 * 256
-    assert result["ttft_disk_loaded_tokens"] == 2 * 256  # and each disk request, read back from files
+    assert result["ttft_prefix_tokens"] == 384  # three CPU blocks of 128: the tiny model's longest context
+    # Each round's pool request loaded every block; the computed and local ones loaded nothing.
+    assert result["ttft_pool_loaded_tokens"] == 2 * 384
+    assert result["ttft_disk_loaded_tokens"] == 2 * 384  # and each disk request, read back from files
     assert min(result[f"ttft_{kind}_ms"] for kind in ("computed", "pool", "local", "disk")) > 0
 
 

@@ -523,6 +523,8 @@ def test_bench_kv_runs_small_and_reports_its_keys(capsys: pytest.CaptureFixture[
     assert {"agent_gbps", "loopback_gbps", "ratio"} <= result.keys()
     assert result["churn_max_used"] <= result["churn_capacity"] == 8
     assert result["churn_fetches"] > 0 and result["churn_errors"] == 0
+    # The disk tier under it: blocks evicted from memory went there, and every one was read back whole.
+    assert result["churn_spilled"] > 0 and result["churn_disk_checked"] > 0 and result["churn_ok"]
 
 
 async def test_a_receiver_that_vanishes_without_a_word_is_found_out_and_unpinned(
