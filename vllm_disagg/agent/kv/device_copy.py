@@ -69,18 +69,9 @@ class BlockCopier:
 
     def save(self, pairs: Pairs) -> None:
         """Copy each (cache block, slot block) pair out of the cache."""
-        stream = self._stream
-        if stream is None:
-            for src, dst in pairs:
-                dst.copy_(src)
-            return
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        self._saved = event
+        event = self._copy(pairs)
+        if event is not None:  # the last one: the side stream runs them in order
+            self._saved = event
 
     def saves_done(self) -> Done:
         """What tells when every save so far is in its slots (on CPU they already are)."""
@@ -101,36 +92,32 @@ class BlockCopier:
     def load(self, pairs: Pairs) -> None:
         """Copy each (slot block, cache block) pair into the cache, before the compute stream's next
         kernel reads it."""
-        stream = self._stream
-        if stream is None:
-            for src, dst in pairs:
-                dst.copy_(src)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            for src, dst in pairs:
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        compute.wait_event(event)
+        event = self._copy(pairs)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def load_async(self, pairs: Pairs) -> Done:
         """Copy each (slot block, cache block) pair into the cache outside a forward pass; what tells
         when they are there."""
+        event = self._copy(pairs)
+        done: Done = FINISHED if event is None else event
+        return done
+
+    def _copy(self, pairs: Pairs) -> torch.cuda.Event | None:
+        """Each (source, destination) pair: at once on CPU (None); on CUDA, on the side stream after
+        the compute stream's work so far, and the event that says when the copies are done."""
         stream = self._stream
         if stream is None:
             for src, dst in pairs:
                 dst.copy_(src)
-            return FINISHED
+            return None
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for src, dst in pairs:
                 dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
-        done: Done = event
-        return done
+        return event
 
     def unpin(self) -> None:
         """Wait for every copy, and unregister the host memory (before its mapping goes)."""
