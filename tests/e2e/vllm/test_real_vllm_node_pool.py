@@ -25,6 +25,15 @@ async def _sources(session: aiohttp.ClientSession, url: str) -> dict[str, float]
     return {s: metric_sum(families, SOURCE, source=s) for s in SOURCES}
 
 
+def _moved(base: str) -> dict[str, float]:
+    """The gateway's count of the blocks its moves started: fetched by the receiver, or already there."""
+    status, text = http_json(f"{base}/metrics")
+    assert status == 200
+    families = parse_prometheus(text)
+    name = "vllm_disagg_kv_pool_transfer_blocks_total"
+    return {outcome: metric_sum(families, name, outcome=outcome) for outcome in ("reserved", "already_held")}
+
+
 async def test_the_decode_engine_loads_what_the_prefill_engine_saved_in_the_host_pool(
     tiny_model: Path, tmp_path: Path
 ) -> None:
@@ -51,5 +60,6 @@ async def test_the_decode_engine_loads_what_the_prefill_engine_saved_in_the_host
             full = int(usage["prompt_tokens"]) // BLOCK * BLOCK
             # Loaded, not computed: and decode-0's agent runs no pool, so it came from the shared memory.
             assert grew["external_kv_transfer"] == full and grew["local_cache_hit"] == 0
+            assert _moved(base) == {"reserved": 0, "already_held": full // BLOCK}  # the move: a no-op
             own, _, _ = await ask(session, p["url"], case)  # the prefill engine's own answer
     assert own == text
