@@ -390,6 +390,9 @@ class VllmDisaggConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._copier.unpin()  # once its saves are done: they read from the engine, not the old pool
             self._arena.close()
             self._arena = None
+        # Saves still in flight wrote the old pool's slots: committed with no arena, they name no keys
+        # (the new pool's slots of those numbers hold other blocks) and only let their reservations go.
+        self._commit_saves()
         self._map_pool()
 
     def _num_blocks(self, kv_caches: dict[str, torch.Tensor]) -> int:

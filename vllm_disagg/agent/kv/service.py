@@ -19,7 +19,7 @@ import msgpack
 import zmq
 import zmq.asyncio
 
-from vllm_disagg.agent.kv.arena import Geometry
+from vllm_disagg.agent.kv.arena import Geometry, SlotArena
 from vllm_disagg.agent.kv.local import make_local_dir
 from vllm_disagg.agent.kv.local_messages import (
     BadRequest,
@@ -64,7 +64,7 @@ class PoolService:
         # Engines whose worker mapped the arena open now: another's requests would name slots of a
         # mapping it does not have (an arena this pool replaced), so they are refused.
         self._mapped: set[str] = set()
-        self._arena_id = 0
+        self._arena: SlotArena | None = None  # what ``_mapped`` is about (kept: an id may be reused)
         # Lifetime prompt blocks the engines asked the pool for, and those it held (memory or disk).
         self.asked = 0
         self.found = 0
@@ -132,8 +132,8 @@ class PoolService:
                 "geometry",
             )
         arena = self.node.open(request.geometry)
-        if id(arena) != self._arena_id:  # a new arena: no engine has it mapped yet
-            self._arena_id, self._mapped = id(arena), set()
+        if arena is not self._arena:  # a new arena: no engine has it mapped yet
+            self._arena, self._mapped = arena, set()
         self._mapped.add(engine)
         pool = self.node.pool
         assert pool is not None
