@@ -9,8 +9,11 @@ merely shares a virtualenv with this package is left as it is:
   so each engine with the NIXL connector keeps a core busy for as long as it lives, idle or not:
   measured on CPU, an idle 1P1D pair held both cores of a 2-core machine. Niced, the thread still
   polls as NIXL means it to (a non-zero delay instead stalled pulls after a role swap until P's KV
-  lease expired), but only with what the engines and every other process leave. The agent sets it
-  for NIXL engines on CPU (docs/engine.md).
+  lease expired), but only with what the engines and every other process leave. And on any core:
+  vLLM on CPU binds its worker to the engine's core and new threads inherit that, so the progress
+  thread ran only when its own worker's spin-wait let it, and after a role swap a decode's NIXL
+  handshake with the new prefill waited minutes for it. The agent sets it for NIXL engines on CPU
+  (docs/engine.md).
 """
 
 from __future__ import annotations
@@ -52,12 +55,20 @@ def nice_nixl_threads(niceness: int) -> bool:
         for tid in _threads() - before:
             try:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)
-            except (ProcessLookupError, PermissionError) as exc:  # gone already, or not ours to lower
-                log.warning("cannot nice NIXL thread %d: %s", tid, exc)
+                # vLLM on CPU binds its worker to the engine's core, and threads inherit it: there
+                # the progress thread only runs when the worker's own spin-wait lets it, so the
+                # transfers it serves stall; any core may run it.
+                os.sched_setaffinity(tid, _all_cpus())
+            except OSError as exc:  # gone already, or not ours to change
+                log.warning("cannot lower NIXL thread %d: %s", tid, exc)
 
     nixl_agent.__init__ = niced_init
     setattr(nixl_agent, _PATCHED, niceness)
     return True
+
+
+def _all_cpus() -> set[int]:
+    return set(range(os.cpu_count() or 1))
 
 
 def _threads() -> set[int]:

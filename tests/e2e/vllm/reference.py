@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from tests.e2e.vllm.support import (
@@ -25,6 +24,7 @@ from tests.e2e.vllm.support import (
     Answers,
     Case,
     ask,
+    engine_client,
     free_engine_ports,
     prompts_for,
     running_vllm,
@@ -152,7 +152,7 @@ def _asked(model_dir: Path, cases: list[Case], log: Path) -> Book:
         async def collect() -> Book:
             texts: dict[str, str] = {}
             prompt_tokens: dict[str, int] = {}
-            async with aiohttp.ClientSession() as session:
+            async with engine_client() as session:
                 for case in cases:
                     texts[_key(case)], usage, _ = await ask(session, base, case)
                     if usage:

@@ -33,6 +33,16 @@ from vllm_disagg.runtime import die_with_parent
 START_TIMEOUT_S = 900.0  # two cold vLLM starts side by side on 2 cores took 92 s; leave room
 
 
+def engine_client(total_s: float | None = None) -> aiohttp.ClientSession:
+    """A client session for tests that ask vLLM itself: a new connection per request. vLLM's server
+    closes a connection idle for 5 s; a test's loop stalled that long (a starved host) would reuse the
+    pooled one as it closes ("Can not write request body"). The gateway keeps to the same rule
+    (``upstream.py``)."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=total_s)
+    )
+
+
 def free_engine_ports(n: int) -> int:
     """A base port where n engines, their NIXL side channels (+1000) and KV event ports (+2000) are free."""
     return free_ports(n, (0, 1000, 2000))

@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.e2e.vllm.support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.e2e.vllm.support import JSON, MODEL, engine_client, free_engine_ports, running_vllms
 from tests.helpers import (
     ADMIN,
     cli_argv,
@@ -235,7 +235,7 @@ async def test_a_decode_engine_that_recomputes_is_found_by_its_counters_and_its_
     )
     server = await start_orchestrator(config, shutdown_timeout_s=5.0)
     try:
-        async with unreachable_handles(p) as proxy, aiohttp.ClientSession() as session:
+        async with unreachable_handles(p) as proxy, engine_client() as session:
             log = tmp_path / "agents.log"
             with attached_agents(server, {"prefill": proxy, "decode": d}, log):
                 try:

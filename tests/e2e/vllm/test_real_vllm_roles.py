@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.e2e.vllm.support import JSON, MODEL, free_engine_ports, running_vllms
+from tests.e2e.vllm.support import JSON, MODEL, engine_client, free_engine_ports, running_vllms
 from tests.e2e.vllm.test_real_vllm_attached import running
 from tests.helpers import ADMIN, cli_argv, eventually
 from tests.integration.orchestrator_support import orch_config
@@ -95,6 +95,20 @@ async def both_ready(server: OrchestratorServer) -> None:
     await eventually(ready, timeout=300, what="both instances ready")
 
 
+async def serving(server: OrchestratorServer, prefill: str, decode: str) -> None:
+    """Both routed to in their new duties. The change itself is at once; an instance may still be
+    suspect for a moment (a heartbeat late on a starved host), and then the gateway rightly answers
+    alone."""
+
+    def ready() -> bool:
+        snap = server.registry.snapshot()
+        return prefill in {v.agent_id for v in snap.ready_prefill.get(MODEL, ())} and decode in {
+            v.agent_id for v in snap.ready_decode.get(MODEL, ())
+        }
+
+    await eventually(ready, timeout=300, what=f"{prefill} ready to prefill, {decode} to decode")
+
+
 async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
     engines: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -102,7 +116,7 @@ async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
     config = orch_config(heartbeat_timeout_s=60.0, idle_timeout_s=120.0, connect_timeout_s=60.0)
     server = await start_orchestrator(config, shutdown_timeout_s=5.0)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        async with engine_client(300) as session:
             # What each prompt gives from one engine alone (temperature 0): the reference.
             reference = [(await complete(session, a, n))[0] for n in range(6)]
             assert reference == [(await complete(session, b, n))[0] for n in range(6)]
@@ -118,6 +132,7 @@ async def test_kv_both_engines_swap_duties_by_routing_and_stay_token_identical(
                     for agent_id, role in ((prefill, "prefill"), (decode, "decode")):
                         status, body = await set_role(session, server.admin_url, agent_id, role)
                         assert status == 200 and body["role"] == role and body["pinned"], body
+                    await serving(server, prefill, decode)
                     text, headers = await complete(session, server.url, n)
                     timings.append(time.monotonic() - started)
                     went = (headers["X-Disagg-Mode"], headers["X-Disagg-Prefill"], headers["X-Disagg-Decode"])
@@ -151,7 +166,7 @@ async def test_a_burst_past_capacity_is_queued_or_refused_with_a_reason_and_neve
             await both_ready(server)
             queue = server.app[GATEWAY_KEY].admission
             assert queue is not None
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+            async with engine_client(300) as session:
 
                 async def send(n: int, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
                     body = {"model": MODEL, "prompt": f"{n}. {PROMPT * 4}", "max_tokens": 8}

@@ -1,4 +1,5 @@
-"""The vLLM plugin on real NIXL: the threads a NIXL agent starts run at the niceness the agent asked for.
+"""The vLLM plugin on real NIXL: the threads a NIXL agent starts run at the niceness the agent asked for,
+on any core, although vLLM on CPU binds the worker that starts them to one.
 
 NIXL 1.5's UCX progress thread polls with a zero timeout and keeps a core busy for as long as its
 agent lives (one per engine). Each check runs in a fresh interpreter, as a vLLM worker does, so the
@@ -28,10 +29,15 @@ def threads():
 def stat(tid):
     return open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
 
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # as vLLM binds its worker to the engine's core
 before = threads()
 agent = nixl_agent("probe", nixl_agent_config(backends=["UCX"]))
 started = sorted(threads() - before)
-print(jsonutil.dumps({"patched": patched, "nice": [int(stat(t)[16]) for t in started]}).decode())
+print(jsonutil.dumps({
+    "patched": patched,
+    "nice": [int(stat(t)[16]) for t in started],
+    "cpus": sorted({len(os.sched_getaffinity(int(t))) for t in started}),
+}).decode())
 """
 
 
@@ -49,6 +55,9 @@ def test_the_threads_a_nixl_agent_starts_run_at_the_niceness_asked_for() -> None
     assert result["patched"] is True
     nice = result["nice"]
     assert isinstance(nice, list) and nice and set(nice) == {19}, result  # the progress thread among them
+    # Not held to the worker's core: there it would serve transfers only when the worker's own
+    # spin-wait yields (after a role swap, a decode's handshake waited minutes for it).
+    assert result["cpus"] == [len(os.sched_getaffinity(0))], result
 
 
 def test_without_the_variable_the_plugin_leaves_nixl_alone() -> None:
@@ -63,3 +72,4 @@ def test_without_the_variable_the_plugin_leaves_nixl_alone() -> None:
     own = os.getpriority(os.PRIO_PROCESS, 0)  # the probe inherits pytest's
     nice = result["nice"]
     assert result["patched"] is False and isinstance(nice, list) and set(nice) == {own}, result
+    assert result["cpus"] == [1], result  # left where the worker is

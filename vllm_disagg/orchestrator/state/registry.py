@@ -346,10 +346,16 @@ class Registry(SnapshotSource):
 
     def set_role(self, agent_id: str, role: Role) -> InstanceView:
         """The instance now serves as ``role`` (its agent said yes): the same session goes on, and its
-        requests with it; the next decision sees it in its new pool."""
+        requests with it; the next decision sees it in its new pool (once its link is proven again,
+        where links are proven)."""
         inst = self._instances[agent_id]
         old = inst.info.role
         inst.info = dataclasses.replace(inst.info, role=role)
+        if old != role and inst.link_proof and inst.kv_link_ready and inst.state != "dead":
+            # Its KV now goes the other way, with engines it may never have handshaken with: joining
+            # until a warm-up crosses a link in its new duty, so no user request pays (or fails) that.
+            inst.kv_link_ready = False
+            inst.state = inst.derive_state()
         self._changed(inst, membership=True)
         if self.on_event is not None and old != role:
             self.on_event("role", {"instance": agent_id, "from": old, "to": role})

@@ -63,6 +63,23 @@ def test_an_engine_that_stopped_serving_proves_its_link_again_when_it_is_back(be
     assert reg.get("p0").state == "joining"  # type: ignore[union-attr]
 
 
+def test_a_nixl_engine_that_changes_duty_by_routing_proves_a_link_in_its_new_duty_first() -> None:
+    reg = Registry(heartbeat_timeout_s=10.0, prove_kv_links=True)
+    session = reg.hello("a", info("both", 9000), 0.0).session
+    engine(reg, "a", "ready")
+    reg.kv_link_proven("a", session)
+    reg.set_role("a", "both")  # no change: nothing to prove
+    assert reg.get("a").state == "ready"  # type: ignore[union-attr]
+    view = reg.set_role("a", "decode")
+    assert (view.state, view.kv_link_ready, view.session) == ("joining", False, session)
+    assert "a" not in reg.snapshot().decode_ids.get("m", ()) and reg.unproven() == {"a"}
+    proven = reg.kv_link_proven("a", session)
+    assert proven is not None and proven.state == "ready" and reg.snapshot().decode_ids["m"] == ("a",)
+    sim = reg.hello("s", info("prefill", 9001, engine="sim"), 0.0)  # needs no proof: moves ready
+    engine(reg, "s", "ready")
+    assert reg.set_role("s", "decode").state == "ready" and sim.kv_link_ready
+
+
 def test_the_registry_lists_the_instances_whose_link_is_still_to_prove_as_their_views_change() -> None:
     reg = Registry(heartbeat_timeout_s=10.0, prove_kv_links=True)
     p0 = reg.hello("p0", info("prefill", 9000), 0.0)
