@@ -25,11 +25,15 @@ from vllm_disagg.orchestrator.scheduling.plugins.scorers.prefix import PrefixSco
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.queue import QueueScorer
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.tpot import TpotScorer
 from vllm_disagg.orchestrator.scheduling.plugins.scorers.ttft import TtftScorer
-from vllm_disagg.orchestrator.scheduling.predict import Prediction, tpot_s, ttft_s
+from vllm_disagg.orchestrator.scheduling.predict import TtftParts, tpot_s, ttft_of, ttft_parts
 from vllm_disagg.orchestrator.scheduling.terms import reads
 from vllm_disagg.orchestrator.state.views import InstanceView
+from vllm_disagg.protocol.messages import MetricsSnapshot
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
+# (metrics, in-flight) entries a shipped pass keeps before it starts over: 6 an instance at 10,000.
+_MEMO_LIMIT = 1 << 16
+_NO_PARTS: TtftParts = (0.0, 0, None, 1.0)  # the decode profile's entries: no TTFT prediction
 Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
 
 
@@ -61,8 +65,9 @@ def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
 
     A term is a call per candidate, a fifth of a decision at 16 candidates a profile: here the three
     scores that read only the candidate are written out a second time, inline, and the prediction is
-    the one formula's (``predict``), called. tests/unit/orchestrator/scheduling/test_fused.py checks,
-    for any parameters, weights and metrics, that the totals are bit for bit what the terms give.
+    the one formula's (``predict.tpot_s``, ``ttft_of``), called; what reads only the candidate is kept
+    between decisions (below). tests/unit/orchestrator/scheduling/test_fused.py checks, for any
+    parameters, weights and metrics, that the totals are bit for bit what the terms give.
     """
     if len(weighted) != 4:
         return None
@@ -73,38 +78,63 @@ def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
         and type(prefix_scorer) is PrefixScorer
     ):
         return None
-    predict: Prediction
     if type(predicting) is TtftScorer:
-        predict, slo, default = (
-            ttft_s,
-            predicting.params.slo_s,
-            predicting.params.default_prefill_tokens_per_s,
-        )
+        whole, slo, default = False, predicting.params.slo_s, predicting.params.default_prefill_tokens_per_s
     elif type(predicting) is TpotScorer:
-        predict, slo, default = tpot_s, predicting.params.slo_s, predicting.params.default_tpot_s
+        whole, slo, default = True, predicting.params.slo_s, predicting.params.default_tpot_s
     else:
         return None
-    max_queue = queue_scorer.params.max_queue
+    return _shipped_pass(whole, (wq, wkv, wp, wx), queue_scorer.params.max_queue, slo, default)
+
+
+def _shipped_pass(
+    whole: bool, weights: tuple[float, float, float, float], max_queue: float, slo: float, default: float
+) -> Totals:
+    """``_shipped``'s pass: the TPOT prediction where ``whole``, else the TTFT one."""
+    wq, wkv, wp, wx = weights
+    # What depends on the candidate alone (its metrics and in-flight count) is kept per (metrics,
+    # in-flight): an instance's metrics last until its next heartbeat, and most decisions between two
+    # heartbeats score it with the same count. The TPOT prediction does not read the prompt, so the
+    # decode profile keeps its whole total but the prefix term; the prefill profile keeps the queue and
+    # KV terms and what the TTFT prediction reads of the instance (``ttft_parts``). The sums run in the
+    # order of the terms', ((0.0 + queue + kv) + prediction) + prefix, so the totals are the same bits.
+    memo: dict[tuple[int, int], tuple[MetricsSnapshot, float, TtftParts]] = {}
+
+    def kept(m: MetricsSnapshot, f: int) -> tuple[MetricsSnapshot, float, TtftParts]:
+        load = m.num_running + m.num_waiting + f
+        u = m.kv_cache_usage
+        total = (
+            0.0
+            + wq * (0.0 if load >= max_queue else (1.0 - load / max_queue if load > 0 else 1.0))
+            + wkv * (1.0 - u if 0.0 < u < 1.0 else (0.0 if u >= 1.0 else 1.0))
+        )
+        if whole:
+            p = tpot_s(m, f, 0, 0, default)
+            total += wp * (slo / (slo + p) if p >= 0.0 else 0.0)
+        if len(memo) >= _MEMO_LIMIT:
+            memo.clear()
+        # The metrics are held, so that their id is not reused while the entry lasts.
+        entry = memo[(id(m), f)] = (m, total, _NO_PARTS if whole else ttft_parts(m, f, default))
+        return entry
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
         n, inv, in_flight, cached = reads(ctx)
         out: list[float] = []
         append = out.append
+        get = memo.get
         for c in candidates:
             m = c.metrics
             a = c.agent_id
             f = in_flight(a, 0)
             k = cached(a, 0)
-            load = m.num_running + m.num_waiting + f
-            u = m.kv_cache_usage
-            p = predict(m, f, k, n, default)  # >= 0 (the registry's metrics are in range); else worst
-            append(
-                0.0
-                + wq * (0.0 if load >= max_queue else (1.0 - load / max_queue if load > 0 else 1.0))
-                + wkv * (1.0 - u if 0.0 < u < 1.0 else (0.0 if u >= 1.0 else 1.0))
-                + wp * (slo / (slo + p) if p >= 0.0 else 0.0)
-                + wx * ((1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0)
-            )
+            entry = get((id(m), f))
+            if entry is None or entry[0] is not m:
+                entry = kept(m, f)
+            total = entry[1]
+            if not whole:
+                p = ttft_of(entry[2], k, n)  # >= 0 (the registry's metrics are in range); else worst
+                total += wp * (slo / (slo + p) if p >= 0.0 else 0.0)
+            append(total + wx * ((1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0))
         return out
 
     return totals

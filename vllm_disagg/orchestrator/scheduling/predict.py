@@ -49,6 +49,26 @@ def prefill_rate(m: MetricsSnapshot, default_tokens_per_s: float) -> float:
     return default_tokens_per_s
 
 
+# What ``ttft_s`` reads of one instance and its in-flight count: (the engine queue's wait, the backlog
+# in requests, their mean prompt length where measured, the prefill rate).
+TtftParts = tuple[float, int, float | None, float]
+
+
+def ttft_parts(m: MetricsSnapshot, in_flight: int, default_tokens_per_s: float) -> TtftParts:
+    """What ``ttft_s`` reads of the instance, apart from the prompt (a pass over candidates keeps it
+    while the metrics and the count last)."""
+    rate = prefill_rate(m, default_tokens_per_s)
+    return (m.queue_s or 0.0), m.num_waiting + in_flight, m.mean_prompt_tokens, rate
+
+
+def ttft_of(parts: TtftParts, cached: int, prompt_len: int) -> float:
+    """``ttft_s`` from ``ttft_parts``: the formula itself."""
+    queue, backlog, mean_prompt, rate = parts
+    # ``uncached``, written out: this runs per candidate of every prefill decision.
+    work = backlog * (mean_prompt or prompt_len) + (prompt_len - cached if prompt_len > cached else 0)
+    return queue + work / rate
+
+
 def ttft_s(
     m: MetricsSnapshot, in_flight: int, cached: int, prompt_len: int, default_tokens_per_s: float
 ) -> float:
@@ -56,13 +76,12 @@ def ttft_s(
     tokens (>= 0) of which its cache holds ``cached``, with ``in_flight`` requests the gateway sent it.
 
     Its engine queue's wait (``queue_s``), then the backlog (waiting plus in-flight requests, each of
-    its mean prompt length, else this prompt's) and the uncached tokens, at ``prefill_rate``. Running
-    requests add nothing: they are past prefill, and chunked prefill interleaves with decode. An
-    unmeasured (None) and a zero reading alike fall back: neither means anything.
+    its mean prompt length, else this prompt's) and the uncached tokens (``uncached``), at
+    ``prefill_rate``. Running requests add nothing: they are past prefill, and chunked prefill
+    interleaves with decode. An unmeasured (None) and a zero reading alike fall back: neither means
+    anything.
     """
-    backlog = (m.num_waiting + in_flight) * (m.mean_prompt_tokens or prompt_len)
-    work = backlog + uncached(prompt_len, cached)
-    return (m.queue_s or 0.0) + work / prefill_rate(m, default_tokens_per_s)
+    return ttft_of(ttft_parts(m, in_flight, default_tokens_per_s), cached, prompt_len)
 
 
 def prefill_ttft_s(

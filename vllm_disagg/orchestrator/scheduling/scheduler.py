@@ -168,11 +168,14 @@ class _Profile:
         cached = ctx.request.cached_tokens
         if not cached:
             return window, shard
-        holders = sorted((i for i in cached if i in ids), key=cached.__getitem__, reverse=True)[: k // 2]
+        holders = [i for i in cached if i in ids]
         if not holders:
             return window, shard
-        taken = set(holders)
-        return holders + [i for i in window if i not in taken][: k - len(holders)], shard
+        if len(holders) > 1:  # the longest prefixes first (a stable sort: ties keep the index's order)
+            holders.sort(key=cached.__getitem__, reverse=True)
+            del holders[k // 2 :]
+        # At most k / 2 holders: a list is as quick to search as a set would be to build.
+        return holders + [i for i in window if i not in holders][: k - len(holders)], shard
 
     def run(
         self, ctx: ProfileContext, population: tuple[str, ...], exclude: frozenset[str] = frozenset()

@@ -140,13 +140,24 @@ class PairJudge:
     """``judge`` made cheap per request: each ``InstanceInfo`` gets a class number (equal for everything
     ``judge`` reads), and each pair of classes is judged once."""
 
-    __slots__ = ("_by_key", "_of", "_pairs")
+    __slots__ = ("_by_key", "_of", "_pairs", "_uniform")
 
     def __init__(self) -> None:
         self._by_key: dict[tuple[object, ...], int] = {}
         # id(info) -> (info, its class); the info is held so that its id is not reused meanwhile.
         self._of: dict[int, tuple[InstanceInfo, int]] = {}
         self._pairs: dict[tuple[int, int], Mismatch | None] = {}
+        # Whether every instance is of one class, for one registry membership.
+        self._uniform: tuple[int, int, bool] = (0, -1, False)  # (registry id, membership, uniform)
+
+    def uniform(self, snapshot: RegistrySnapshot) -> bool:
+        """Are all the instances in ``snapshot`` (every model) of one class? Then one verdict holds
+        for every pair of them: kept per membership version (infos change only with membership)."""
+        registry, membership, found = self._uniform
+        if (registry, membership) != (snapshot.registry_id, snapshot.membership):
+            found = len({self.kv_class(v.info) for v in snapshot.by_id.values()}) <= 1
+            self._uniform = (snapshot.registry_id, snapshot.membership, found)
+        return found
 
     def kv_class(self, info: InstanceInfo) -> int:
         """``info``'s class: equal for two infos exactly when ``judge`` cannot tell them apart."""
@@ -174,15 +185,26 @@ class PairJudge:
             return found
 
     def keep(
-        self, partner: InstanceView, candidates: Sequence[InstanceView], partner_decodes: bool
+        self,
+        partner: InstanceView,
+        candidates: Sequence[InstanceView],
+        partner_decodes: bool,
+        uniform: bool = False,
     ) -> list[InstanceView]:
         """The candidates that can exchange KV with ``partner`` (never the partner itself): ``mismatch``
-        once per class met, then a class lookup per candidate (the per-request filter's hot path)."""
+        once per class met, then a class lookup per candidate (the per-request filter's hot path); one
+        ``mismatch`` in all where ``uniform`` says the candidates and the partner share a class."""
         mine = partner.info
+        pid = partner.agent_id
+        if uniform:  # one class: one verdict for all, and only the partner itself to leave out
+            if not candidates:
+                return []
+            first = candidates[0].info
+            found = self.mismatch(first, mine) if partner_decodes else self.mismatch(mine, first)
+            return [] if found is not None else [c for c in candidates if c.agent_id != pid]
         verdict: dict[int, bool] = {}  # a candidate class -> whether it pairs with the partner
         of, kv_class = self._of, self.kv_class
         kept = []
-        pid = partner.agent_id
         for c in candidates:
             info = c.info
             hit = of.get(id(info))

@@ -15,9 +15,9 @@ from tests.unit.scheduling_support import context, snapshot, view
 from vllm_disagg.orchestrator.scheduling.framework import Filter, ProfileName
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
 from vllm_disagg.orchestrator.scheduling.plugins.filters import kv_compat, kv_usage, ready, role
-from vllm_disagg.orchestrator.state.registry import InstanceState
+from vllm_disagg.orchestrator.state.registry import InstanceState, Registry
 from vllm_disagg.orchestrator.state.views import InstanceView
-from vllm_disagg.protocol.messages import MetricsSnapshot, Role
+from vllm_disagg.protocol.messages import Heartbeat, InstanceInfo, MetricsSnapshot, Role
 
 ROLES: tuple[Role, ...] = ("prefill", "decode", "both")
 
@@ -165,6 +165,52 @@ def test_kv_compat_filter_keeps_exactly_the_candidates_matching_the_partner(
         and c.info.block_size == p.block_size
         and c.info.kv_connector == p.kv_connector
     ]
+
+
+def test_kv_compat_filter_in_a_cluster_of_one_class_keeps_all_but_the_partner_until_another_class_joins() -> (
+    None
+):
+    # One class (every instance alike): one verdict stands for every candidate, kept while the
+    # registry's membership holds; an instance of another class joining must end that.
+    registry = Registry(heartbeat_timeout_s=1e9)
+
+    def join(agent_id: str, role: Role, block_size: int = 16) -> None:
+        info = InstanceInfo(
+            url=f"http://{agent_id}:8000",
+            role=role,
+            model="m",
+            block_size=block_size,
+            kv_connector="NixlConnector",
+        )
+        registry.hello(agent_id, info, 0.0)
+        registry.heartbeat(agent_id, Heartbeat(seq=1, engine_state="ready", metrics=MetricsSnapshot()), 0.0)
+
+    members: tuple[tuple[str, Role], ...] = (
+        ("p0", "prefill"),
+        ("p1", "prefill"),
+        ("both", "both"),
+        ("d0", "decode"),
+    )
+    for agent_id, as_role in members:
+        join(agent_id, as_role)
+    f = kv_compat.KvCompatFilter("kv", kv_compat.Params())
+
+    def kept(partner: str) -> list[str]:
+        snap = registry.snapshot()
+        ctx = context(snap, profile="prefill", partner=snap.by_id[partner])
+        return ids(f.filter(ctx, [snap.by_id[i] for i in snap.prefill_ids["m"]]))
+
+    assert kept("d0") == ["p0", "p1", "both"]
+    assert kept("both") == ["p0", "p1"], "never the partner itself"
+    join("p2", "prefill", block_size=32)
+    assert kept("d0") == ["p0", "p1", "both"], "the new block size cannot pair with d0"
+
+
+def test_kv_compat_filter_in_a_cluster_of_one_class_that_cannot_pair_keeps_none() -> None:
+    # A connector that keeps KV under its own engine never crosses instances, even between two alike.
+    local = [view(i, kv_connector="OffloadingConnector") for i in ("a", "b", "c")]
+    f = kv_compat.KvCompatFilter("kv", kv_compat.Params())
+    assert f.filter(context(snapshot(*local), profile="prefill", partner=local[0]), local) == []
 
 
 # --- kv-usage-filter ---------------------------------------------------------------------------------

@@ -91,6 +91,44 @@ def test_the_shipped_profiles_pass_gives_what_their_terms_give_bit_for_bit(
     assert hexes(fused(ctx, candidates)) == hexes(expected)
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    SHIPPED,
+    st.lists(METRICS, min_size=1, max_size=4),
+    st.lists(
+        st.lists(
+            st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 3000)), min_size=1, max_size=6
+        ),
+        min_size=2,
+        max_size=5,
+    ),
+    st.integers(0, 2000),
+)
+def test_what_the_shipped_pass_keeps_between_decisions_never_changes_a_total(
+    shipped: tuple[Scorer, Scorer, Scorer, Scorer],
+    metrics: list[MetricsSnapshot],
+    decisions: list[list[tuple[int, int, int]]],
+    prompt_len: int,
+) -> None:
+    # One pass (one profile's weights) over decisions in turn, each of candidates whose metrics objects
+    # and in-flight counts come back in new combinations, as instances report and requests come and
+    # go: every decision's totals are its terms', whatever earlier decisions left kept.
+    scorers = [(s, 1.0) for s in shipped]
+    fused = fused_totals(scorers)
+    assert fused is not None
+    for n, drawn in enumerate(decisions):
+        candidates = [view(f"c{i}", metrics=metrics[m % len(metrics)]) for i, (m, _, _) in enumerate(drawn)]
+        in_flight = {f"c{i}": f for i, (_, f, _) in enumerate(drawn) if f}
+        cached = {f"c{i}": k for i, (_, _, k) in enumerate(drawn) if k}
+        ctx = context(
+            snapshot(*candidates, in_flight=in_flight),
+            req=request(f"r{n}", prompt_len=prompt_len, cached=cached),
+        )
+        columns = [s.score(ctx, candidates) for s in shipped]
+        expected = weighted_sum([1.0] * 4)(columns, len(candidates))
+        assert hexes(fused(ctx, candidates)) == hexes(expected), f"decision {n}"
+
+
 @pytest.mark.parametrize(
     "types",
     [

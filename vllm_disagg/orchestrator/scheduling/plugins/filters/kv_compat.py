@@ -46,7 +46,8 @@ class KvCompatFilter:
             return candidates
         # This is what keeps instances whose KV would be garbage to each other (another model revision,
         # block size, dtype, layout, or TP split the connector cannot map) from ever being paired.
-        return self._judge.keep(partner, candidates, ctx.profile == "prefill")
+        judge = self._judge
+        return judge.keep(partner, candidates, ctx.profile == "prefill", judge.uniform(ctx.snapshot))
 
     def reasons(self, ctx: ProfileContext, dropped: Sequence[InstanceView]) -> dict[str, str]:
         """Why each of ``dropped`` cannot be paired with the partner, for the explanation."""

@@ -29,9 +29,9 @@ class MaxScorePicker:
     def pick(self, ctx: ProfileContext, totals: Sequence[float]) -> int:
         """The index of a highest total."""
         best = max(totals)
+        if totals.count(best) == 1:  # the common case, in C: no list of the tied
+            return totals.index(best)
         tied = [i for i, t in enumerate(totals) if t == best]
-        if len(tied) == 1:
-            return tied[0]
         # Without the tie-break every request would land on the first of equally idle instances.
         return tied[int(ctx.random(0) * len(tied))]
 
