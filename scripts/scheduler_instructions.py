@@ -6,7 +6,7 @@ the difference over 1,500 decisions is one decision's count, without the build. 
 code does, not what the machine's neighbours let it do: on a shared virtual machine whose clock
 varies by 2x from minute to minute it still tells a 5% change apart (docs/benchmarks.md).
 
-    python scripts/scheduler_instructions.py ROUNDS {decide|decode|prefill} [bench scheduler flags]
+    python scripts/scheduler_instructions.py ROUNDS {decide|snapshot|lookup|decode|prefill} [bench scheduler flags]
 """
 
 from __future__ import annotations
@@ -42,13 +42,19 @@ for n in range(300):
     request = SchedulingRequest(f"r{n}", bench.MODEL, len(tokens), False, True, index.cached_tokens(prompt), True)
     decision = scheduler.decide(request, snapshot, 0.0)
     bench._load(registry, in_flight, decision.decode)
-    records.append((request, snapshot, decision))
+    records.append((request, snapshot, decision, prompt))
 profiles = scheduler._profiles
 population = records[0][1].model_ids[bench.MODEL]
 for _ in range(rounds):
-    for request, snapshot, decision in records:
+    for request, snapshot, decision, prompt in records:
         if part == "decide":
             scheduler.decide(request, snapshot, 0.0)
+        elif part == "snapshot":  # after a request started and another ended, as between decisions
+            registry.acquire(decision.decode)
+            registry.release(decision.decode)
+            registry.snapshot()
+        elif part == "lookup":
+            index.cached_tokens(prompt)
         elif part == "decode":
             ctx = ProfileContext(request, snapshot, 0.0, "decode", None)
             profiles["decode"].run(ctx, population, request.exclude)

@@ -1,6 +1,6 @@
 #!/bin/sh
 # CPU instructions per scheduling decision of the checkout TREE (default: this one), counted by
-# cachegrind: PART is decide (default), decode or prefill; further flags go to `bench scheduler`'s
+# cachegrind: PART is decide (default), snapshot, lookup, decode or prefill; further flags go to `bench scheduler`'s
 # cluster (default here: 20,000 blocks, to keep the build short under valgrind). Two trees side by side:
 #   git worktree add /tmp/base REV
 #   scripts/scheduler_instructions.sh /tmp/base; scripts/scheduler_instructions.sh .

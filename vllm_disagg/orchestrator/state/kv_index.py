@@ -102,9 +102,11 @@ class _Medium:
     def matched_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
         matched: dict[str, int] = {}
         if isinstance(token_ids, PromptTokens):  # keys hashed with the tokenization
+            if len(self.by_size) == 1:  # one block size (the usual cluster): its tokens, as they come
+                for size, index in self.by_size.items():
+                    return index.match(token_ids.block_keys(size), size)
             for size, index in self.by_size.items():
-                for agent_id, blocks in index.match(token_ids.block_keys(size)).items():
-                    matched[agent_id] = blocks * size
+                matched.update(index.match(token_ids.block_keys(size), size))
             return matched
         tokens = token_ids if isinstance(token_ids, tuple) else tuple(token_ids)
         for size, index in self.by_size.items():

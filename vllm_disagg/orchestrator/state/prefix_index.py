@@ -172,25 +172,26 @@ class PrefixIndex:
             self._masks.setdefault(shared, shared)
         return shared
 
-    def match(self, block_keys: Sequence[int]) -> dict[str, int]:
-        """For each instance holding the first block: how many leading blocks of the prompt it holds."""
+    def match(self, block_keys: Sequence[int], unit: int = 1) -> dict[str, int]:
+        """For each instance holding the first block: how many leading blocks of the prompt it holds,
+        times ``unit`` (the block size gives tokens)."""
         matched: dict[str, int] = {}
-        holders = self._holders
-        alive = holders.get(block_keys[0], 0) if block_keys else 0
+        get = self._holders.get
+        alive = get(block_keys[0], 0) if block_keys else 0
         if not alive:
             return matched
         depth = 1  # blocks held by every instance in ``alive``
         for key in block_keys[1:]:
-            nxt = holders.get(key, 0)
+            nxt = get(key, 0)
             if nxt is not alive:  # the same shared mask: nobody's prefix ended (no big-int work)
                 nxt &= alive
                 if nxt != alive:
-                    self._ended(alive ^ nxt, depth, matched)  # nxt is within alive: what left it
+                    self._ended(alive ^ nxt, depth * unit, matched)  # nxt is within alive: what left it
                     if not nxt:
                         return matched
                     alive = nxt
             depth += 1
-        self._ended(alive, depth, matched)
+        self._ended(alive, depth * unit, matched)
         return matched
 
     def match_prompt(self, token_ids: Sequence[int]) -> dict[str, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_disagg.orchestrator.state.kv_index import KvIndex
+from vllm_disagg.orchestrator.state.prefix_index import PromptTokens
 from vllm_disagg.protocol.messages import KvEvent
 
 PROMPT = list(range(1000, 1019))  # 19 tokens: four full blocks of 4, two of 8, a partial tail
@@ -80,6 +81,19 @@ def test_instances_with_different_block_sizes_are_matched_each_in_its_own_size()
     index.apply("cpu", [removed(2)])
     assert index.cached_tokens(PROMPT) == {"gpu": 16, "cpu": 8}
     assert (index.blocks_of("gpu"), index.blocks_of("cpu"), index.total_blocks()) == (4, 1, 5)
+
+
+def test_keys_hashed_with_the_tokenization_match_as_the_tokens_do_in_one_block_size_or_two() -> None:
+    index = KvIndex()
+    index.apply("a", [stored([1, 2, 3], PROMPT[:12], 4)])
+    index.apply("b", [stored([7], PROMPT[:4], 4)])
+    for prompt in (PROMPT, PROMPT[:6], PROMPT[4:]):
+        assert index.cached_tokens(PromptTokens(prompt)) == index.cached_tokens(prompt)
+    assert index.cached_tokens(PromptTokens(PROMPT)) == {"a": 12, "b": 4}
+    index.apply("c", [stored([1, 2], PROMPT[:16], 8)])
+    for prompt in (PROMPT, PROMPT[:6], PROMPT[4:]):
+        assert index.cached_tokens(PromptTokens(prompt)) == index.cached_tokens(prompt)
+    assert index.cached_tokens(PromptTokens(PROMPT)) == {"a": 12, "b": 4, "c": 16}
 
 
 def test_a_new_block_size_from_an_instance_replaces_its_old_entries() -> None:
