@@ -31,10 +31,11 @@ from vllm_disagg.orchestrator.state.views import InstanceView
 from vllm_disagg.protocol.messages import MetricsSnapshot
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
+Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
+
 # (metrics, in-flight) entries a shipped pass keeps before it starts over: 6 an instance at 10,000.
 _MEMO_LIMIT = 1 << 16
 _NO_PARTS: TtftParts = (0.0, 0, None, 1.0)  # the decode profile's entries: no TTFT prediction
-Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
 
 
 def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:

@@ -102,9 +102,6 @@ class _Medium:
     def matched_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
         matched: dict[str, int] = {}
         if isinstance(token_ids, PromptTokens):  # keys hashed with the tokenization
-            if len(self.by_size) == 1:  # one block size (the usual cluster): its tokens, as they come
-                for size, index in self.by_size.items():
-                    return index.match(token_ids.block_keys(size), size)
             for size, index in self.by_size.items():
                 matched.update(index.match(token_ids.block_keys(size), size))
             return matched
