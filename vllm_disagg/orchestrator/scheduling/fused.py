@@ -33,9 +33,10 @@ from vllm_disagg.protocol.messages import MetricsSnapshot
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
 Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
 
-# (metrics, in-flight) entries a shipped pass keeps before it starts over: 6 an instance at 10,000.
+# Instances a shipped pass keeps before it starts over (departed ones linger until then).
 _MEMO_LIMIT = 1 << 16
 _NO_PARTS: TtftParts = (0.0, 0, None, 1.0)  # the decode profile's entries: no TTFT prediction
+_MISS = (None, -1, 0.0, _NO_PARTS)  # what a pass finds for an instance it has not kept
 
 
 def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:
@@ -93,15 +94,17 @@ def _shipped_pass(
 ) -> Totals:
     """``_shipped``'s pass: the TPOT prediction where ``whole``, else the TTFT one."""
     wq, wkv, wp, wx = weights
-    # What depends on the candidate alone (its metrics and in-flight count) is kept per (metrics,
-    # in-flight): an instance's metrics last until its next heartbeat, and most decisions between two
-    # heartbeats score it with the same count. The TPOT prediction does not read the prompt, so the
+    # What depends on the candidate alone (its metrics and in-flight count) is kept per instance, with
+    # the metrics object and the count it was computed from: an instance's metrics last until its next
+    # heartbeat, and most decisions between two heartbeats score it with the same count. (Keyed by the
+    # agent id, whose hash the string keeps, rather than by (id(metrics), count): building and hashing
+    # that tuple cost more than the check.) The TPOT prediction does not read the prompt, so the
     # decode profile keeps its whole total but the prefix term; the prefill profile keeps the queue and
     # KV terms and what the TTFT prediction reads of the instance (``ttft_parts``). The sums run in the
     # order of the terms', ((0.0 + queue + kv) + prediction) + prefix, so the totals are the same bits.
-    memo: dict[tuple[int, int], tuple[MetricsSnapshot, float, TtftParts]] = {}
+    memo: dict[str, tuple[MetricsSnapshot, int, float, TtftParts]] = {}
 
-    def kept(m: MetricsSnapshot, f: int) -> tuple[MetricsSnapshot, float, TtftParts]:
+    def kept(a: str, m: MetricsSnapshot, f: int) -> tuple[MetricsSnapshot, int, float, TtftParts]:
         load = m.num_running + m.num_waiting + f
         u = m.kv_cache_usage
         total = (
@@ -114,8 +117,7 @@ def _shipped_pass(
             total += wp * (slo / (slo + p) if p >= 0.0 else 0.0)
         if len(memo) >= _MEMO_LIMIT:
             memo.clear()
-        # The metrics are held, so that their id is not reused while the entry lasts.
-        entry = memo[(id(m), f)] = (m, total, _NO_PARTS if whole else ttft_parts(m, f, default))
+        entry = memo[a] = (m, f, total, _NO_PARTS if whole else ttft_parts(m, f, default))
         return entry
 
     def totals(ctx: ProfileContext, candidates: Sequence[InstanceView]) -> list[float]:
@@ -128,14 +130,16 @@ def _shipped_pass(
             a = c.agent_id
             f = in_flight(a, 0)
             k = cached(a, 0)
-            entry = get((id(m), f))
-            if entry is None or entry[0] is not m:
-                entry = kept(m, f)
-            total = entry[1]
+            held, held_f, total, parts = get(a, _MISS)
+            if held is not m or held_f != f:
+                held, held_f, total, parts = kept(a, m, f)
             if not whole:
-                p = ttft_of(entry[2], k, n)  # >= 0 (the registry's metrics are in range); else worst
+                p = ttft_of(parts, k, n)  # >= 0 (the registry's metrics are in range); else worst
                 total += wp * (slo / (slo + p) if p >= 0.0 else 0.0)
-            append(total + wx * ((1.0 if k >= n else k * inv) if k > 0 and n > 0 else 0.0))
+            # The prefix term; where it is 0.0, adding it would leave the total (never -0.0) as it is.
+            if k > 0 and n > 0:
+                total += wx * (1.0 if k >= n else k * inv)
+            append(total)
         return out
 
     return totals

@@ -232,7 +232,7 @@ class SnapshotSource:
             membership=self._membership,
             registry_id=self._id,
             by_id=MappingProxyType(views),
-            in_flight=MappingProxyType({}),
+            in_flight={},
             known_models=groups.known_models,
             model_ids=groups.by_model,
             prefill_ids=groups.prefill,
@@ -290,7 +290,10 @@ def with_in_flight(
         membership=snap.membership,
         registry_id=snap.registry_id,
         by_id=snap.by_id,
-        in_flight=MappingProxyType(in_flight),
+        # The dict itself, the snapshot's alone (``InFlight.counts`` builds a new one), not a read-only
+        # proxy: the scheduler reads it per candidate, and a proxy's ``get`` is a method call through
+        # the proxy (twice a dict's instructions here). Its type says Mapping: nobody writes to it.
+        in_flight=in_flight,
         known_models=snap.known_models,
         model_ids=snap.model_ids,
         prefill_ids=snap.prefill_ids,

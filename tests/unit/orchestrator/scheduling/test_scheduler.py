@@ -383,6 +383,36 @@ def test_many_candidates_are_sampled_but_the_prefix_holder_is_always_scored() ->
     assert picks == {"p123": 50}
 
 
+_SAMPLING = {
+    k: PluginScheduler(
+        load_config(default_config_text().replace("maxCandidates: 16", f"maxCandidates: {k}"), "t")
+    )
+    for k in (4, 8)
+}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(10, 30), st.sampled_from([4, 8]), st.data())
+def test_sampled_candidates_are_the_longest_prefixes_then_a_window_of_the_rest(
+    n: int, k: int, data: st.DataObject
+) -> None:
+    # Holders are dense here, so the window often starts on one: it is then skipped, never doubled.
+    held = data.draw(st.lists(st.integers(0, n - 1), unique=True, max_size=k))
+    cached = {f"p{i:02}": 16 * data.draw(st.integers(1, 20)) for i in held}
+    snap = snapshot(*(Inst(f"p{i:02}", "prefill") for i in range(n)), Inst("d", "decode"))
+    request_id = data.draw(st.text(min_size=1, max_size=8))
+    decision = decide(snap, request_id=request_id, cached=cached, prompt_len=400, scheduler=_SAMPLING[k])
+    ids = [row["id"] for row in explain(decision)["prefill"]["candidates"]]
+    holders = set(sorted(cached, key=cached.__getitem__, reverse=True)[: k // 2])  # stable: ties in order
+    assert len(ids) == len(set(ids)) == k and holders <= set(ids)
+    eligible = [f"p{i:02}" for i in range(n)]
+    rest = set(ids) - holders
+    windows = [
+        [i for i in (eligible + eligible)[start : start + k] if i not in holders] for start in range(n)
+    ]
+    assert any(rest == set(w[: k - len(holders)]) for w in windows), rest
+
+
 def test_sampling_spreads_load_across_all_eligible_instances() -> None:
     config = load_config(default_config_text().replace("maxCandidates: 16", "maxCandidates: 4"), "test")
     scheduler = PluginScheduler(config)
