@@ -15,10 +15,10 @@ Tokenization itself is not included (see docs/benchmarks.md for its cost). With
 is rebuilt inside the timed region as it is in a live cluster.
 
 With ``--links``, every P->D pair has a predicted KV transfer (``LINKS``), so the transfer pairing
-runs for every disaggregated decision. With ``--compare``, each decision is also made, on the same
-snapshot and prompt, by the flat scheduler (no shards, every eligible instance scored) and by the
-sampled one (no shards, a seeded window): their times, and how often and by how much their picks
-differ from the flat one's (``scheduler_variants.py``).
+runs for every disaggregated decision. With ``--compare``, up to 2,000 of the run's decisions are
+made again after it, on the same snapshot and prompt, by the flat scheduler (no shards, every
+eligible instance scored) and by the sampled one (no shards, a seeded window): their times, and how
+often and by how much their picks differ from the flat one's (``scheduler_variants.py``).
 
 After the run, the machine's pauses are counted and 2,000 of the decisions are replayed, each one's
 fastest try taken: what of the p99 is the machine's and what is the decision's (``scheduler_noise.py``).
@@ -200,13 +200,11 @@ def run_bench(args: argparse.Namespace) -> Result:
         cached = index.cached_tokens(prompt)
         t1 = perf()
         request = SchedulingRequest(f"r{n}", MODEL, len(tokens), False, True, cached, True)
-        if compare is not None and n >= 200:
-            compare.before(n, request, snapshot)
         ta = perf()
         decision = scheduler.decide(request, snapshot, 0.0)
         t2 = perf()
         if compare is not None and n >= 200:
-            compare.after(n, request, snapshot, decision, t2 - ta, t1 - t0)
+            compare.after(n - 200, request, snapshot, decision, t2 - ta, t1 - t0)
         _load(registry, in_flight, decision.decode)
         if n < 200:  # warm-up
             continue

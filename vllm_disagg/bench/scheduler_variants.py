@@ -2,9 +2,10 @@
 
 - **flat**: no shards and no sampling: every eligible instance is filtered and scored, so its pick is
   the best the profiles' scorers can make; the yardstick for pick quality.
-- **sampled**: no shards: the prefix holders and a window at a request-seeded offset are scored
-  (the scheduler before shards).
-- **shipped**: the config as given (default: shards past 256 eligible instances, ``shards.py``).
+- **sampled**: no shards and no ranking: the prefix holders and a window at a request-seeded offset
+  are scored (the scheduler before shards).
+- **shipped**: the config as given (default: the ranked path, ``ranked.py``, whose picks score as the
+  flat ones do; shards past 256 eligible instances where it steps aside, ``shards.py``).
 
 Each decides the same request on the same snapshot as the shipped decision (``Comparison``); only
 the shipped one's decode pick takes the load the benchmark moves. A pick's quality is its decision's
@@ -52,12 +53,13 @@ RECORDED = 2000  # decisions kept for the flat scheduler's second pass
 
 
 class Comparison:
-    """The sampled scheduler beside the shipped one on every decision, and the flat one afterwards.
+    """The flat and the sampled schedulers beside the shipped one, on the run's own decisions.
 
-    The sampled decision is made before the shipped one on odd decisions and after it on even ones, so
-    that neither finds the caches warmed by the other more often. The flat scheduler is 10 to 100 times
-    slower, and what it leaves in the caches would slow whatever ran next: it decides in a second pass,
-    on up to ``RECORDED`` decisions' own requests and snapshots, kept evenly spread through the run.
+    Neither decides inside the run: what one leaves in the caches and the collector's generations
+    (the flat one is 10 to 100 times slower) would land in the shipped decisions' times. Up to
+    ``RECORDED`` decisions' requests and snapshots, evenly spread through the run, are kept, and
+    after the run each is decided again by the sampled and by the flat scheduler, in the run's
+    order. Their times are a second pass's (warmer than the run: nothing else runs in between).
     """
 
     def __init__(self, config: SchedulerConfig, decisions: int) -> None:
@@ -66,16 +68,10 @@ class Comparison:
             for name, p in config.profiles.items()
         }
         self.flat = PluginScheduler(dataclasses.replace(config, shards=None, profiles=flat_profiles))
-        self.sampled = PluginScheduler(dataclasses.replace(config, shards=None))
+        self.sampled = PluginScheduler(dataclasses.replace(config, shards=None, ranked=False))
         self.every = max(1, decisions // RECORDED)
-        self.times: dict[str, list[tuple[float, float]]] = {"shipped": [], "sampled": []}  # (decide, lookup)
-        self.records: list[tuple[SchedulingRequest, RegistrySnapshot, Decision, Decision]] = []
-        self._pending: tuple[Decision, float] | None = None
-
-    def before(self, n: int, request: SchedulingRequest, snapshot: RegistrySnapshot) -> None:
-        """Called before the shipped decision."""
-        if n % 2:
-            self._pending = self._sample(request, snapshot)
+        self.times: list[tuple[float, float]] = []  # the shipped decisions' (decide, lookup)
+        self.records: list[tuple[SchedulingRequest, RegistrySnapshot, Decision, float]] = []
 
     def after(
         self,
@@ -86,33 +82,30 @@ class Comparison:
         decide_s: float,
         lookup_s: float,
     ) -> None:
-        """Called after the shipped decision (``decide_s``, after a lookup of ``lookup_s``)."""
-        sampled, took = self._pending or self._sample(request, snapshot)
-        self._pending = None
-        self.times["shipped"].append((decide_s, lookup_s))
-        self.times["sampled"].append((took, lookup_s))
+        """Called after the ``n``th shipped decision (``decide_s``, after a lookup of ``lookup_s``)."""
+        self.times.append((decide_s, lookup_s))
         if n % self.every == 0:
-            self.records.append((request, snapshot, shipped, sampled))
-
-    def _sample(self, request: SchedulingRequest, snapshot: RegistrySnapshot) -> tuple[Decision, float]:
-        t0 = time.perf_counter()
-        decision = self.sampled.decide(request, snapshot, 0.0)
-        return decision, time.perf_counter() - t0
+            self.records.append((request, snapshot, shipped, lookup_s))
 
     def results(self) -> tuple[Variant, ...]:
-        """The flat pass over the records, then each scheduler's times and picks against the flat one's."""
+        """The second pass over the records, then each scheduler's times and picks against the flat one's."""
         perf = time.perf_counter
-        flat_times: list[tuple[float, float]] = []
-        lookup = [t for _, t in self.times["shipped"]]
+        times: dict[str, list[tuple[float, float]]] = {"shipped": self.times, "sampled": [], "flat": []}
         quality: dict[str, list[Pick]] = {"shipped": [], "flat": [], "sampled": []}
-        for i, (request, snapshot, shipped, sampled) in enumerate(self.records):
-            t0 = perf()
-            flat = self.flat.decide(request, snapshot, 0.0)
-            flat_times.append((perf() - t0, lookup[min(i * self.every, len(lookup) - 1)]))
+        decided: dict[str, list[Decision]] = {"sampled": [], "flat": []}
+        # One scheduler through all the records, then the other: the flat one's lists and what it
+        # leaves in the caches would otherwise land in the sampled one's times.
+        for name, scheduler in (("sampled", self.sampled), ("flat", self.flat)):
+            for request, snapshot, _, lookup_s in self.records:
+                t0 = perf()
+                decided[name].append(scheduler.decide(request, snapshot, 0.0))
+                times[name].append((perf() - t0, lookup_s))
+        for (request, snapshot, shipped, _), sampled, flat in zip(
+            self.records, decided["sampled"], decided["flat"], strict=True
+        ):
             best = predicted(flat, request, snapshot)
             for name, decision in (("shipped", shipped), ("flat", flat), ("sampled", sampled)):
                 quality[name].append((decision, flat, predicted(decision, request, snapshot), best))
-        times = {**self.times, "flat": flat_times}
         return tuple(_variant(name, times[name], quality[name]) for name in ("shipped", "sampled", "flat"))
 
 

@@ -22,6 +22,7 @@ sight::
     decider: uncached-tokens-decider
     pairing: transfer-pairing      # optional: P and D chosen together, counting the KV transfer
     shards: {key: domain, size: 0, fanout: 2, above: 256}   # optional: a shard first (shards.py)
+    ranked: true                   # optional: the flat pick from the holders and a ranked walk (ranked.py)
 
 Everything is checked by ``load_config`` before anything starts; every error names where it is
 (``plugins[3].parameters.ceiling: ...``). The default, ``default.yaml`` beside this module, ships
@@ -82,6 +83,7 @@ class SchedulerConfig:
     source: str = "<default>"
     pairing: str | None = None  # a pairing plugin's name; None: the profiles' picks stand
     shards: ShardConfig | None = None  # hierarchical choice past ``above`` instances; None: flat
+    ranked: bool = False  # past ``maxCandidates``, the flat pick from a ranked walk where it can serve
 
 
 def _snake(key: str) -> str:
@@ -239,7 +241,9 @@ def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None =
     try:
         doc = _mapping(raw, "the document")
         _only(
-            doc, {"apiVersion", "kind", "plugins", "profiles", "decider", "pairing", "shards"}, "the document"
+            doc,
+            {"apiVersion", "kind", "plugins", "profiles", "decider", "pairing", "shards", "ranked"},
+            "the document",
         )
         if doc.get("apiVersion") != API_VERSION:
             raise ConfigError(f"apiVersion: expected {API_VERSION!r}, got {doc.get('apiVersion')!r}")
@@ -262,9 +266,10 @@ def load_config(text: str, source: str, specs: Mapping[str, PluginSpec] | None =
             raise ConfigError(f"decider: {decider!r} is a {specs[plugins[decider].type].kind}, not a decider")
         pairing = _pairing(doc.get("pairing"), plugins, specs)
         shards = _dataclass(ShardConfig, "shards", doc["shards"], "shards") if "shards" in doc else None
+        ranked = _want(doc.get("ranked", False), bool, "ranked")
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    return SchedulerConfig(plugins, profiles, decider, source, pairing, shards)
+    return SchedulerConfig(plugins, profiles, decider, source, pairing, shards, ranked)
 
 
 def load_config_file(path: str) -> SchedulerConfig:

@@ -61,6 +61,7 @@ class ProfileTrace:
     basis: tuple[SchedulingRequest, float, Any, Mapping[str, int]] | None = None  # request, now, profile
     plugins: tuple[Scorer, ...] = ()
     shard: str | None = None  # the shard searched, where the profile is sharded (``shards.py``)
+    ranked: bool = False  # the candidates are the holders and a walk of the ranking (``ranked.py``)
 
     @property
     def scores(self) -> tuple[Sequence[float], ...]:
@@ -100,6 +101,7 @@ class ProfileTrace:
             "population": self.population,
             "eligible": self.eligible,
             "sampled": self.sampled,
+            **({"ranked": True} if self.ranked else {}),
             **({"shard": self.shard} if self.shard is not None else {}),
             "filtered": filtered[:_MAX_FILTERED_SHOWN],
             "filtered_count": len(filtered),

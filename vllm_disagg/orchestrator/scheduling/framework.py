@@ -149,6 +149,8 @@ class Filter(Plugin, Protocol):
     it once per registry membership version (``RegistrySnapshot.membership``), not once per request.
     A per-request filter may also have ``applies(request) -> bool``: when False it is not run for that
     request and leaves no stage in its explanation (the slo-filter, for requests without targets).
+    ``PER_CANDIDATE = True`` (optional) says it keeps or drops each candidate whatever the others are
+    (no "all of them when none passes"): the ranked path may then run it on one candidate at a time.
     """
 
     PER_REQUEST: ClassVar[bool]

@@ -32,6 +32,8 @@ from vllm_disagg.protocol.messages import MetricsSnapshot
 
 Totals = Callable[[ProfileContext, Sequence[InstanceView]], list[float]]
 Combine = Callable[[Sequence[Sequence[float]], int], list[float]]
+# (agent id, metrics, in-flight count) -> the most a candidate holding no prefix can total
+Bound = Callable[[str, MetricsSnapshot, int], float]
 
 # Instances a shipped pass keeps before it starts over (departed ones linger until then).
 _MEMO_LIMIT = 1 << 16
@@ -44,9 +46,15 @@ def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:
     every scorer with a weight has a ``term``. Terms are added as ``weighted_sum`` adds columns: from
     0.0, in the scorers' order, weight 0 dropped (``1.0 * x`` is ``x`` exactly, so weight 1 is no
     exception)."""
+    return fused_pass(scorers)[0]
+
+
+def fused_pass(scorers: Sequence[tuple[Scorer, float]]) -> tuple[Totals | None, Bound | None]:
+    """``fused_totals``, and for the shipped profiles' scorers a ``Bound`` of a candidate's total over
+    every prompt it holds no prefix of (``ranking.py``), sharing what the pass keeps; else None."""
     weighted = [(scorer, weight) for scorer, weight in scorers if weight]
     if not weighted:
-        return None  # no weighted scorer: the generic path's zeros are as cheap
+        return None, None  # no weighted scorer: the generic path's zeros are as cheap
     shipped = _shipped(weighted)
     if shipped is not None:
         return shipped
@@ -54,14 +62,14 @@ def fused_totals(scorers: Sequence[tuple[Scorer, float]]) -> Totals | None:
     for scorer, weight in weighted:
         make = getattr(scorer, "term", None)
         if make is None:
-            return None
+            return None, None
         terms.append((make(), weight))
     if len(terms) > len(_SHAPES):
-        return _any(terms)
-    return _SHAPES[len(terms) - 1](*terms)
+        return _any(terms), None
+    return _SHAPES[len(terms) - 1](*terms), None
 
 
-def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
+def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> tuple[Totals, Bound] | None:
     """The pass of the shipped profiles (default.yaml): queue-, kv-usage-, ttft- or tpot-, and
     prefix-scorer, each weighted, in that order; None for any other profile.
 
@@ -89,19 +97,20 @@ def _shipped(weighted: Sequence[tuple[Scorer, float]]) -> Totals | None:
     return _shipped_pass(whole, (wq, wkv, wp, wx), queue_scorer.params.max_queue, slo, default)
 
 
+# _KEPT: what depends on the candidate alone (its metrics and in-flight count) is kept per instance,
+# with the metrics object and the count it was computed from: an instance's metrics last until its next
+# heartbeat, and most decisions between two heartbeats score it with the same count. (Keyed by the
+# agent id, whose hash the string keeps, rather than by (id(metrics), count): building and hashing that
+# tuple cost more than the check.) The TPOT prediction does not read the prompt, so the decode profile
+# keeps its whole total but the prefix term; the prefill profile keeps the queue and KV terms and what
+# the TTFT prediction reads of the instance (``ttft_parts``). The sums run in the order of the terms',
+# ((0.0 + queue + kv) + prediction) + prefix, so the totals are the same bits.
 def _shipped_pass(
     whole: bool, weights: tuple[float, float, float, float], max_queue: float, slo: float, default: float
-) -> Totals:
-    """``_shipped``'s pass: the TPOT prediction where ``whole``, else the TTFT one."""
+) -> tuple[Totals, Bound]:
+    """``_shipped``'s pass: the TPOT prediction where ``whole``, else the TTFT one; and its bound.
+    What it keeps between decisions: see ``_KEPT`` above."""
     wq, wkv, wp, wx = weights
-    # What depends on the candidate alone (its metrics and in-flight count) is kept per instance, with
-    # the metrics object and the count it was computed from: an instance's metrics last until its next
-    # heartbeat, and most decisions between two heartbeats score it with the same count. (Keyed by the
-    # agent id, whose hash the string keeps, rather than by (id(metrics), count): building and hashing
-    # that tuple cost more than the check.) The TPOT prediction does not read the prompt, so the
-    # decode profile keeps its whole total but the prefix term; the prefill profile keeps the queue and
-    # KV terms and what the TTFT prediction reads of the instance (``ttft_parts``). The sums run in the
-    # order of the terms', ((0.0 + queue + kv) + prediction) + prefix, so the totals are the same bits.
     memo: dict[str, tuple[MetricsSnapshot, int, float, TtftParts]] = {}
 
     def kept(a: str, m: MetricsSnapshot, f: int) -> tuple[MetricsSnapshot, int, float, TtftParts]:
@@ -142,7 +151,19 @@ def _shipped_pass(
             append(total)
         return out
 
-    return totals
+    def bound(a: str, m: MetricsSnapshot, f: int) -> float:
+        # A total for a prompt of which the candidate holds nothing: its prefix term is 0 (not added,
+        # as above), and the TTFT prediction is least for an empty prompt (it only grows with the
+        # prompt, and the score only falls as it grows), so no prompt's total is above this one.
+        held, held_f, total, parts = memo.get(a, _MISS)
+        if held is not m or held_f != f:
+            held, held_f, total, parts = kept(a, m, f)
+        if not whole:
+            p = ttft_of(parts, 0, 0)
+            total += wp * (slo / (slo + p) if p >= 0.0 else 0.0)
+        return total
+
+    return totals, bound
 
 
 # The shapes differ only in how many terms they add. Each reads a candidate's metrics, id, in-flight

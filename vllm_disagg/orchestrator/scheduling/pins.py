@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from vllm_disagg.errors import BadRequest
+from vllm_disagg.errors import BadRequest, NoCapacity
+from vllm_disagg.orchestrator.scheduling.explain import ProfileTrace
 from vllm_disagg.orchestrator.scheduling.framework import Filter, ProfileContext, ProfileName
 from vllm_disagg.orchestrator.state.compat import pair_mismatch
 from vllm_disagg.orchestrator.state.views import DECODE_ROLES, PREFILL_ROLES, InstanceView, RegistrySnapshot
@@ -70,3 +71,22 @@ def check_pair(ctx: ProfileContext, p: InstanceView, d: InstanceView, filters: S
             f"exchange KV: {why}",
             param=param,
         )
+
+
+def pinned_trace(population: int, d: InstanceView) -> ProfileTrace:
+    """The decode profile's trace for a decode instance the client pinned: it alone, the client's pick."""
+    return ProfileTrace("decode", population, (), 1, False, (d,), (), (1.0,), "client", 0)
+
+
+def no_decode(model: str, trace: ProfileTrace, pinned: InstanceView | None) -> Exception:
+    """Why the decode profile found nobody: a 400 where the client pinned P, else no capacity."""
+    kept = ", ".join(f"{s.filter} kept {len(s.kept_out)} of {len(s.kept_in)}" for s in trace.stages)
+    if pinned is not None:
+        i = pinned.info
+        return BadRequest(
+            f"no ready decode instance can exchange KV with the pinned prefill instance {pinned.agent_id!r} "
+            f"(model {i.model!r}, revision {i.revision!r}, block size {i.block_size}, "
+            f"connector {i.kv_connector!r}): {kept}",
+            param="prefill_endpoint",
+        )
+    return NoCapacity(f"no ready instance can decode model '{model}' ({trace.population} registered: {kept})")

@@ -28,7 +28,7 @@ from types import MappingProxyType
 from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
-from vllm_disagg.orchestrator.scheduling import explain, pins, shards
+from vllm_disagg.orchestrator.scheduling import explain, pins, ranked, shards
 from vllm_disagg.orchestrator.scheduling.config import (
     REQUIRED_FILTER,
     SchedulerConfig,
@@ -49,9 +49,10 @@ from vllm_disagg.orchestrator.scheduling.framework import (
     SchedulingRequest,
     Scorer,
 )
-from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
+from vllm_disagg.orchestrator.scheduling.fused import fused_pass, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.filters.topology import TYPE as TOPOLOGY_FILTER
 from vllm_disagg.orchestrator.scheduling.plugins.pairing import transfer_time
+from vllm_disagg.orchestrator.scheduling.plugins.pickers.max_score import TYPE as MAX_SCORE_PICKER
 from vllm_disagg.orchestrator.scheduling.predict import (
     DEFAULT_PREFILL_TOKENS_PER_S,
     predicted_ttft,
@@ -79,11 +80,17 @@ class _Profile:
         picker: Picker,
         max_candidates: int,
         shard_config: ShardConfig | None = None,
+        ranked_width: int = 0,
     ) -> None:
         self.name = name
         self.static = tuple(f for f in filters if not f.PER_REQUEST)
         # (filter, its ``applies`` or None): a filter that does not apply to a request is skipped.
         self.dynamic = tuple((f, getattr(f, "applies", None)) for f in filters if f.PER_REQUEST)
+        # Those that judge the candidates together: while one applies, the ranked path cannot walk.
+        self._set_level = tuple((f, a) for f, a in self.dynamic if not getattr(f, "PER_CANDIDATE", False))
+        # How many best totals the ranked path finds (0: it is off): only the best-total picker's pick
+        # is the flat one's from them.
+        self.ranked_width = ranked_width if picker.TYPE == MAX_SCORE_PICKER else 0
         self.set_weights(scorers)
         self.picker = picker
         self.max_candidates = max_candidates
@@ -97,11 +104,13 @@ class _Profile:
     def set_weights(self, scorers: Sequence[tuple[Scorer, float]]) -> None:
         """Replace the scorers' weights (one assignment: a decision sees all old or all new ones)."""
         live = [(s, w) for s, w in scorers if w]  # a scorer of weight 0 is neither run nor shown
-        self.scorers, self.weights, self._shown, self._scoring = (
+        fused, bound = fused_pass(live)
+        self.scorers, self.weights, self._shown, self._scoring, self._rankings = (
             tuple(scorers),
             tuple((s.name, w) for s, w in scorers),
             tuple((s.name, w) for s, w in live),
-            (tuple(s for s, _ in live), weighted_sum([float(w) for _, w in live]), fused_totals(live)),
+            (tuple(s for s, _ in live), weighted_sum([float(w) for _, w in live]), fused),
+            ranked.Rankings(bound) if bound is not None and self.ranked_width else None,
         )
 
     def _eligible(self, ctx: ProfileContext, population: tuple[str, ...]) -> _Eligible:
@@ -192,12 +201,20 @@ class _Profile:
         partner); shown in the explanation as filtered by ``excluded``.
         """
         eligible, stages, ids, sharded = self._eligible(ctx, population)
+        everyone = eligible, ids  # the ranking ranks them all; ``ids`` says whom this request may use
         if exclude and not exclude.isdisjoint(ids):
             kept = tuple(i for i in eligible if i not in exclude)
             stages = (*stages, Stage("excluded", eligible, kept))
             eligible, ids = kept, ids - exclude
         by_id = ctx.snapshot.by_id
         sampled = len(eligible) > self.max_candidates
+        if sampled and self._rankings is not None:
+            found = self._ranked(ctx, *everyone, ids)
+            if found is not None:
+                found_in, found_stages, found_totals = found
+                return self._trace(
+                    ctx, population, stages + found_stages, len(eligible), found_in, found_totals, ranked=True
+                )
         chosen, shard = self._sample(ctx, eligible, ids, sharded) if sampled else (eligible, None)
         pool = [by_id[i] for i in chosen]  # this snapshot's views: current metrics
         candidates, dyn = self._dynamic(ctx, pool)
@@ -205,18 +222,7 @@ class _Profile:
             sampled, shard = False, None
             candidates, dyn = self._dynamic(ctx, [by_id[i] for i in eligible])
         if not candidates:
-            return ProfileTrace(
-                self.name,
-                len(population),
-                stages + dyn,
-                len(eligible),
-                sampled,
-                (),
-                self._shown,
-                (),
-                self.picker.name,
-                -1,
-            )
+            return self._trace(ctx, population, stages + dyn, len(eligible), (), (), sampled=sampled)
         plugins = self._scoring[0]
         try:
             scores, totals = self._score(ctx, candidates)
@@ -242,6 +248,61 @@ class _Profile:
             None if scores is not None else (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight),
             plugins,
             shard,
+        )
+
+    def _ranked(
+        self, ctx: ProfileContext, eligible: tuple[str, ...], members: frozenset[str], ids: frozenset[str]
+    ) -> tuple[list[InstanceView], tuple[Stage, ...], list[float]] | None:
+        """The ranked path's candidates, filter stages and totals; None where it cannot serve.
+        ``eligible`` (``members`` as a set): whom it ranks; ``ids``: whom this request may use."""
+        assert self._rankings is not None
+        fused = self._scoring[2]
+        if fused is None or not ranked.walkable(ctx.request, self._set_level):
+            return None
+        ranking = self._rankings.follow(ctx.snapshot, ctx.request.model, eligible, members)
+        if ranking is None:
+            return None
+        # The pairing pairs among the best ``ranked_width`` only where links are known (``pairing.py``).
+        links = ctx.snapshot.links
+        width = self.ranked_width if links.links or links.typical else 1
+        try:
+            return ranked.candidates(ctx, ranking, ids, self.dynamic, fused, width, self._dynamic)
+        except Exception:  # a plugin's bug: the sampled path scores candidate by candidate, and says so
+            log.exception("%s profile: the ranked path failed; sampling instead", self.name)
+            return None
+
+    def _trace(
+        self,
+        ctx: ProfileContext,
+        population: tuple[str, ...],
+        stages: tuple[Stage, ...],
+        eligible: int,
+        candidates: Sequence[InstanceView],
+        totals: Sequence[float],
+        *,
+        sampled: bool = False,
+        ranked: bool = False,
+    ) -> ProfileTrace:
+        """The trace of candidates scored by the fused pass (the ranked path's), or of none left: the
+        pick by the totals, and each scorer's column computed only if an explanation is rendered."""
+        picked = -1 if not candidates else self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
+        basis = (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight)
+        return ProfileTrace(
+            self.name,
+            len(population),
+            stages,
+            eligible,
+            sampled,
+            candidates,
+            self._shown,
+            totals,
+            self.picker.name,
+            picked,
+            None,
+            basis,
+            self._scoring[0],
+            None,
+            ranked,
         )
 
     def _score(
@@ -289,24 +350,6 @@ class _Profile:
         return current, tuple(stages)
 
 
-def _pinned_trace(population: int, d: InstanceView) -> ProfileTrace:
-    """The decode profile's trace for a decode instance the client pinned: it alone, the client's pick."""
-    return ProfileTrace("decode", population, (), 1, False, (d,), (), (1.0,), "client", 0)
-
-
-def _no_decode(model: str, trace: ProfileTrace, pinned: InstanceView | None) -> Exception:
-    kept = ", ".join(f"{s.filter} kept {len(s.kept_out)} of {len(s.kept_in)}" for s in trace.stages)
-    if pinned is not None:
-        i = pinned.info
-        return BadRequest(
-            f"no ready decode instance can exchange KV with the pinned prefill instance {pinned.agent_id!r} "
-            f"(model {i.model!r}, revision {i.revision!r}, block size {i.block_size}, "
-            f"connector {i.kv_connector!r}): {kept}",
-            param="prefill_endpoint",
-        )
-    return NoCapacity(f"no ready instance can decode model '{model}' ({trace.population} registered: {kept})")
-
-
 class PluginScheduler:
     """The configured profiles and decider, run for each request."""
 
@@ -316,6 +359,10 @@ class PluginScheduler:
         config = config or default_config()
         self.config = config
         plugins: Mapping[str, Any] = build_plugins(config)
+        # The ranked path finds the best total, or the pairing's best ``width`` (it pairs among them).
+        pairing_width = (
+            getattr(getattr(plugins[config.pairing], "params", None), "width", 1) if config.pairing else 1
+        )
         self._profiles = {
             name: _Profile(
                 name,
@@ -324,6 +371,7 @@ class PluginScheduler:
                 plugins[p.picker],
                 p.max_candidates,
                 config.shards,
+                pairing_width if config.ranked else 0,
             )
             for name, p in config.profiles.items()
         }
@@ -358,11 +406,11 @@ class PluginScheduler:
         if pinned_d is None:
             dtrace = self._profiles["decode"].run(dctx, population, request.exclude)
             if dtrace.picked < 0:
-                raise _no_decode(model, dtrace, pinned)
+                raise pins.no_decode(model, dtrace, pinned)
         else:
             if pinned is not None:
                 pins.check_pair(dctx, pinned, pinned_d, self._kv_filters)
-            dtrace = _pinned_trace(len(population), pinned_d)
+            dtrace = pins.pinned_trace(len(population), pinned_d)
         d = dtrace.candidates[dtrace.picked]
         d_pin = pinned_d.agent_id if pinned_d is not None else None
         if pinned is not None:

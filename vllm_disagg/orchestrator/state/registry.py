@@ -138,6 +138,7 @@ class Registry(SnapshotSource):
         views = self._own_views()
         old = views.get(inst.agent_id)
         new = views[inst.agent_id] = inst.view()
+        self._changes.note(inst.agent_id)
         if new.kv_link_ready:
             self._unproven.discard(inst.agent_id)
         else:
@@ -508,6 +509,7 @@ class Registry(SnapshotSource):
         """The gateway sends a request to ``agent_id``; pair with ``release`` in a ``finally``."""
         self._flight.add(agent_id)
         self._cached_in_flight = None
+        self._changes.note(agent_id)
         self._requests_total[agent_id] = self._requests_total.get(agent_id, 0) + 1
         self.probe_sent(agent_id)
         if self._watch.flight:
@@ -533,6 +535,7 @@ class Registry(SnapshotSource):
         there from now, so that the next pick sees it (``in_flight``); ``unhold`` as its leg starts."""
         self._flight.add(agent_id)
         self._cached_in_flight = None
+        self._changes.note(agent_id)
         if self._watch.flight:
             self._watch.notify_in_flight()
 
@@ -543,6 +546,7 @@ class Registry(SnapshotSource):
     def _less(self, agent_id: str) -> None:
         self._flight.remove(agent_id)
         self._cached_in_flight = None
+        self._changes.note(agent_id)
         if self._watch.flight:
             self._watch.notify_in_flight()
 
@@ -562,7 +566,9 @@ class Registry(SnapshotSource):
     def set_remote_in_flight(self, counts: dict[str, int], source: RemoteSource = "workers") -> None:
         """Outstanding requests per instance elsewhere, summed: this replica's gateway workers', or
         the other replicas' (``orchestrator/replicas``). Snapshots add them to this process's own."""
+        before = self._flight.remote(source)
         if self._flight.set_remote(source, counts):
+            self._note_counts(before, counts)
             self._cached_in_flight = None
             if self._watch.flight:
                 self._watch.notify_in_flight()

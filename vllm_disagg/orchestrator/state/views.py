@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from vllm_disagg.orchestrator.state import health
+from vllm_disagg.orchestrator.state.changes import ChangeLog, ChangeMark
 from vllm_disagg.orchestrator.state.health import CLOSED, Breaker, InstanceState
 from vllm_disagg.orchestrator.state.in_flight import InFlight
 from vllm_disagg.orchestrator.state.link_table import EMPTY_LINKS, LinkTable
@@ -108,6 +109,8 @@ class RegistrySnapshot:
     # ``in_flight.InFlight.ended``): what its scraped queue has lost since (``predict.queued_now``).
     ended_since_scrape: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     links: LinkTable = EMPTY_LINKS  # learned P->D transfer rates (``link_table``)
+    # How far its source's log of changed instances went (``changes.py``); None: not known.
+    changes: ChangeMark | None = None
 
     @property
     def instances(self) -> tuple[InstanceView, ...]:
@@ -189,6 +192,7 @@ class SnapshotSource:
         # Gateway requests per instance: this process's (legs and held decisions) and others' as told.
         self._flight = InFlight()
         self._link_table = EMPTY_LINKS  # what ``link_rates`` learned, as of the last change
+        self._changes = ChangeLog()  # instances whose view or in-flight count changed
 
     def _use_links(self, table: LinkTable) -> None:
         """Snapshots carry ``table`` from now on (a new snapshot only when it is a new table)."""
@@ -218,8 +222,14 @@ class SnapshotSource:
         if self._cached_in_flight is None:
             self._cached_in_flight = self._flight.counts()  # a new dict: the snapshot keeps it
             ended = self._flight.ended()
-            cached = self._cached = with_in_flight(cached, self._cached_in_flight, ended)
+            cached = self._cached = with_in_flight(
+                cached, self._cached_in_flight, ended, self._changes.mark()
+            )
         return cached
+
+    def _note_counts(self, before: Mapping[str, int], after: Mapping[str, int]) -> None:
+        """In-flight counts from elsewhere went from ``before`` to ``after``: note who changed."""
+        self._changes.note_all(a for a in before.keys() | after.keys() if before.get(a) != after.get(a))
 
     def _build(self) -> RegistrySnapshot:
         views = self._views
@@ -282,7 +292,10 @@ class IdGroups:
 
 
 def with_in_flight(
-    snap: RegistrySnapshot, in_flight: dict[str, int], ended: dict[str, int] | None = None
+    snap: RegistrySnapshot,
+    in_flight: dict[str, int],
+    ended: dict[str, int] | None = None,
+    changes: ChangeMark | None = None,
 ) -> RegistrySnapshot:
     # A new outer object sharing the (immutable) instance indexes: O(1) apart from the count copy.
     return RegistrySnapshot(
@@ -302,4 +315,5 @@ def with_in_flight(
         _built=snap._built,
         ended_since_scrape=MappingProxyType(ended or {}),
         links=snap.links,
+        changes=changes,
     )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.unit.scheduling_support import METRICS, POSITIVE, SCORERS, context, request, snapshot, view
 from vllm_disagg.orchestrator.scheduling import scheduler as scheduler_module
+from vllm_disagg.orchestrator.scheduling.config import default_config
 from vllm_disagg.orchestrator.scheduling.framework import PluginSpec, SchedulingRequest, Scorer
 from vllm_disagg.orchestrator.scheduling.fused import fused_totals, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.catalog import PLUGIN_SPECS
@@ -187,9 +190,10 @@ def _cluster() -> Registry:
 def test_decisions_and_explanations_are_the_same_with_and_without_the_fused_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    fused = PluginScheduler()
-    monkeypatch.setattr(scheduler_module, "fused_totals", lambda scorers: None)
-    generic = PluginScheduler()
+    sampled = dataclasses.replace(default_config(), ranked=False)  # the ranked path needs the fused pass
+    fused = PluginScheduler(sampled)
+    monkeypatch.setattr(scheduler_module, "fused_pass", lambda scorers: (None, None))
+    generic = PluginScheduler(sampled)
     snap = _cluster().snapshot()
     for n in range(200):
         cached = {f"prefill-{2 * (n % 7) + 1}": 16 * (n % 5), f"decode-{2 * (n % 4)}": 32} if n % 3 else {}

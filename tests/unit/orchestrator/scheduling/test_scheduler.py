@@ -22,6 +22,8 @@ from vllm_disagg.protocol.messages import EngineState, Heartbeat, InstanceInfo, 
 
 NOW = 1000.0
 SCHEDULER = PluginScheduler()
+# The shipped config where the ranked path steps aside: the sampling tests' (test_ranked.py has its).
+SAMPLED_TEXT = default_config_text().replace("ranked: true", "ranked: false")
 
 
 @dataclass(frozen=True)
@@ -370,7 +372,7 @@ def test_an_unusable_pin_is_a_bad_request_with_the_reason(
 
 
 def test_many_candidates_are_sampled_but_the_prefix_holder_is_always_scored() -> None:
-    config = load_config(default_config_text().replace("maxCandidates: 16", "maxCandidates: 8"), "test")
+    config = load_config(SAMPLED_TEXT.replace("maxCandidates: 16", "maxCandidates: 8"), "test")
     scheduler = PluginScheduler(config)
     snap = snapshot(*(Inst(f"p{i:03}", "prefill") for i in range(200)), Inst("d", "decode"))
     picks = Counter[str | None]()
@@ -384,9 +386,7 @@ def test_many_candidates_are_sampled_but_the_prefix_holder_is_always_scored() ->
 
 
 _SAMPLING = {
-    k: PluginScheduler(
-        load_config(default_config_text().replace("maxCandidates: 16", f"maxCandidates: {k}"), "t")
-    )
+    k: PluginScheduler(load_config(SAMPLED_TEXT.replace("maxCandidates: 16", f"maxCandidates: {k}"), "t"))
     for k in (4, 8)
 }
 
@@ -414,7 +414,7 @@ def test_sampled_candidates_are_the_longest_prefixes_then_a_window_of_the_rest(
 
 
 def test_sampling_spreads_load_across_all_eligible_instances() -> None:
-    config = load_config(default_config_text().replace("maxCandidates: 16", "maxCandidates: 4"), "test")
+    config = load_config(SAMPLED_TEXT.replace("maxCandidates: 16", "maxCandidates: 4"), "test")
     scheduler = PluginScheduler(config)
     snap = snapshot(*(Inst(f"d{i:02}", "decode") for i in range(40)))
     seen = {decide(snap, request_id=f"r{n}", scheduler=scheduler).decode for n in range(400)}

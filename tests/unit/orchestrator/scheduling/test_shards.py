@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -42,8 +43,14 @@ def explain(decision: Decision) -> dict[str, Any]:
     return decision.explanation.to_json()
 
 
+def unranked() -> PluginScheduler:
+    """The shipped config where the ranked path steps aside (a required domain, a target, another
+    picker...): these tests are of the shards it falls back to."""
+    return PluginScheduler(dataclasses.replace(default_config(), ranked=False))
+
+
 def with_shards(text: str) -> PluginScheduler:
-    base = default_config_text()
+    base = default_config_text().replace("ranked: true", "ranked: false")
     head = base[: base.index("shards:")]
     return PluginScheduler(load_config(head + text, "test"))
 
@@ -64,7 +71,7 @@ def test_labeled_instances_shard_by_label_and_the_others_in_groups_of_size() -> 
     assert split(ids, snap.by_id, ShardConfig(above=len(ids))) is None, "small clusters stay flat"
 
 
-def test_the_shipped_config_shards_labeled_domains_past_256_eligible_instances() -> None:
+def test_where_ranking_steps_aside_the_shipped_config_shards_labeled_domains_past_256() -> None:
     assert default_config().shards == ShardConfig(key="domain", size=0, fanout=2, above=256)
 
     def decode_trace(n: int, labeled: bool) -> dict[str, Any]:
@@ -72,7 +79,7 @@ def test_the_shipped_config_shards_labeled_domains_past_256_eligible_instances()
             (f"d{i:03}", "decode", {"domain": f"nvl-{i % 4}"} if labeled else {}, 0) for i in range(n)
         ]
         snap = cluster([*rows, ("p", "prefill", {}, 0)])
-        return dict(explain(PluginScheduler().decide(request(1), snap, NOW))["decode"])
+        return dict(explain(unranked().decide(request(1), snap, NOW))["decode"])
 
     assert "shard" not in decode_trace(256, labeled=True), "at most 256: flat"
     assert "shard" not in decode_trace(400, labeled=False), "no label: a seeded window, no shards"
@@ -89,7 +96,7 @@ def test_the_prefill_profile_searches_the_chosen_decode_instances_domain_first()
         rows += [(f"p{dom}-{i:02}", "prefill", {"domain": f"nvl-{dom}"}, 0) for i in range(40)]
         rows += [(f"d{dom}-{i:02}", "decode", {"domain": f"nvl-{dom}"}, 0) for i in range(40)]
     snap = cluster(rows)
-    scheduler = PluginScheduler()
+    scheduler = unranked()
     domains = set()
     for n in range(40):
         decision = scheduler.decide(request(n), snap, NOW)
@@ -174,6 +181,7 @@ def sharded_scheduler(size: int, required: bool, shards: bool = True) -> PluginS
             plugin["parameters"]["models"] = ["m"]
     for profile in doc["profiles"]:
         profile["maxCandidates"] = 3  # fewer than the instances: windows, not everyone
+    doc["ranked"] = False
     if shards:
         doc["shards"] = {"size": size, "fanout": 2, "above": 4}
     else:

@@ -53,6 +53,7 @@ class RegistryReplica(SnapshotSource):
         scraped: list[str] = []  # instances whose metrics come from a new scrape
         if state.full:
             self._views, self._views_shared = dict(state.views), False
+            self._changes.restart()
             joined = list(state.views.values())
         else:
             joined = []
@@ -65,6 +66,7 @@ class RegistryReplica(SnapshotSource):
                     elif old.metrics.scraped_at != view.metrics.scraped_at:
                         scraped.append(agent_id)
                     views[agent_id] = view
+                self._changes.note_all(state.views)
                 for agent_id in state.removed:
                     views.pop(agent_id, None)
         if state.membership != self._membership or state.full:
@@ -85,7 +87,9 @@ class RegistryReplica(SnapshotSource):
         for index, counts in state.in_flight.items():
             if index != self.index:
                 others = sum_counts(others, counts)
+        before = self._flight.remote("others")
         if self._flight.set_remote("others", others):
+            self._note_counts(before, others)
             self._cached_in_flight = None
         for agent_id in scraped:  # after the counts of the same instant: what ended since, from here on
             self._scraped(agent_id)
@@ -103,7 +107,7 @@ class RegistryReplica(SnapshotSource):
 
     def acquire(self, agent_id: str) -> None:
         self._flight.add(agent_id)
-        self._counted()
+        self._counted(agent_id)
         self._sent[agent_id] = self._sent.get(agent_id, 0) + 1
         view = self._views.get(agent_id)
         if view is not None and view.breaker.state == "half_open" and not view.breaker.probing:
@@ -112,21 +116,22 @@ class RegistryReplica(SnapshotSource):
 
     def release(self, agent_id: str) -> None:
         self._flight.remove(agent_id)
-        self._counted()
+        self._counted(agent_id)
         if agent_id in self._probing:
             self._probing.discard(agent_id)
             self._forward(Call("probe_ended", (agent_id,)))
 
     def hold(self, agent_id: str) -> None:
         self._flight.add(agent_id)
-        self._counted()
+        self._counted(agent_id)
 
     def unhold(self, agent_id: str) -> None:
         self._flight.remove(agent_id)
-        self._counted()
+        self._counted(agent_id)
 
-    def _counted(self) -> None:
+    def _counted(self, agent_id: str) -> None:
         self._cached_in_flight = None
+        self._changes.note(agent_id)
         self.counts_changed = True
 
     def leg_succeeded(self, agent_id: str, partner: str | None = None) -> None:

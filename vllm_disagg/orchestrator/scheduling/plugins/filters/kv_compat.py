@@ -26,6 +26,9 @@ class KvCompatFilter:
     TYPE: ClassVar[str] = TYPE
     # The partner differs per request (the chosen decode instance, or the client's pin).
     PER_REQUEST: ClassVar[bool] = True
+    PER_CANDIDATE: ClassVar[bool] = (
+        True  # each candidate is judged against the partner alone: a ranked walk may filter one at a time
+    )
     __slots__ = ("_judge", "name", "params")
 
     def __init__(self, name: str, params: Params) -> None:

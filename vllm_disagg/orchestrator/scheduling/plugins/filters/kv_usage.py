@@ -29,6 +29,7 @@ class KvUsageFilter:
     TYPE: ClassVar[str] = TYPE
     # Reads metrics, which every heartbeat moves: run per request, on the sampled candidates.
     PER_REQUEST: ClassVar[bool] = True
+    PER_CANDIDATE: ClassVar[bool] = True  # each candidate's own usage: a ranked walk may filter one at a time
     __slots__ = ("name", "params")
 
     def __init__(self, name: str, params: Params) -> None:
