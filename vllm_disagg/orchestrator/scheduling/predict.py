@@ -2,7 +2,7 @@
 
 ``ttft_s`` and ``tpot_s`` are the formulas; everything that predicts reads them: the ttft- and
 tpot-scorers (their ``term`` is ``slo / (slo + predicted)``, which is also what the profile's fused
-pass adds up), the slo-filter, the SLO colocation in ``scheduler._colocate_for_ttft``, and so the
+pass adds up), the slo-filter, the SLO colocation in ``colocate.colocate_for_ttft``, and so the
 gateway's best-effort count. docs/scheduler.md explains the models;
 tests/unit/orchestrator/scheduling/test_predict.py checks that every user gives what the formulas give.
 """

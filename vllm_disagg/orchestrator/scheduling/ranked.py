@@ -24,8 +24,10 @@ from vllm_disagg.orchestrator.scheduling.fused import Bound, Totals
 from vllm_disagg.orchestrator.scheduling.ranking import Ranking, walk
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
-# A profile's per-request filters and their ``applies`` (None: always).
-Dynamic = Sequence[tuple[Filter, Callable[[SchedulingRequest], bool] | None]]
+# Per-request filters and their ``applies`` (None: always).
+Applying = Sequence[tuple[Filter, Callable[[SchedulingRequest], bool] | None]]
+# A profile's per-request filters, their ``applies`` and ``PER_CANDIDATE``.
+Walkable = Sequence[tuple[Filter, Callable[[SchedulingRequest], bool] | None, bool]]
 # (the ranking, the registry it follows, the change sequence it is at, the instances it ranks)
 _State = tuple[Ranking, int, int, frozenset[str]]
 
@@ -71,42 +73,44 @@ class Rankings:
         return ranking
 
 
-def walkable(request: SchedulingRequest, set_level: Dynamic) -> bool:
-    """No filter that judges the candidates together (``PER_CANDIDATE`` false) applies to ``request``."""
-    for _, applies in set_level:  # noqa: SIM110 (a loop, not ``all`` over a generator: per decision)
+def applying(request: SchedulingRequest, filters: Walkable) -> list[tuple[Filter, None]] | None:
+    """The per-request filters that apply to ``request`` (each with None for ``applies``: no need to
+    ask again); None where one of them judges the candidates together (``PER_CANDIDATE`` false): the
+    ranked path cannot walk then."""
+    kept: list[tuple[Filter, None]] = []
+    for f, applies, alone in filters:
         if applies is None or applies(request):
-            return False
-    return True
+            if not alone:
+                return None
+            kept.append((f, None))
+    return kept
 
 
 def candidates(
     ctx: ProfileContext,
     ranking: Ranking,
     ids: frozenset[str],
-    dynamic: Dynamic,
+    filters: Applying,
     fused: Totals,
     width: int,
     run_filters: Callable[
-        [ProfileContext, Sequence[InstanceView]], tuple[Sequence[InstanceView], tuple[Stage, ...]]
+        [ProfileContext, Sequence[InstanceView], Applying],
+        tuple[Sequence[InstanceView], tuple[Stage, ...]],
     ],
 ) -> tuple[list[InstanceView], tuple[Stage, ...], list[float]]:
-    """The candidates to pick from (the holders the filters keep, then the walked instances they
+    """The candidates to pick from (the holders ``filters`` keep, then the walked instances they
     keep), the holders' filter stages, and the candidates' totals. ``ids``: the eligible instances
     this request may use; ``width``: how many of the best totals must be found (the pairing's)."""
-    by_id, request = ctx.snapshot.by_id, ctx.request
-    cached = request.cached_tokens
-    holders, stages = run_filters(ctx, [by_id[i] for i in cached if i in ids])
+    by_id = ctx.snapshot.by_id
+    cached = ctx.request.cached_tokens
+    holders, stages = run_filters(ctx, [by_id[i] for i in cached if i in ids], filters)
     found, totals = list(holders), fused(ctx, holders) if holders else []
-    applying: list[Filter] | None = None  # built when the walk first scores someone
 
     def score(agent_id: str) -> float | None:
-        nonlocal applying
         if agent_id in cached or agent_id not in ids:
             return None  # a holder (scored above), or one this request may not use
-        if applying is None:
-            applying = [f for f, applies in dynamic if applies is None or applies(request)]
         view = [by_id[agent_id]]
-        for f in applying:
+        for f, _ in filters:
             if not f.filter(ctx, view):
                 return None
         total = fused(ctx, view)[0]

@@ -84,8 +84,8 @@ def walk(
     """
     best = sorted(scored)[-width:]  # the ``width`` best totals so far, a min-heap (ascending is one)
     found: list[str] = []
-    for bound, agent_id in ranking.best_first():
-        if len(best) >= width and bound < best[0]:
+    for negated, agent_id in ranking._order:  # not ``best_first``: no generator per walk
+        if len(best) >= width and -negated < best[0]:
             break
         got = score(agent_id)
         if got is None:

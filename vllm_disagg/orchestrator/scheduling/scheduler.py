@@ -29,6 +29,7 @@ from typing import Any
 
 from vllm_disagg.errors import BadRequest, ModelNotFound, NoCapacity
 from vllm_disagg.orchestrator.scheduling import explain, pins, ranked, shards
+from vllm_disagg.orchestrator.scheduling.colocate import colocate_for_ttft
 from vllm_disagg.orchestrator.scheduling.config import (
     REQUIRED_FILTER,
     SchedulerConfig,
@@ -51,14 +52,7 @@ from vllm_disagg.orchestrator.scheduling.framework import (
 )
 from vllm_disagg.orchestrator.scheduling.fused import fused_pass, weighted_sum
 from vllm_disagg.orchestrator.scheduling.plugins.filters.topology import TYPE as TOPOLOGY_FILTER
-from vllm_disagg.orchestrator.scheduling.plugins.pairing import transfer_time
 from vllm_disagg.orchestrator.scheduling.plugins.pickers.max_score import TYPE as MAX_SCORE_PICKER
-from vllm_disagg.orchestrator.scheduling.predict import (
-    DEFAULT_PREFILL_TOKENS_PER_S,
-    predicted_ttft,
-    prefill_rate,
-    uncached_tokens,
-)
 from vllm_disagg.orchestrator.scheduling.shards import ShardConfig, Shards
 from vllm_disagg.orchestrator.state.views import InstanceView, RegistrySnapshot
 
@@ -86,8 +80,9 @@ class _Profile:
         self.static = tuple(f for f in filters if not f.PER_REQUEST)
         # (filter, its ``applies`` or None): a filter that does not apply to a request is skipped.
         self.dynamic = tuple((f, getattr(f, "applies", None)) for f in filters if f.PER_REQUEST)
-        # Those that judge the candidates together: while one applies, the ranked path cannot walk.
-        self._set_level = tuple((f, a) for f, a in self.dynamic if not getattr(f, "PER_CANDIDATE", False))
+        # (filter, its ``applies``, whether it judges each candidate alone): while one that judges the
+        # candidates together applies, the ranked path cannot walk.
+        self._walkable = tuple((f, a, getattr(f, "PER_CANDIDATE", False)) for f, a in self.dynamic)
         # How many best totals the ranked path finds (0: it is off): only the best-total picker's pick
         # is the flat one's from them.
         self.ranked_width = ranked_width if picker.TYPE == MAX_SCORE_PICKER else 0
@@ -222,8 +217,7 @@ class _Profile:
             sampled, shard = False, None
             candidates, dyn = self._dynamic(ctx, [by_id[i] for i in eligible])
         if not candidates:
-            return self._trace(ctx, population, stages + dyn, len(eligible), (), (), sampled=sampled)
-        plugins = self._scoring[0]
+            return self._trace(ctx, population, stages + dyn, len(eligible), (), (), None, sampled)
         try:
             scores, totals = self._score(ctx, candidates)
         except Exception:  # a plugin's bug, or figures it cannot take: never a failed request
@@ -232,22 +226,8 @@ class _Profile:
             if not candidates:
                 raise NoCapacity(f"no {self.name} candidate could be scored (see the log)") from None
             scores, totals = self._score(ctx, candidates)
-        picked = self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
-        return ProfileTrace(
-            self.name,
-            len(population),
-            stages + dyn,
-            len(eligible),
-            sampled,
-            candidates,
-            self._shown,
-            totals,
-            self.picker.name,
-            picked,
-            scores,
-            None if scores is not None else (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight),
-            plugins,
-            shard,
+        return self._trace(
+            ctx, population, stages + dyn, len(eligible), candidates, totals, scores, sampled, shard=shard
         )
 
     def _ranked(
@@ -257,7 +237,8 @@ class _Profile:
         ``eligible`` (``members`` as a set): whom it ranks; ``ids``: whom this request may use."""
         assert self._rankings is not None
         fused = self._scoring[2]
-        if fused is None or not ranked.walkable(ctx.request, self._set_level):
+        applying = ranked.applying(ctx.request, self._walkable)
+        if fused is None or applying is None:
             return None
         ranking = self._rankings.follow(ctx.snapshot, ctx.request.model, eligible, members)
         if ranking is None:
@@ -266,7 +247,7 @@ class _Profile:
         links = ctx.snapshot.links
         width = self.ranked_width if links.links or links.typical else 1
         try:
-            return ranked.candidates(ctx, ranking, ids, self.dynamic, fused, width, self._dynamic)
+            return ranked.candidates(ctx, ranking, ids, applying, fused, width, self._filtered)
         except Exception:  # a plugin's bug: the sampled path scores candidate by candidate, and says so
             log.exception("%s profile: the ranked path failed; sampling instead", self.name)
             return None
@@ -279,14 +260,17 @@ class _Profile:
         eligible: int,
         candidates: Sequence[InstanceView],
         totals: Sequence[float],
-        *,
+        scores: tuple[Sequence[float], ...] | None = None,
         sampled: bool = False,
+        *,
+        shard: str | None = None,
         ranked: bool = False,
     ) -> ProfileTrace:
-        """The trace of candidates scored by the fused pass (the ranked path's), or of none left: the
-        pick by the totals, and each scorer's column computed only if an explanation is rendered."""
+        """The trace of the candidates scored (none: ``picked`` -1), with the picker's pick by their
+        totals. Where the fused pass gave only the totals (``scores`` None), each scorer's column is
+        computed only if an explanation is rendered, from the decision's ``basis``."""
         picked = -1 if not candidates else self.picker.pick(ctx, totals) if len(candidates) > 1 else 0
-        basis = (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight)
+        basis = None if scores is not None else (ctx.request, ctx.now, ctx.profile, ctx.snapshot.in_flight)
         return ProfileTrace(
             self.name,
             len(population),
@@ -298,10 +282,10 @@ class _Profile:
             totals,
             self.picker.name,
             picked,
-            None,
+            scores,
             basis,
             self._scoring[0],
-            None,
+            shard,
             ranked,
         )
 
@@ -334,10 +318,18 @@ class _Profile:
     def _dynamic(
         self, ctx: ProfileContext, pool: Sequence[InstanceView]
     ) -> tuple[Sequence[InstanceView], tuple[Stage, ...]]:
+        return self._filtered(ctx, pool, self.dynamic)
+
+    @staticmethod
+    def _filtered(
+        ctx: ProfileContext, pool: Sequence[InstanceView], filters: ranked.Applying
+    ) -> tuple[Sequence[InstanceView], tuple[Stage, ...]]:
+        """What ``filters`` that apply to the request keep of ``pool``, in turn, and a stage each (with
+        reasons for those left out)."""
         stages = []
         current = pool
         request = ctx.request
-        for f, applies in self.dynamic:
+        for f, applies in filters:
             if applies is not None and not applies(request):
                 continue
             kept = f.filter(ctx, current)
@@ -439,7 +431,7 @@ class PluginScheduler:
             p = ptrace.candidates[ptrace.picked] if paired is None else paired.prefill
             d = d if paired is None else paired.decode
             if request.slo_ttft_s is not None:
-                choice = _colocate_for_ttft(request, snapshot, p, d) or choice
+                choice = colocate_for_ttft(request, snapshot, p, d) or choice
         explanation = PluginExplanation(
             self.config.source, request, dtrace, choice, self._decider.name, ptrace, None, d_pin, paired
         )
@@ -531,43 +523,6 @@ class PluginScheduler:
             exclude = exclude | {d for p, d in snapshot.blocked_links if p == partner.agent_id}
         trace = self._profiles["decode"].run(ctx, population, exclude)
         return trace.candidates[trace.picked].agent_id if trace.picked >= 0 else None
-
-
-def _colocate_for_ttft(
-    request: SchedulingRequest, snapshot: RegistrySnapshot, p: InstanceView, d: InstanceView
-) -> ModeChoice | None:
-    """Colocated, when the decode instance is predicted to meet the request's TTFT target by itself and
-    the prefill pick is not (a short prompt, or one whose prefix D caches, behind a busy prefill
-    pool); else None.
-
-    With a TPOT target too, D must also compute the prompt's uncached tokens within that target: they
-    run in one of D's steps, so every request D is decoding waits that long for its next token. A
-    shared document D caches with a new question fits; a whole uncached document would stall D's
-    batch for as long as its prefill takes (the cost the prefill pool exists to keep off D).
-    """
-    slo = request.slo_ttft_s
-    assert slo is not None
-    # Through P, the KV must also reach D: the pair's predicted transfer, where the links are known.
-    transfer = transfer_time(snapshot, request, p, d) or 0.0
-    via_p = predicted_ttft(p, request, snapshot.in_flight_of(p.agent_id)) + transfer
-    if via_p <= slo:
-        return None
-    # D's in-flight requests are being decoded, their prefill done by the prefill pool: they are no
-    # prefill backlog there (its engine's own queue is). Counting them kept a busy D from ever taking one.
-    alone = predicted_ttft(d, request, 0)
-    if alone > slo:
-        return None
-    uncached = uncached_tokens(d, request)
-    stall = uncached / prefill_rate(d.metrics, DEFAULT_PREFILL_TOKENS_PER_S)
-    if request.slo_tpot_s is not None and stall > request.slo_tpot_s:
-        return None
-    moving = f" ({transfer:.3f} s of it moving KV)" if transfer else ""
-    return ModeChoice(
-        "colocated",
-        f"to meet its TTFT target of {slo:g} s: {alone:.3f} s predicted on {d.agent_id}, "
-        f"{via_p:.3f} s through {p.agent_id}{moving}; {uncached} uncached tokens add {stall:.3f} s to one "
-        f"of {d.agent_id}'s steps",
-    )
 
 
 def _own_pools(request: SchedulingRequest, snapshot: RegistrySnapshot) -> SchedulingRequest:

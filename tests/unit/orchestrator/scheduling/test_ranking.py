@@ -85,3 +85,22 @@ def test_an_unknown_bound_ranks_first_and_a_discarded_instance_is_gone() -> None
     ranking.discard("nan")
     ranking.discard("never-ranked")
     assert (len(ranking), ranking.bound("a"), ranking.bound("nan")) == (1, 1.0, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), TOTAL | st.just(math.nan) | st.none()), max_size=60))
+def test_a_ranking_keeps_its_instances_in_order_of_bound_through_any_moves(
+    steps: list[tuple[int, float | None]],
+) -> None:
+    ranking, bounds = Ranking(), dict[str, float]()
+    for n, bound in steps:  # None: the instance leaves
+        agent_id = f"i{n:02}"
+        if bound is None:
+            ranking.discard(agent_id)
+            bounds.pop(agent_id, None)
+        else:
+            ranking.set(agent_id, bound)
+            bounds[agent_id] = -math.inf if math.isnan(bound) else -bound
+    expected = sorted((negated, agent_id) for agent_id, negated in bounds.items())
+    assert [(-b, a) for b, a in ranking.best_first()] == expected
+    assert len(ranking) == len(bounds)
