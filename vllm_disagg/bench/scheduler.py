@@ -20,7 +20,7 @@ made again after it, on the same snapshot and prompt, by the flat scheduler (no 
 eligible instance scored) and by the sampled one (no shards, a seeded window): their times, and how
 often and by how much their picks differ from the flat one's (``scheduler_variants.py``).
 
-After the run, the machine's pauses are counted and 2,000 of the decisions are replayed, each one's
+After the run, the machine's pauses are counted and the last 2,000 decisions are replayed, each one's
 fastest try taken: what of the p99 is the machine's and what is the decision's (``scheduler_noise.py``).
 
 """
