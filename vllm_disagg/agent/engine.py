@@ -33,7 +33,7 @@ from vllm_disagg.clock import Clock, wait_event
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import group_members
 from vllm_disagg.protocol.messages import EngineState, Role
-from vllm_disagg.runtime import child_env, engine_preexec, signal_group
+from vllm_disagg.runtime import child_env, engine_preexec, reap_group, signal_group
 
 log = logging.getLogger(__name__)
 
@@ -286,6 +286,9 @@ class EngineSupervisor:
         # SIGKILL is delivered asynchronously; return only when the group is really gone (bounded).
         for _ in range(_GROUP_EXIT_POLLS):
             if not group_alive(pgid):
+                # Its workers, orphaned when the engine died, were adopted (``become_subreaper``):
+                # reaped now, not when the agent exits (a crash-looping engine piled them up).
+                reap_group(pgid)
                 return
             await asyncio.sleep(_GROUP_EXIT_POLL_S)
         log.warning("processes of the engine's group %d still run after SIGKILL", pgid)
