@@ -20,8 +20,10 @@ made again after it, on the same snapshot and prompt, by the flat scheduler (no 
 eligible instance scored) and by the sampled one (no shards, a seeded window): their times, and how
 often and by how much their picks differ from the flat one's (``scheduler_variants.py``).
 
-After the run, the machine's pauses are counted and the last 2,000 decisions are replayed, each one's
-fastest try taken: what of the p99 is the machine's and what is the decision's (``scheduler_noise.py``).
+After the run, the machine's pauses are counted, a fixed piece of work of the median decision's length
+is timed again and again (the p99 the machine gives any work that long), and the last 2,000 decisions
+are replayed, each one's fastest try taken: what of the p99 is the machine's and what is the decision's
+(``scheduler_noise.py``).
 
 """
 
@@ -106,7 +108,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="decide 2,000 of the decisions again this many times each, fastest try kept (0: no replay)",
     )
     parser.add_argument(
-        "--pause-probe-s", type=float, default=1.0, help="seconds counting the machine's pauses"
+        "--pause-probe-s",
+        type=float,
+        default=1.0,
+        help="seconds counting the machine's pauses, and as many timing a fixed work as long as a decision",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -232,7 +237,9 @@ def run_bench(args: argparse.Namespace) -> Result:
         hit_share=round(hits / max(1, args.decisions), 3),
         paired_share=round(paired / max(1, args.decisions), 3),
         variants=variants,
-        noise=measure(replay, scheduler, index, args.replays, args.pause_probe_s),
+        noise=measure(
+            replay, scheduler, index, args.replays, args.pause_probe_s, us(total, 50) if total else 0.0
+        ),
     )
 
 
@@ -283,6 +290,12 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"machine: {noise.pauses_per_s:g} pauses/s of {noise.pause_median_us} µs median "
             f"(one lands in {hit:.1%} of {result.total_p50_us} µs decisions)"
+        )
+    if noise.steady_p50_us:
+        ratio = noise.steady_p99_us / noise.steady_p50_us
+        print(
+            f"machine: the same work every time, sized to the median decision: p50 {noise.steady_p50_us} / "
+            f"p99 {noise.steady_p99_us} µs (its own p99 is {ratio:.2f}x its p50)"
         )
     if noise.replayed:
         print(

@@ -12,6 +12,10 @@ same run, tell that apart from what the decision itself costs:
   decided again, each ``rounds`` times in turn, lookup included; each decision's fastest try is its
   cost without a pause. The replay is warmer than the run (nothing else runs between two
   decisions), so its figures are a floor, reported beside the run's, never instead of them.
+- ``steady``: the same pure-Python work every time (a loop sized to the run's median decision),
+  timed as a decision is: its p99 over its p50 is the spread the machine alone gives any work of
+  that length (on the project's machine about 2x: its CPU runs at half speed for stretches of tens
+  of milliseconds, in thread CPU time too, so not a pause the probe above sees).
 """
 
 from __future__ import annotations
@@ -59,6 +63,48 @@ def pauses(seconds: float, clock: Callable[[], int] = time.perf_counter_ns) -> P
 
 
 @dataclass(frozen=True)
+class Steady:
+    """The times of one fixed piece of work, repeated."""
+
+    loops: int  # iterations of the work's loop
+    p50_us: float
+    p99_us: float
+
+
+def _work(loops: int) -> int:
+    """The fixed work: a loop of integer arithmetic, the same every call."""
+    total = 0
+    for i in range(loops):
+        total += i * i
+    return total
+
+
+def loops_for(target_us: float, clock: Callable[[], int] = time.perf_counter_ns) -> int:
+    """Iterations of ``_work`` that take about ``target_us`` here (from the fastest of 20 tries of
+    1,000: its speed unpaused)."""
+    fastest = min(_timed(1000, clock) for _ in range(20))
+    return max(1, round(1000 * target_us * 1e3 / max(1, fastest)))
+
+
+def steady(seconds: float, loops: int, clock: Callable[[], int] = time.perf_counter_ns) -> Steady:
+    """Time ``_work(loops)`` again and again for ``seconds``: its p50 and p99."""
+    times: list[int] = []
+    end = clock() + int(seconds * 1e9)
+    while not times or clock() < end:
+        times.append(_timed(loops, clock))
+    if len(times) < 2:
+        return Steady(loops, times[0] / 1e3, times[0] / 1e3)
+    q = statistics.quantiles(times, n=100)
+    return Steady(loops, round(q[49] / 1e3, 1), round(q[98] / 1e3, 1))
+
+
+def _timed(loops: int, clock: Callable[[], int]) -> int:
+    t0 = clock()
+    _work(loops)
+    return clock() - t0
+
+
+@dataclass(frozen=True)
 class Noise:
     """What ``bench scheduler`` reports of its tail (zeros where not measured)."""
 
@@ -67,11 +113,17 @@ class Noise:
     replayed: int = 0  # recorded decisions (lookup and decide) decided again, each one's fastest try
     replay_p50_us: float = 0.0
     replay_p99_us: float = 0.0
+    steady_p50_us: float = 0.0  # the fixed work sized to the run's median decision, repeated
+    steady_p99_us: float = 0.0
 
 
-def measure(replay: Replay, scheduler: PluginScheduler, index: KvIndex, rounds: int, probe_s: float) -> Noise:
-    """Count the pauses for ``probe_s`` seconds, then replay the recorded decisions ``rounds`` times."""
+def measure(
+    replay: Replay, scheduler: PluginScheduler, index: KvIndex, rounds: int, probe_s: float, median_us: float
+) -> Noise:
+    """Count the pauses for ``probe_s`` seconds, time the fixed work sized to ``median_us`` (the run's
+    median decision) for as long, then replay the recorded decisions ``rounds`` times."""
     probe = pauses(probe_s) if probe_s > 0 else Pauses(0.0, 0.0, 0.0)
+    fixed = steady(probe_s, loops_for(median_us)) if probe_s > 0 and median_us > 0 else Steady(0, 0.0, 0.0)
     fastest = replay.fastest(scheduler, index, rounds) if rounds > 0 else []
     many = len(fastest) > 1  # percentiles need two
     return Noise(
@@ -80,6 +132,8 @@ def measure(replay: Replay, scheduler: PluginScheduler, index: KvIndex, rounds: 
         len(fastest),
         us(fastest, 50) if many else 0.0,
         us(fastest, 99) if many else 0.0,
+        fixed.p50_us,
+        fixed.p99_us,
     )
 
 

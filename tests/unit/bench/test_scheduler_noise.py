@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_disagg.bench.scheduler_noise import pauses
+from vllm_disagg.bench.scheduler_noise import loops_for, pauses, steady
 from vllm_disagg.cli.commands import main
 
 
@@ -35,6 +35,36 @@ def test_a_probe_without_a_pause_reports_none() -> None:
     assert pauses(1.0, clock=lambda: next(reads)).per_s == 0.0
 
 
+def _reads_of(durations_ns: list[int]) -> Iterator[int]:
+    """The clock ``steady`` reads for work that takes ``durations_ns`` in turn: the probe's end is
+    1 s after its first read, and after the last duration the clock is past it."""
+    now = 0
+    yield now  # the probe's start
+    for i, took in enumerate(durations_ns):
+        if i:
+            yield now  # the check whether the probe is over
+        yield now  # the work starts
+        now += took
+        yield now  # and ends
+    yield 10**12
+
+
+def test_steady_reports_the_median_and_99th_percentile_of_the_same_work_timed_again_and_again() -> None:
+    # 98 tries of 50 µs, two of 100 µs (the machine at half speed): the p99 is the slow ones'.
+    durations = [50_000] * 98 + [100_000] * 2
+    reads = _reads_of(durations)
+    result = steady(1.0, 10, clock=lambda: next(reads))
+    assert (result.loops, result.p50_us) == (10, 50.0)
+    assert 50.0 < result.p99_us <= 100.0
+
+
+def test_the_fixed_work_is_sized_from_its_fastest_try_to_the_length_asked_for() -> None:
+    # 1,000 iterations took 10 µs at best (the other tries were paused): 50 µs is 5,000 iterations.
+    tries = [30_000] * 10 + [10_000] + [25_000] * 9
+    reads = iter([t for i, took in enumerate(tries) for t in (i * 10**6, i * 10**6 + took)])
+    assert loops_for(50.0, clock=lambda: next(reads)) == 5_000
+
+
 def test_bench_scheduler_replays_each_recorded_decision_and_counts_the_pauses(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -44,6 +74,7 @@ def test_bench_scheduler_replays_each_recorded_decision_and_counts_the_pauses(
     assert result["replayed"] == 300  # under 2,000 decisions: every one is kept
     assert 0 < result["replay_p50_us"] <= result["replay_p99_us"]
     assert result["pauses_per_s"] >= 0.0
+    assert 0 < result["steady_p50_us"] <= result["steady_p99_us"]
 
 
 def test_bench_scheduler_without_replays_reports_none(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,3 +82,4 @@ def test_bench_scheduler_without_replays_reports_none(capsys: pytest.CaptureFixt
     assert main([*argv, "--replays", "0", "--pause-probe-s", "0", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)["noise"]
     assert result["replayed"] == 0 and result["replay_p50_us"] == 0.0 and result["pauses_per_s"] == 0.0
+    assert result["steady_p50_us"] == 0.0
