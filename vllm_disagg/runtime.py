@@ -11,8 +11,6 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
-from vllm_disagg import procfs
-
 T = TypeVar("T")
 
 # This interpreter running ``vllm-disagg``: how the cluster's children (agents, engines) are started.
@@ -109,20 +107,6 @@ def reap_children() -> int:
         if pid == 0:
             return reaped
         reaped += 1
-
-
-def reap_group(pgid: int) -> int:
-    """Collect this process's exited children of process group ``pgid`` (a dead engine's workers,
-    adopted as its subreaper); the number reaped. Any other child is left to whoever waits for it
-    (``subprocess`` and asyncio wait for their own by pid)."""
-    reaped = 0
-    for pid in procfs.group_members({pgid}, zombies=True):
-        try:
-            got, _ = os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            continue  # not this process's child (init's, or another reaper's)
-        reaped += got == pid
-    return reaped
 
 
 def engine_preexec(niceness: int) -> Callable[[], None]:

@@ -33,7 +33,7 @@ from vllm_disagg.clock import Clock, wait_event
 from vllm_disagg.config import AgentConfig
 from vllm_disagg.procfs import group_members
 from vllm_disagg.protocol.messages import EngineState, Role
-from vllm_disagg.runtime import child_env, engine_preexec, reap_group, signal_group
+from vllm_disagg.runtime import child_env, engine_preexec, signal_group
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,20 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return bool(group_members({pgid}))
+
+
+def reap_group(pgid: int) -> int:
+    """Collect this process's exited children of process group ``pgid`` (a dead engine's workers,
+    adopted as its subreaper); the number reaped. Any other child is left to whoever waits for it
+    (``subprocess`` and asyncio wait for their own by pid)."""
+    reaped = 0
+    for pid in group_members({pgid}, zombies=True):
+        try:
+            got, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            continue  # not this process's child (init's, or another reaper's)
+        reaped += got == pid
+    return reaped
 
 
 class EngineSupervisor:

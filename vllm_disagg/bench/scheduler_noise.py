@@ -80,10 +80,14 @@ def _work(loops: int) -> int:
 
 
 def loops_for(target_us: float, clock: Callable[[], int] = time.perf_counter_ns) -> int:
-    """Iterations of ``_work`` that take about ``target_us`` here (from the fastest of 20 tries of
-    1,000: its speed unpaused)."""
-    fastest = min(_timed(1000, clock) for _ in range(20))
-    return max(1, round(1000 * target_us * 1e3 / max(1, fastest)))
+    """Iterations of ``_work`` that take about ``target_us`` here: 1,000 scaled by the median of 21
+    tries (the machine's usual speed, as the run's median decision had it), then that count scaled
+    the same way once more (a short loop's speed is not a long one's)."""
+    loops = 1000
+    for _ in range(2):
+        median = statistics.median(_timed(loops, clock) for _ in range(21))
+        loops = max(1, round(loops * target_us * 1e3 / max(1, median)))
+    return loops
 
 
 def steady(seconds: float, loops: int, clock: Callable[[], int] = time.perf_counter_ns) -> Steady:
